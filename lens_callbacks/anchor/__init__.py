@@ -1,0 +1,1 @@
+"""lens_callbacks.anchor (pure torch/numpy; never imports lightning)."""

@@ -1,0 +1,54 @@
+"""The ``lens-callbacks`` console script.
+
+``lens-callbacks fit --config cli_configs/grpo_credit.yaml`` is a plain :class:`~lightning.pytorch.cli.LightningCLI`
+(``fit``/``validate``/``test``/``predict``): model, data and callbacks come from YAML by ``class_path``.
+Offline subcommands (``audit``, ``process``, ``skyrl``, ``anchor-gate``) work on saved records and dumps.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Optional, Sequence
+
+# subcommand -> module with `main(argv) -> int`; imported only when used.
+OFFLINE_COMMANDS = {
+    "audit": "lens_callbacks.commands.audit",
+    "process": "lens_callbacks.commands.process",
+    "skyrl": "lens_callbacks.commands.skyrl",
+    "anchor-gate": "lens_callbacks.commands.anchor_gate",
+}
+
+
+def cli_main(args: Optional[Sequence[str]] = None, run: bool = True):
+    """Build the LightningCLI (``run=False`` parses and instantiates without fitting)."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    # Class paths in YAML (``examples.grpo.module.GRPOModule``) resolve from the working directory,
+    # as they do under ``python -m``.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=list(args) if args is not None else None,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in OFFLINE_COMMANDS:
+        mod = importlib.import_module(OFFLINE_COMMANDS[argv[0]])
+        return int(mod.main(argv[1:]) or 0)
+    cli_main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

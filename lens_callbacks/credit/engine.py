@@ -1,0 +1,320 @@
+"""The reference disintegration engine: one backward pass per part, plus an independent full one.
+
+What this cannot do:
+The conservation identity is a claim about the optimizer, so step_conservation refuses to assert it
+for any optimizer outside the exact set. The disintegration is a statement about this gradient at
+these parameters, so it says where the step went and not what any part of the trajectory contributed
+to the run as a whole. And every number here is first-order: removing a turn does not remove its
+share, because removing it changes every downstream position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .partition import Partition, PartitionFn, resolve_partition
+from .report import CreditGrads, CreditReport
+from .terms import CreditTerms, is_credit_source
+
+__all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
+
+DTypeSpec = Union[str, torch.dtype, None]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: DTypeSpec) -> Optional[torch.dtype]:
+    """``"float32"`` (default), ``"float64"``, ``"bfloat16"``, a ``torch.dtype``, or ``"native"``/None."""
+    if dtype is None or dtype == "native":
+        return None
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating dtype, got {dtype!r}.")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(
+        f"`dtype` must be one of 'float32', 'float64', 'bfloat16', 'float16', 'native' or a torch.dtype, got {dtype!r}."
+    )
+
+
+class _TermsCall(nn.Module):
+    """Routes ``functional_call`` to ``credit_terms`` so the audit never touches the live parameters."""
+
+    def __init__(self, inner: nn.Module, fn: Callable[[Any], CreditTerms]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._fn = fn
+
+    def forward(self, batch: Any) -> CreditTerms:
+        return self._fn(batch)
+
+
+def _rng_devices(module: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+@contextlib.contextmanager
+def _preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    with torch.random.fork_rng(devices=_rng_devices(module)):
+        yield
+
+
+def evaluate_terms(
+    module: nn.Module,
+    batch: Any,
+    dtype: DTypeSpec = "float32",
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+) -> tuple[CreditTerms, list[str], list[torch.Tensor], str]:
+    """Run ``credit_terms`` on detached (optionally cast) copies of the parameters.
+
+    Returns ``(terms, names, leaves, dtype_used)`` where ``leaves`` are the trainable parameter copies the
+    terms' graph hangs from. The module's own parameters, ``.grad`` and buffers are never modified: the
+    copies are swapped in through :func:`torch.func.functional_call`. ``params`` (name → tensor)
+    evaluates the terms at other weights (e.g. an anchor's snapshot) instead of the live ones.
+    """
+    fn = terms_fn if terms_fn is not None else getattr(module, "credit_terms", None)
+    if fn is None or not callable(fn):
+        raise TypeError(
+            f"`module` must implement `credit_terms(batch) -> CreditTerms` (see lens_callbacks.credit.CreditSource), "
+            f"got {type(module).__name__} without it; or pass `terms_fn`."
+        )
+    target = resolve_dtype(dtype)
+    names: list[str] = []
+    leaves: list[torch.Tensor] = []
+    state: dict[str, torch.Tensor] = {}
+    if params is not None:
+        unknown = sorted(set(params) - {n for n, _ in module.named_parameters()})
+        if unknown:
+            raise ValueError(f"`params` must name parameters of the module, got unknown names {unknown[:5]!r}.")
+    for name, p in module.named_parameters():
+        q = (params[name] if params is not None and name in params else p).detach()
+        if target is not None and q.is_floating_point() and q.dtype != target:
+            q = q.to(target)
+        if p.requires_grad:
+            # A fresh leaf over the same storage (or the cast copy): gradients land here, never in p.grad.
+            q = q.detach().requires_grad_(True)
+            names.append(name)
+            leaves.append(q)
+        state["inner." + name] = q
+    if target is not None:
+        for name, b in module.named_buffers():
+            if b.is_floating_point() and b.dtype != target:
+                state["inner." + name] = b.to(target)
+    used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
+    wrapper = _TermsCall(module, fn)
+    with torch.enable_grad():
+        terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
+    if not isinstance(terms, CreditTerms):
+        raise TypeError(f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}.")
+    return terms, names, leaves, used
+
+
+def _native_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _grad(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> list[torch.Tensor]:
+    if not loss.requires_grad:
+        return [torch.zeros_like(x) for x in leaves]
+    gs = torch.autograd.grad(loss, leaves, retain_graph=retain, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float(torch.sum(x.double() * y.double())) for x, y in zip(a, b))
+
+
+def _sqnorm(a: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float(torch.sum(x.double() ** 2)) for x in a)
+
+
+def _diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(math.fsum(float(torch.sum((x.double() - y.double()) ** 2)) for x, y in zip(a, b)))
+
+
+def _partition_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Partition):
+        return "custom"
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
+def disintegrate(
+    module: nn.Module,
+    batch: Any,
+    partition: Union[str, PartitionFn, Partition] = "by_rollout",
+    *,
+    dtype: DTypeSpec = "float32",
+    reference_grads: Optional[Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]] = None,
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    keep_grads: bool = False,
+    keep_parts: bool = False,
+    preserve_rng: bool = True,
+) -> CreditReport:
+    r"""Split the step's gradient into exact parts, one backward pass per part.
+
+    For a partition ``S_1 … S_m`` of the trained positions, ``g_S = ∇θ Σ_{(k,t)∈S} terms[k,t]``, so
+    ``Σ_S g_S = ∇θ Σ terms = g_full`` by linearity. ``g_full`` is taken by its own backward pass and the
+    gap is reported as ``conservation_error``. Peak memory: three parameter-sized buffers (``g_full``,
+    the running sum, the current part) plus the activations of one forward pass.
+
+    Args:
+        module: an ``nn.Module`` implementing ``credit_terms(batch) -> CreditTerms``.
+        batch: what ``credit_terms`` takes (the rollout batch the module trained on).
+        partition: ``"by_rollout"``, ``"by_group"``, ``"by_segment"``, an import path, a callable
+            ``CreditTerms -> Partition``, or a ready :class:`Partition`.
+        dtype: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"native"``. The audit runs on
+            cast copies of the parameters; the module is left as it was.
+        reference_grads: ``"grad"`` to compare ``g_full`` with the parameters' ``.grad``; or a mapping
+            name → tensor; or a list aligned with the trainable parameters. Gives ``grad_match``.
+        terms_fn: use this instead of ``module.credit_terms``.
+        keep_grads: attach ``g_full`` and ``Σ g_S`` to the report (``report.grads``).
+        keep_parts: also attach every ``g_S`` (memory ``m × |θ|``; for tests and small models).
+        preserve_rng: run under ``torch.random.fork_rng`` so dropout in the audit does not consume the
+            training run's random stream.
+
+    Returns:
+        A :class:`CreditReport`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Toy(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+        ...     def credit_terms(self, batch):
+        ...         x, adv = batch                                  # x: [B, T, 2], adv: [B]
+        ...         terms = -adv[:, None] * (x @ self.w)            # [B, T]
+        ...         B, T = terms.shape
+        ...         return CreditTerms(terms, torch.ones(B, T, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.long))
+        >>> x = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]], dtype=torch.float64)
+        >>> r = disintegrate(Toy(), (x, torch.tensor([1.0, 1.0], dtype=torch.float64)), dtype="float64")
+        >>> r.projected_share, r.conservation_error
+        ((0.5, 0.5), 0.0)
+    """
+    spec = resolve_partition(partition)
+    if reference_grads is not None and not isinstance(reference_grads, (str, Mapping, list, tuple)):
+        raise ValueError(
+            f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
+        )
+    with _preserved_rng(module, preserve_rng):
+        terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
+        part = spec if isinstance(spec, Partition) else spec(terms)
+        if not isinstance(part, Partition):
+            raise TypeError(f"`partition` callable must return a Partition, got {type(part).__name__}.")
+        part.check_covers(terms.trained)
+        ids = part.ids.to(terms.terms.device)
+
+        with torch.enable_grad():
+            loss = terms.terms.sum()
+            # g_full by its own backward: never derived from the parts, else the audit is vacuous.
+            g_full = _grad(loss, leaves, retain=True)
+            running = [torch.zeros_like(g) for g in g_full]
+            dots: list[float] = []
+            sq: list[float] = []
+            kept: list[list[torch.Tensor]] = []
+            for i in range(part.n_parts):
+                mask = ids == i  # [B, T]
+                loss_i = terms.terms.masked_select(mask).sum()
+                g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
+                dots.append(_dot(g_i, g_full))
+                sq.append(_sqnorm(g_i))
+                for r, g in zip(running, g_i):
+                    r.add_(g)
+                if keep_parts:
+                    kept.append([g.detach().clone() for g in g_i])
+                del g_i
+
+    full_sq = _sqnorm(g_full)
+    full_norm = math.sqrt(full_sq)
+    part_norm = tuple(math.sqrt(s) for s in sq)
+    norm_total = math.fsum(part_norm)
+    reason: Optional[str] = None
+    if not math.isfinite(full_sq):
+        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
+    elif full_sq == 0.0:
+        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    if reason is None:
+        projected = tuple(d / full_sq for d in dots)
+        conservation = _diff_norm(running, g_full) / full_norm
+        cancellation = norm_total / full_norm
+    else:
+        projected = tuple(float("nan") for _ in dots)
+        conservation = float("nan") if not math.isfinite(full_sq) else _diff_norm(running, g_full)
+        cancellation = float("nan")
+    norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
+
+    grad_match = None
+    if reference_grads is not None:
+        ref = _reference(module, names, reference_grads)
+        if ref is not None:
+            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+
+    grads = None
+    if keep_grads or keep_parts:
+        grads = CreditGrads(
+            tuple(names),
+            [g.detach() for g in g_full],
+            [r.detach() for r in running],
+            kept if keep_parts else None,
+        )
+    return CreditReport(
+        part_names=part.names,
+        projected_share=projected,
+        norm_share=norm_share,
+        part_norm=part_norm,
+        cancellation=cancellation,
+        conservation_error=conservation,
+        grad_match=grad_match,
+        dtype=used,
+        n_trained=terms.n_trained,
+        full_grad_norm=full_norm,
+        loss=float(loss.detach()),
+        partition=_partition_name(partition),
+        reason=reason,
+        grads=grads,
+    )
+
+
+def _reference(
+    module: nn.Module, names: Sequence[str], ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]
+) -> Optional[list[Optional[torch.Tensor]]]:
+    if isinstance(ref, str):
+        if ref != "grad":
+            raise ValueError(f"`reference_grads` must be 'grad' when a string, got {ref!r}.")
+        params = dict(module.named_parameters())
+        grads = [params[n].grad for n in names]
+        return None if all(g is None for g in grads) else grads
+    if isinstance(ref, Mapping):
+        return [ref.get(n) for n in names]
+    ref = list(ref)
+    if len(ref) != len(names):
+        raise ValueError(f"`reference_grads` must hold one tensor per trainable parameter ({len(names)}), got {len(ref)}.")
+    return ref

@@ -1,0 +1,213 @@
+"""Partitions of the trained positions of a step into parts.
+
+A :class:`Partition` is an ordinary object: ``ids`` ``[B, T]`` (part id per position, ``-1`` = in no
+part) and ``names`` (one per part id). Every trained position must lie in exactly one part; untrained
+positions must lie in none. A partition of your own is a few lines::
+
+    def by_first_half(terms):
+        ids = torch.full_like(terms.trained, -1, dtype=torch.long)
+        half = terms.trained.shape[1] // 2
+        ids[:, :half][terms.trained[:, :half]] = 0
+        ids[:, half:][terms.trained[:, half:]] = 1
+        return Partition(ids, ("first_half", "second_half"))
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import torch
+
+from .terms import CreditTerms
+
+__all__ = [
+    "Partition",
+    "PartitionFn",
+    "by_rollout",
+    "by_group",
+    "by_segment",
+    "PARTITIONS",
+    "resolve_partition",
+]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Part id per position (``-1`` = none) and the part names.
+
+    Attributes:
+        ids: ``[B, T]`` long, part id of each position in ``0 .. len(names) - 1`` or ``-1``.
+        names: one name per part id.
+    """
+
+    ids: torch.Tensor  # [B, T]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ids, torch.Tensor) or self.ids.dim() != 2:
+            raise ValueError(f"`ids` must be a [B, T] integer tensor, got {_desc(self.ids)}.")
+        if self.ids.is_floating_point() or self.ids.dtype == torch.bool:
+            raise ValueError(f"`ids` must be an integer tensor, got dtype {self.ids.dtype}.")
+        object.__setattr__(self, "names", tuple(str(n) for n in self.names))
+        if len(self.names) == 0:
+            raise ValueError("`names` must name at least one part, got an empty partition.")
+        if len(set(self.names)) != len(self.names):
+            dup = sorted({n for n in self.names if self.names.count(n) > 1})
+            raise ValueError(f"`names` must be unique, got duplicates {dup!r}.")
+        lo, hi = int(self.ids.min()), int(self.ids.max())
+        if lo < -1 or hi >= len(self.names):
+            raise ValueError(
+                f"`ids` must lie in -1 .. {len(self.names) - 1} (one id per name), got values in {lo} .. {hi}."
+            )
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.names)
+
+    def mask(self, part: int) -> torch.Tensor:
+        """``[B, T]`` bool mask of one part."""
+        return self.ids == part
+
+    def check_covers(self, trained: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless every trained position is in exactly one part and no other is."""
+        if tuple(trained.shape) != tuple(self.ids.shape):
+            raise ValueError(
+                f"partition `ids` must have the shape of `trained` {list(trained.shape)}, got {list(self.ids.shape)}."
+            )
+        ids = self.ids.to(trained.device)
+        uncovered = trained & (ids < 0)
+        if uncovered.any():
+            pos = [tuple(p) for p in uncovered.nonzero()[:5].tolist()]
+            raise ValueError(
+                f"partition leaves {int(uncovered.sum())} trained position(s) in no part, e.g. (row, t) = {pos}; "
+                "every trained position must be in exactly one part."
+            )
+        stray = (~trained) & (ids >= 0)
+        if stray.any():
+            pos = [tuple(p) for p in stray.nonzero()[:5].tolist()]
+            raise ValueError(
+                f"partition puts {int(stray.sum())} untrained position(s) in a part, e.g. (row, t) = {pos}; "
+                "set their id to -1."
+            )
+
+    @staticmethod
+    def from_masks(masks: Sequence[torch.Tensor], names: Sequence[str]) -> "Partition":
+        """Build a partition from one ``[B, T]`` bool mask per part; overlapping masks raise."""
+        if len(masks) == 0:
+            raise ValueError("`masks` must hold at least one part mask, got an empty list.")
+        if len(masks) != len(names):
+            raise ValueError(f"`names` must name each mask: got {len(masks)} masks and {len(names)} names.")
+        stack = torch.stack([m.bool() for m in masks])  # [m, B, T]
+        count = stack.sum(0)
+        if (count > 1).any():
+            pos = [tuple(p) for p in (count > 1).nonzero()[:5].tolist()]
+            raise ValueError(
+                f"parts overlap at {int((count > 1).sum())} position(s), e.g. (row, t) = {pos}; "
+                "each position may lie in one part only."
+            )
+        ids = torch.full(stack.shape[1:], -1, dtype=torch.long, device=stack.device)
+        for i, m in enumerate(stack):
+            ids[m] = i
+        return Partition(ids, tuple(names))
+
+
+PartitionFn = Callable[[CreditTerms], Partition]
+
+
+def _dense_ids(values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    uniq, inv = torch.unique(values, sorted=True, return_inverse=True)
+    return inv, [int(u) for u in uniq.tolist()]
+
+
+def by_rollout(terms: CreditTerms) -> Partition:
+    """One part per rollout (row id in ``terms.rollout``)."""
+    inv, uniq = _dense_ids(terms.rollout.cpu())
+    if len(uniq) == 0:
+        raise ValueError("`by_rollout` needs at least one rollout, got an empty batch.")
+    ids = inv.view(-1, 1).expand_as(terms.trained).clone()
+    ids[~terms.trained.cpu()] = -1
+    return Partition(ids.to(terms.trained.device), tuple(f"rollout_{u}" for u in uniq))
+
+
+def by_group(terms: CreditTerms) -> Partition:
+    """One part per prompt group (``terms.group``)."""
+    inv, uniq = _dense_ids(terms.group.cpu())
+    if len(uniq) == 0:
+        raise ValueError("`by_group` needs at least one group, got an empty batch.")
+    ids = inv.view(-1, 1).expand_as(terms.trained).clone()
+    ids[~terms.trained.cpu()] = -1
+    return Partition(ids.to(terms.trained.device), tuple(f"group_{u}" for u in uniq))
+
+
+def by_segment(terms: CreditTerms) -> Partition:
+    """One part per segment id (a turn, pooled over rows): ``terms.segment`` ``[B, T]``.
+
+    Segment ids are shared across rows (turn 0 of every rollout is part ``segment_0``), so the
+    part answers "which turn got the credit" over the whole step.
+    """
+    if terms.segment is None:
+        raise ValueError(
+            "`by_segment` needs `CreditTerms.segment` ([B, T] turn ids), got None. Return segment ids from "
+            "`credit_terms` (see `turn_segments`) or use partition='by_rollout'."
+        )
+    seg = terms.segment.cpu()
+    trained = terms.trained.cpu()
+    bad = trained & (seg < 0)
+    if bad.any():
+        pos = [tuple(p) for p in bad.nonzero()[:5].tolist()]
+        raise ValueError(
+            f"`segment` is -1 at {int(bad.sum())} trained position(s), e.g. (row, t) = {pos}; every trained "
+            "position needs a segment id."
+        )
+    vals = seg[trained]
+    inv, uniq = _dense_ids(vals)
+    if len(uniq) == 0:
+        raise ValueError("`by_segment` needs at least one trained position, got none.")
+    ids = torch.full_like(seg, -1, dtype=torch.long)
+    ids[trained] = inv
+    names = terms.segment_names
+    if names is not None:
+        label = [names[u] if 0 <= u < len(names) else f"segment_{u}" for u in uniq]
+    else:
+        label = [f"segment_{u}" for u in uniq]
+    return Partition(ids.to(terms.trained.device), tuple(label))
+
+
+PARTITIONS: dict[str, PartitionFn] = {
+    "by_rollout": by_rollout,
+    "by_group": by_group,
+    "by_segment": by_segment,
+}
+
+
+def resolve_partition(spec: Union[str, PartitionFn, Partition]) -> Union[PartitionFn, Partition]:
+    """A partition by name (``"by_rollout"``), import path (``"pkg.mod.fn"``), callable or object."""
+    if isinstance(spec, Partition) or callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"`partition` must be one of {sorted(PARTITIONS)}, an import path 'module.function', or a callable, "
+            f"got {spec!r}."
+        )
+    if spec in PARTITIONS:
+        return PARTITIONS[spec]
+    if "." in spec:
+        mod_name, _, attr = spec.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(mod_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"`partition` import path {spec!r} could not be imported: {err}.") from err
+        if not callable(fn):
+            raise ValueError(f"`partition` import path {spec!r} must name a callable, got {type(fn).__name__}.")
+        return fn
+    raise ValueError(
+        f"`partition` must be one of {sorted(PARTITIONS)} or an import path 'module.function', got {spec!r}."
+    )
+
+
+def _desc(v: object) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {list(v.shape)} and dtype {v.dtype}"
+    return repr(v)

@@ -1,0 +1,132 @@
+"""The reading of one disintegration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["CreditReport", "CreditGrads"]
+
+
+@dataclass(frozen=True)
+class CreditGrads:
+    """Parameter-space vectors kept from a disintegration (only when asked for).
+
+    Attributes:
+        names: parameter names, aligned with the lists below.
+        g_full: the full gradient, taken by its own backward pass (dtype used).
+        parts_sum: ``Σ_S g_S``, the sum of the parts (dtype used).
+        parts: one list per part (only with ``keep_parts=True``; memory ``m × |θ|``).
+    """
+
+    names: tuple[str, ...]
+    g_full: list[torch.Tensor]
+    parts_sum: list[torch.Tensor]
+    parts: Optional[list[list[torch.Tensor]]] = None
+
+
+@dataclass(frozen=True)
+class CreditReport:
+    r"""Which part of a step got the credit, and the proof that the parts add up.
+
+    With ``g_S`` the gradient of the objective masked to part ``S`` and ``g_full`` the gradient of the
+    whole objective, taken by its own independent backward pass:
+
+    - ``projected_share[S] = <g_S, g_full> / ||g_full||²`` — additive, sums to 1, may be negative;
+    - ``norm_share[S] = ||g_S|| / Σ_S' ||g_S'||`` — not additive, reported beside it;
+    - ``cancellation = Σ_S ||g_S|| / ||g_full||`` (≥ 1): 1 − 1/cancellation of the per-part mass
+      cancels between parts before the optimizer sees it;
+    - ``conservation_error = ||Σ_S g_S − g_full|| / ||g_full||``;
+    - ``grad_match = ||g_full − grad|| / ||g_full||`` against the trainer's ``.grad`` when given.
+
+    When ``g_full`` is zero or not finite the shares are NaN and ``reason`` says why.
+
+    Example:
+        >>> r = CreditReport(("a", "b"), (0.75, 0.25), (0.6, 0.4), (3.0, 2.0), 5 / 4, 1e-16, None,
+        ...                  "float64", 10, 4.0, 1.5)
+        >>> r.to_dict("credit/")["credit/projected_share/a"]
+        0.75
+    """
+
+    part_names: tuple[str, ...]
+    projected_share: tuple[float, ...]
+    norm_share: tuple[float, ...]
+    part_norm: tuple[float, ...]
+    cancellation: float
+    conservation_error: float
+    grad_match: Optional[float]
+    dtype: str
+    n_trained: int
+    full_grad_norm: float
+    loss: float
+    partition: str = ""
+    reason: Optional[str] = None
+    grads: Optional[CreditGrads] = field(default=None, repr=False, compare=False)
+
+    @property
+    def n_parts(self) -> int:
+        return len(self.part_names)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the shares are defined (``g_full`` non-zero and finite)."""
+        return self.reason is None
+
+    @property
+    def share_sum(self) -> float:
+        return math.fsum(self.projected_share)
+
+    @property
+    def cancelled_fraction(self) -> float:
+        """``1 − 1/cancellation``: the share of per-part gradient mass that cancels between parts."""
+        c = self.cancellation
+        return 1.0 - 1.0 / c if c and math.isfinite(c) else float("nan")
+
+    def share(self, name: str) -> float:
+        return self.projected_share[self.part_names.index(name)]
+
+    def to_dict(self, prefix: str = "credit/", max_parts: Optional[int] = None) -> dict[str, float]:
+        """Flat scalars for loggers. Per-part scalars for the first ``max_parts`` parts (all if None)."""
+        out = {
+            f"{prefix}cancellation": float(self.cancellation),
+            f"{prefix}conservation_error": float(self.conservation_error),
+            f"{prefix}full_grad_norm": float(self.full_grad_norm),
+            f"{prefix}share_sum": float(self.share_sum),
+            f"{prefix}n_parts": float(self.n_parts),
+            f"{prefix}n_trained": float(self.n_trained),
+            f"{prefix}undefined": 0.0 if self.ok else 1.0,
+        }
+        if self.grad_match is not None:
+            out[f"{prefix}grad_match"] = float(self.grad_match)
+        k = self.n_parts if max_parts is None else min(max_parts, self.n_parts)
+        for i in range(k):
+            name = self.part_names[i]
+            out[f"{prefix}projected_share/{name}"] = float(self.projected_share[i])
+            out[f"{prefix}norm_share/{name}"] = float(self.norm_share[i])
+        return out
+
+    def render(self, max_rows: int = 64) -> str:
+        """A readable table: one row per part, then the closing checks."""
+        w = max([len("part")] + [len(n) for n in self.part_names[:max_rows]])
+        head = f"{'part':<{w}}  {'projected_share':>15}  {'norm_share':>10}  {'||g_S||':>11}"
+        lines = [f"credit by {self.partition or 'partition'} ({self.n_parts} parts, {self.n_trained} trained positions, {self.dtype})", head, "-" * len(head)]
+        for i, name in enumerate(self.part_names[:max_rows]):
+            lines.append(
+                f"{name:<{w}}  {self.projected_share[i]:>15.6f}  {self.norm_share[i]:>10.6f}  {self.part_norm[i]:>11.4e}"
+            )
+        if self.n_parts > max_rows:
+            lines.append(f"... {self.n_parts - max_rows} more parts")
+        lines.append("-" * len(head))
+        lines.append(f"{'sum':<{w}}  {self.share_sum:>15.6f}")
+        lines.append(
+            f"cancellation {self.cancellation:.4f} ({100 * self.cancelled_fraction:.1f}% of per-part mass cancels)"
+        )
+        lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by its own backward)")
+        if self.grad_match is not None:
+            lines.append(f"grad_match {self.grad_match:.3e} (g_full vs the trainer's .grad)")
+        if self.reason:
+            lines.append(f"UNDEFINED: {self.reason}")
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""lens_callbacks.io (pure torch/numpy; never imports lightning)."""

@@ -1,0 +1,1 @@
+"""torchmetrics Metrics for the readings."""

@@ -1,0 +1,1 @@
+"""lens_callbacks.process (pure torch/numpy; never imports lightning)."""

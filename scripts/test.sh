@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment from scratch and runs the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+# torch first and pinned: a bare requirement would pull a multi-GB CUDA build on a CPU machine.
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,examples]'
+exec .venv/bin/python -m pytest "$@"
