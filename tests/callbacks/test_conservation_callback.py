@@ -306,3 +306,110 @@ def test_metric_and_functional_agree_with_a_naive_loop():
 def test_init_rejects_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=f"`{match}` must be"):
         ConservationCheckCallback(**kw)
+
+
+# ---------------------------------------------------------------- with the credit audit
+
+
+@pytest.mark.parametrize("audit_first", [True, False])
+def test_float64_summed_credit_parts_against_real_sgd_steps(audit_first):
+    from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
+
+    audit = CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False)
+    cb, spy = Recording(), Spy()
+    assert audit.keep_grads is False
+    _fit(LitPolicy(lr=0.2), [audit, cb, spy] if audit_first else [cb, audit, spy])
+    assert audit.keep_grads is True  # asked for by the check in setup
+    assert len(cb.seen) == 3
+    for r, (ref, _) in zip(cb.seen, spy.records):
+        assert isinstance(r, ConservationReading) and r.source == "credit_parts"
+        assert r.relative_error <= 1e-8  # the spec measured 4.9e-9
+        # the parts meet .grad to float64 rounding, so the spy's .grad reading is the same number to ~1e-15
+        assert r.relative_error == pytest.approx(ref, abs=1e-13)
+
+
+def test_credit_parts_that_do_not_add_up_to_the_loss_are_a_violation():
+    from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
+
+    class Inflated(LitPolicy):
+        def credit_terms(self, batch):
+            t = super().credit_terms(batch)
+            t.terms = t.terms * 1.02  # the audit's claim is 2 % off the loss actually trained on
+            return t
+
+        def training_step(self, batch, batch_idx):
+            return LitPolicy.credit_terms(self, batch).terms.sum()
+
+    cb = Recording()
+    _fit(Inflated(), [CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False), cb], max_steps=2)
+    for r in cb.seen:
+        assert r.source == "credit_parts" and r.violated and not r.update_precision_limited
+        assert r.relative_error == pytest.approx(0.02 / 1.02, rel=1e-6)  # ||g − 1.02g|| / ||1.02g||
+
+
+# ---------------------------------------------------------------- the GRPO example from YAML
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _cli(args, monkeypatch):
+    from lens_callbacks.cli import cli_main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["lens-callbacks"])  # the args below are the whole command line
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*LeafSpec.*")
+        return cli_main(args, run=False)
+
+
+def _watch(cb):
+    seen, emit = [], cb._emit
+
+    def _emit(trainer, pl_module, reading, step):
+        emit(trainer, pl_module, reading, step)
+        seen.append(reading)
+
+    cb._emit = _emit
+    return seen
+
+
+@pytest.mark.slow
+def test_grpo_conservation_yaml_holds_the_audit_against_sgd(tmp_path, monkeypatch):
+    cli = _cli(
+        ["--config", "cli_configs/grpo_conservation.yaml", "--trainer.max_steps", "4",
+         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+        monkeypatch,
+    )
+    cb = next(c for c in cli.trainer.callbacks if isinstance(c, ConservationCheckCallback))
+    seen = _watch(cb)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zero-gradient groups are refused with a warning
+        cli.trainer.fit(cli.model, cli.datamodule)
+    readings = [r for r in seen if isinstance(r, ConservationReading)]
+    assert len(seen) == 4 and readings
+    for r in seen:
+        if isinstance(r, Refusal):  # every rollout of every group scored alike: no gradient, no update
+            assert r.condition == "zero_gradient" and r.numbers["update_norm"] == 0.0
+    for r in readings:
+        assert r.source == "credit_parts" and r.dtype == "float64" and r.relative_error <= 1e-8 and r.holds
+
+
+@pytest.mark.slow
+def test_shipped_adam_config_shows_the_refusal_in_tensorboard(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cli = _cli(
+        ["--config", "cli_configs/grpo_credit.yaml", "--trainer.max_steps", "2",
+         "--trainer.callbacks+=lens_callbacks.callbacks.ConservationCheckCallback",
+         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+        monkeypatch,
+    )
+    cb = next(c for c in cli.trainer.callbacks if isinstance(c, ConservationCheckCallback))
+    with pytest.warns(UserWarning, match=r"REFUSED \(optimizer\)"):
+        cli.trainer.fit(cli.model, cli.datamodule)
+    assert isinstance(cb.last_reading, Refusal) and cb.last_reading.condition == "optimizer"
+    acc = EventAccumulator(cli.trainer.logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    text = acc.Tensors("conservation/refusal/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "REFUSED (optimizer)" in text and "torch.optim.adam.Adam" in text
+    assert [e.value for e in acc.Scalars("conservation/refused")] == [1.0, 1.0]
