@@ -39,6 +39,7 @@ class LitPolicy(LightningModule):
         steps_per_batch: int = 1,
         inf_at: int | None = None,
         clip_override: bool = False,
+        freeze_embedding: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -51,6 +52,7 @@ class LitPolicy(LightningModule):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         self.to(dtype)
+        self.emb.weight.requires_grad_(not freeze_embedding)  # frozen, yet still handed to the optimizer
         self.opt_name, self.lr, self.opt_kwargs, self.groups = optimizer, lr, opt_kwargs or {}, groups
         self.scheduler, self.inf_at, self.steps_per_batch = scheduler, inf_at, steps_per_batch
         self.automatic_optimization = not manual
@@ -126,7 +128,7 @@ class Spy(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
-        self._grad = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
+        self._grad = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in pl_module.named_parameters()}
         self._lr = {n: lr_of[id(p)] for n, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -328,6 +330,21 @@ def test_float64_summed_credit_parts_against_real_sgd_steps(audit_first):
         assert r.relative_error == pytest.approx(ref, abs=1e-13)
 
 
+def test_frozen_parameters_in_the_optimizer_are_accounted_for():
+    from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
+
+    for callbacks in ([], [CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False)]):
+        cb, spy = Recording(), Spy()
+        m = LitPolicy(freeze_embedding=True)
+        frozen = m.emb.weight.detach().clone()
+        _fit(m, [*callbacks, cb, spy], max_steps=2)
+        assert torch.equal(m.emb.weight, frozen)
+        for r, (ref, _) in zip(cb.seen, spy.records):
+            assert r.n_without_grad == 1 and r.n_tensors == 5
+            assert r.source == ("credit_parts" if callbacks else "grad")
+            assert r.relative_error == pytest.approx(ref, abs=1e-13) and r.relative_error < 1e-12
+
+
 def test_credit_parts_that_do_not_add_up_to_the_loss_are_a_violation():
     from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
 
@@ -413,3 +430,62 @@ def test_shipped_adam_config_shows_the_refusal_in_tensorboard(tmp_path, monkeypa
     text = acc.Tensors("conservation/refusal/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "REFUSED (optimizer)" in text and "torch.optim.adam.Adam" in text
     assert [e.value for e in acc.Scalars("conservation/refused")] == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------- DDP on 2 CPU ranks
+
+
+class RankPolicy(LitPolicy):
+    """Each rank trains on its own batches, so local audit parts differ from the rank-averaged .grad."""
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(100 + self.global_rank)
+        batches = []
+        for _ in range(2):
+            tokens = torch.randint(0, VOCAB, (B, T + 1), generator=g)
+            adv = torch.tensor([0.5, -0.5, 1.0, -1.0], dtype=torch.float64) * (1 + self.global_rank)
+            batches.append((tokens, torch.ones(B, T, dtype=torch.bool), adv))
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+from lens_callbacks.callbacks.credit_audit import CreditAuditCallback  # noqa: E402
+
+
+class QuietAudit(CreditAuditCallback):
+    def on_fit_end(self, trainer, pl_module):
+        pass  # its last-table writer reads trainer.log_dir (a collective) on rank 0 only
+
+
+class CheckInWorker(Callback):
+    """Asserts inside each spawned rank (its state is not sent back)."""
+
+    def __init__(self, check, audit):
+        self.check, self.audit, self.local_gap = check, audit, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        parts = dict(zip(self.audit.last_report.grads.names, self.audit.last_report.grads.parts_sum))
+        num = sum(float(((parts[n] - p.grad) ** 2).sum()) for n, p in pl_module.named_parameters())
+        den = sum(float((p.grad**2).sum()) for p in pl_module.parameters())
+        self.local_gap.append((num / den) ** 0.5)
+
+    def on_train_end(self, trainer, pl_module):
+        seen = self.check.seen
+        assert len(seen) == 2, seen
+        assert all(g > 1e-2 for g in self.local_gap), self.local_gap  # local parts alone would not conserve
+        for r in seen:
+            assert isinstance(r, ConservationReading) and r.source == "credit_parts", r
+            assert r.relative_error < 1e-12, r.render()
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_average_the_audit_parts():
+    audit = QuietAudit(dtype="float64", log_table_every_n_steps=0, log_figure=False)
+    cb = Recording()
+    _fit(
+        RankPolicy(),
+        [audit, cb, CheckInWorker(cb, audit)],
+        max_steps=2,
+        strategy="ddp_spawn",
+        devices=2,
+        use_distributed_sampler=False,
+    )
