@@ -23,6 +23,12 @@ warnings.filterwarnings("ignore", ".*LeafSpec.*")
 VOCAB, D, T, B = 11, 8, 6, 4
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    # Trainers without a logger write beside the working directory (the audit's last table, too).
+    monkeypatch.chdir(tmp_path)
+
+
 class LitPolicy(LightningModule):
     """Embedding → tanh MLP (optional dropout) → logits; GRPO-style terms over a fixed set of batches."""
 
