@@ -190,7 +190,7 @@ def test_two_param_groups_and_a_step_lr_scheduler_are_exact():
 REFUSALS = [
     (dict(optimizer="adam"), {}, "optimizer"),
     (dict(optimizer="adamw"), {}, "optimizer"),
-    (dict(optimizer="lbfgs", lr=0.1), {}, "optimizer"),
+    (dict(optimizer="lbfgs", lr=0.1, opt_kwargs={"max_iter": 2}), {}, "optimizer"),
     (dict(opt_kwargs={"momentum": 0.9}), {}, "momentum"),
     (dict(opt_kwargs={"weight_decay": 0.01}), {}, "weight_decay"),
     (dict(opt_kwargs={"momentum": 0.9, "nesterov": True}), {}, "nesterov"),
