@@ -166,7 +166,8 @@ class ConservationCheckCallback(Callback):
         if self._audit is not None and self._audit_first:
             audit_grads = self._audit_grads(step, params, names)
         grads = None
-        if audit_grads is None:
+        if audit_grads is None or pl_module.trainer.world_size > 1:
+            # Under DDP another rank may lack the audit's parts this step; then every rank reads .grad.
             grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         return _Pending(step, opt, params, names, gidx, lrs, theta_before, grads, audit_grads, _scale(pl_module))
 
@@ -203,6 +204,8 @@ class ConservationCheckCallback(Callback):
             grads, source = pend.audit_grads, "credit_parts"
             if grads is None and self._audit is not None:
                 grads = self._audit_grads(pend.step, pend.params, pend.names)
+            if self._audit is not None and trainer.world_size > 1 and not _on_every_rank(trainer, grads is not None):
+                grads = None  # the collective below must run on every rank or on none
             if grads is None:
                 grads, source = pend.grads, "grad"
             elif trainer.world_size > 1:
@@ -259,6 +262,12 @@ def _scale(pl_module: LightningModule) -> Optional[float]:
     if callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
         return None
     return float(scaler.get_scale())
+
+
+def _on_every_rank(trainer: Trainer, flag: bool) -> bool:
+    dev = trainer.strategy.root_device
+    n = trainer.strategy.reduce(torch.tensor(1.0 if flag else 0.0, device=dev), reduce_op="sum")
+    return bool(float(n) == trainer.world_size)
 
 
 def _mean_over_ranks(trainer: Trainer, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:

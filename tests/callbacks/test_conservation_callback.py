@@ -453,6 +453,14 @@ class RankPolicy(LitPolicy):
             batches.append((tokens, torch.ones(B, T, dtype=torch.bool), adv))
         return torch.utils.data.DataLoader(batches, batch_size=None)
 
+    def credit_terms(self, batch):
+        if self.global_rank == 1 and self.trainer.global_step == 1:
+            raise ValueError("no terms on this rank this step")  # the audit refuses on rank 1 only
+        return super().credit_terms(batch)
+
+    def training_step(self, batch, batch_idx):
+        return LitPolicy.credit_terms(self, batch).terms.sum()
+
 
 from lens_callbacks.callbacks.credit_audit import CreditAuditCallback  # noqa: E402
 
@@ -469,6 +477,8 @@ class CheckInWorker(Callback):
         self.check, self.audit, self.local_gap = check, audit, []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.audit.last_report is None:
+            return
         parts = dict(zip(self.audit.last_report.grads.names, self.audit.last_report.grads.parts_sum))
         num = sum(float(((parts[n] - p.grad) ** 2).sum()) for n, p in pl_module.named_parameters())
         den = sum(float((p.grad**2).sum()) for p in pl_module.parameters())
@@ -477,13 +487,15 @@ class CheckInWorker(Callback):
     def on_train_end(self, trainer, pl_module):
         seen = self.check.seen
         assert len(seen) == 2, seen
-        assert all(g > 1e-2 for g in self.local_gap), self.local_gap  # local parts alone would not conserve
+        assert self.local_gap and all(g > 1e-2 for g in self.local_gap), self.local_gap  # local parts would not conserve
+        # Step 1: one rank has no audit parts, so every rank holds the step against .grad (no hang).
+        assert [r.source for r in seen] == ["credit_parts", "grad"], seen
         for r in seen:
-            assert isinstance(r, ConservationReading) and r.source == "credit_parts", r
-            assert r.relative_error < 1e-12, r.render()
+            assert isinstance(r, ConservationReading) and r.relative_error < 1e-12, r.render()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a collective run on some ranks only would hang, not fail
 def test_ddp_two_cpu_ranks_average_the_audit_parts():
     audit = QuietAudit(dtype="float64", log_table_every_n_steps=0, log_figure=False)
     cb = Recording()
