@@ -273,4 +273,18 @@ def _on_every_rank(trainer: Trainer, flag: bool) -> bool:
 def _mean_over_ranks(trainer: Trainer, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
     # At the optimizer step DDP has averaged .grad over ranks; the audit's backward did not go through DDP,
     # so its local sum is averaged the same way before it is held against the update.
-    return [None if g is None else trainer.strategy.reduce(g.detach().clone(), reduce_op="mean") for g in grads]
+    # One collective for the whole vector, not one per tensor.
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    flat = torch.cat([g.detach().reshape(-1).to(present[0]) for g in present])  # [Σ n]
+    flat = trainer.strategy.reduce(flat, reduce_op="mean")
+    out: list[Optional[torch.Tensor]] = []
+    i = 0
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        out.append(flat[i : i + g.numel()].view(g.shape))
+        i += g.numel()
+    return out
