@@ -245,7 +245,7 @@ class CreditAuditCallback(Callback):
 
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
-        log_dir = trainer.log_dir
+        log_dir = trainer.log_dir if trainer.loggers else None  # no logger: write nothing into the cwd
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, LAST_REPORT_FILE), "w") as fh:

@@ -360,3 +360,11 @@ def test_prints_last_report_and_tensorboard_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "credit audit, step 1:" in out and audit.last_report.render() in out
     assert f"tensorboard --logdir {logger.log_dir}" in out
+
+
+def test_without_a_logger_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    audit = CreditAuditCallback()
+    _fit([audit], steps=1, default_root_dir=str(tmp_path))
+    assert audit.last_report is not None
+    assert list(tmp_path.iterdir()) == []
