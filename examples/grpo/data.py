@@ -20,10 +20,11 @@ class AdditionDataModule(LightningDataModule):
         batch_size: prompts per training step (each is sampled ``group_size`` times by the module).
         max_operand: largest operand, 1..9 (single digits keep every prompt the same length).
         num_prompts: size of the prompt set.
-        seed: seeds the prompt set and the shuffling (its own generator; the global RNG is untouched).
+        data_seed: seeds the prompt set and the shuffling (its own generator; the global RNG is untouched).
+            Named apart from the module's ``seed`` so the two hparams never clash in a logger.
     """
 
-    def __init__(self, batch_size: int = 4, max_operand: int = 9, num_prompts: int = 256, seed: int = 0) -> None:
+    def __init__(self, batch_size: int = 4, max_operand: int = 9, num_prompts: int = 256, data_seed: int = 0) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
@@ -35,10 +36,10 @@ class AdditionDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.max_operand = max_operand
         self.num_prompts = num_prompts
-        self.seed = seed
-        g = torch.Generator().manual_seed(seed)
+        self.data_seed = data_seed
+        g = torch.Generator().manual_seed(data_seed)
         self.pairs = torch.randint(0, max_operand + 1, (num_prompts, 2), generator=g)  # [N, 2]
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed + 1)
+        g = torch.Generator().manual_seed(self.data_seed + 1)
         return DataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, generator=g)

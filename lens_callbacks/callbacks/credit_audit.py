@@ -206,6 +206,7 @@ class CreditAuditCallback(Callback):
         values: dict[str, float] = {}
         for key, v in out.items():
             if key in ("projected_share", "norm_share"):
+                v = v.reshape(-1)  # torchmetrics squeezes a one-part vector to a scalar
                 for i, name in enumerate(names[: self.max_logged_parts]):
                     values[f"{p}{key}/{name}"] = float(v[i])
             elif key == "grad_match" and self._reference is None:
@@ -245,7 +246,7 @@ class CreditAuditCallback(Callback):
 
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
-        log_dir = trainer.log_dir
+        log_dir = trainer.log_dir if trainer.loggers else None  # no logger: write nothing into the cwd
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, LAST_REPORT_FILE), "w") as fh:
