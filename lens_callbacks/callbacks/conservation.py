@@ -101,8 +101,10 @@ class ConservationCheckCallback(Callback):
                     break
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self._finish(trainer, pl_module)  # manual optimization: the previous opt.step() is complete
         step = int(trainer.global_step)
+        # Manual optimization: an earlier opt.step() of this batch is complete. (A closure the optimizer
+        # calls again within one step, as LBFGS does, keeps the step number and is not a new step.)
+        self._finish(trainer, pl_module, before_step=step)
         if step % self.every_n_steps:
             return
         opt = _unwrap(optimizer)
@@ -190,14 +192,14 @@ class ConservationCheckCallback(Callback):
                 return None  # the optimizer updates a tensor the audit has no part for
         return out
 
-    def _finish(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._pending_refusal is not None:
+    def _finish(self, trainer: Trainer, pl_module: LightningModule, before_step: Optional[int] = None) -> None:
+        if self._pending_refusal is not None and (before_step is None or self._pending_refusal[0] < before_step):
             step, refusal = self._pending_refusal
             self._pending_refusal = None
             self._emit(trainer, pl_module, refusal, step)
-        pend, self._pending = self._pending, None
-        if pend is None:
+        if self._pending is None or (before_step is not None and self._pending.step >= before_step):
             return
+        pend, self._pending = self._pending, None
         if pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
             reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
         else:
@@ -210,18 +212,29 @@ class ConservationCheckCallback(Callback):
                 grads, source = pend.grads, "grad"
             elif trainer.world_size > 1:
                 grads = _mean_over_ranks(trainer, grads)
-            with torch.no_grad():
-                reading = step_conservation(
-                    pend.theta_before,
-                    [p.detach() for p in pend.params],
-                    pend.lrs,
-                    grads,  # type: ignore[arg-type]
-                    group_index=pend.group_index,
-                    tolerance=self.tolerance,
-                    source=source,
-                    step=pend.step,
+            try:
+                reading = self._read(pend, grads, source)
+            except Exception as err:  # a reading that cannot be made must not end the training run
+                reading = Refusal(
+                    "conservation",
+                    f"{type(err).__name__}: {err}",
+                    numbers={"step": pend.step},
+                    remedy="check that the gradient held against matches the optimizer's parameters",
                 )
         self._emit(trainer, pl_module, reading, pend.step)
+
+    def _read(self, pend: _Pending, grads: Any, source: str) -> Union[ConservationReading, Refusal]:
+        with torch.no_grad():
+            return step_conservation(
+                pend.theta_before,
+                [p.detach() for p in pend.params],
+                pend.lrs,
+                grads,
+                group_index=pend.group_index,
+                tolerance=self.tolerance,
+                source=source,
+                step=pend.step,
+            )
 
     def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
         self.last_reading = reading
