@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -57,6 +59,8 @@ class ConservationCheckCallback(Callback):
         tolerance: relative error under which a resolvable reading holds.
         use_credit_audit: hold the step against the audit's summed parts when an audit is attached (sets
             the audit's ``keep_grads``); False holds it against ``.grad``.
+        log_figure: at the end of fit, log ``conservation/error_vs_floor`` to TensorBoard (error and floor
+            per step on a log scale, refused steps marked) when matplotlib is importable.
         prefix: metric name prefix.
     """
 
@@ -65,6 +69,7 @@ class ConservationCheckCallback(Callback):
         every_n_steps: int = 1,
         tolerance: float = 1e-4,
         use_credit_audit: bool = True,
+        log_figure: bool = True,
         prefix: str = "conservation/",
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -76,6 +81,7 @@ class ConservationCheckCallback(Callback):
         self.every_n_steps = every_n_steps
         self.tolerance = float(tolerance)
         self.use_credit_audit = bool(use_credit_audit)
+        self.log_figure = bool(log_figure)
         self.prefix = prefix
         self.metric = ConservationMetric(sync_on_compute=False)
         self.last_reading: Optional[Union[ConservationReading, Refusal]] = None
@@ -85,6 +91,7 @@ class ConservationCheckCallback(Callback):
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
+        self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -125,6 +132,46 @@ class ConservationCheckCallback(Callback):
         out = {k: v for k, v in out.items() if torch.isfinite(v)}
         pl_module.log_dict(out, on_step=False, on_epoch=True, batch_size=1)
         self.metric.reset()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.log_figure or not self._history or trainer.global_rank != 0:
+            return
+        tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if tb is None:
+            return
+        fig = self.figure()
+        if fig is not None:
+            tb.experiment.add_figure(f"{self.prefix}error_vs_floor", fig, self._history[-1][0], close=True)
+
+    def figure(self):
+        """Error and precision floor per checked step (log scale); refused steps as marks on the axis.
+
+        Returns a matplotlib figure, or None without matplotlib or readings.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        made = [(s, e, f) for s, e, f in self._history if e == e]  # NaN marks a refusal
+        refused = [s for s, e, _ in self._history if e != e]
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        if made:
+            steps = [s for s, _, _ in made]
+            err = [max(e, 1e-300) for _, e, _ in made]
+            ax.plot(steps, [f for _, _, f in made], color="0.5", lw=1, label="update_precision_floor")
+            ax.plot(steps, err, "o-", ms=3, lw=1, label="relative_error")
+            ax.axhline(self.tolerance, color="C3", ls=":", lw=1, label=f"tolerance {self.tolerance:g}")
+            ax.set_yscale("log")
+        if refused:
+            ax.plot(refused, [0.02] * len(refused), "x", color="C3", transform=ax.get_xaxis_transform(), label="refused")
+        ax.set_xlabel("step")
+        ax.set_title("step conservation: error under the floor is no evidence; above both, a violation", fontsize=8)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        return fig
 
     def state_dict(self) -> dict[str, Any]:
         return {"refusals_logged": sorted(self._refusals_logged), "readings_made": self.readings_made}
@@ -240,6 +287,10 @@ class ConservationCheckCallback(Callback):
         self.last_reading = reading
         self.readings_made += 1
         self.metric.update(reading)
+        if isinstance(reading, Refusal):
+            self._history.append((step, float("nan"), float("nan")))
+        else:
+            self._history.append((step, reading.relative_error, reading.update_precision_floor))
         if isinstance(reading, Refusal):
             values = {f"{self.prefix}refused": 1.0}
             key = f"{reading.condition}: {reading.reason}"

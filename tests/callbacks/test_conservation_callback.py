@@ -231,6 +231,20 @@ def test_refusal_shows_in_tensorboard(tmp_path):
     assert refused == [1.0, 1.0, 1.0]
 
 
+def test_error_vs_floor_figure_in_tensorboard(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = Recording()
+    _fit(LitPolicy(), [cb], max_steps=3, logger=TensorBoardLogger(tmp_path, name="tb"), log_every_n_steps=1)
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
+    acc.Reload()
+    assert acc.Tags()["images"] == ["conservation/error_vs_floor"]
+    assert acc.Images("conservation/error_vs_floor")[0].step == 2
+    assert [e.value for e in acc.Scalars("conservation/error")] == pytest.approx([r.relative_error for r in cb.seen], rel=1e-6)
+
+
 def test_skipped_amp_step_is_refused():
     cb, spy = Recording(), Spy()
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
