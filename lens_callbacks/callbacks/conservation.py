@@ -93,6 +93,10 @@ class ConservationCheckCallback(Callback):
         self._refusals_logged: set[str] = set()
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, prefix=self.prefix)
+
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

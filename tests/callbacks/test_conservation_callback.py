@@ -522,3 +522,13 @@ def test_ddp_two_cpu_ranks_average_the_audit_parts():
         devices=2,
         use_distributed_sampler=False,
     )
+
+
+def test_state_round_trip_and_two_instances_have_distinct_keys():
+    a, b = ConservationCheckCallback(), ConservationCheckCallback(every_n_steps=5)
+    assert a.state_key != b.state_key
+    a._refusals_logged.add("optimizer: Adam")
+    a.readings_made = 3
+    c = ConservationCheckCallback()
+    c.load_state_dict(a.state_dict())
+    assert c._refusals_logged == {"optimizer: Adam"} and c.readings_made == 3
