@@ -73,7 +73,8 @@ class ConservationReading:
 
     - ``relative_error = ||Δθ ⊘ η − g|| / ||g||``;
     - ``update_precision_floor = u · (||θ_after ⊘ η||_upd / ||g|| + 2)``, over the entries the optimizer
-      updated; for one group and a small step this is ``u·||θ_after|| / ||η·g||`` ≈
+      updated (``u`` per tensor when dtypes are mixed; the ``+ 2u`` term takes the coarsest); for one group
+      and a small step this is ``u·||θ_after|| / ||η·g||`` ≈
       ``u·||θ_after|| / ||Δθ||``. The ``+ 2`` covers rounding ``η`` and ``η·g`` themselves. The floor uses
       the update the gradient claims, ``η·g``, not the measured ``Δθ``: a step that never happened
       (``Δθ = 0``) must read as an error of 1, not as an unresolvable reading;
@@ -320,13 +321,14 @@ def step_conservation(
     if n == 0:
         return Refusal("no_parameters", "the optimizer holds no parameters, so there is no update to read.")
 
+    for t in theta_after:
+        if t.dtype not in UNIT_ROUNDOFF:
+            return Refusal("dtype", f"parameters must be floating point to read an update, got {t.dtype}.")
     dtypes = {t.dtype for t, g in zip(theta_after, grad) if g is not None} or {t.dtype for t in theta_after}
-    dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF.get(d, 0.0))  # the coarsest sets the floor
-    if dtype not in UNIT_ROUNDOFF:
-        return Refusal("dtype", f"parameters must be floating point to read an update, got {dtype}.")
+    dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d])  # the coarsest, for the report and the `+ 2u` term
     u = UNIT_ROUNDOFF[dtype]
 
-    # Per tensor: [‖r‖², ‖g‖², ‖Δθ‖², ‖θ_after‖², ‖θ_after‖²/η²] as float64 tensors, read back with one sync.
+    # Per tensor: [‖r‖², ‖g‖², ‖Δθ‖², ‖θ_after‖², u_i²‖θ_after‖²/η²] as float64 tensors, read back with one sync.
     sums: list[torch.Tensor] = []
     n_without = 0
     for tb, ta, g, gi in zip(theta_before, theta_after, grad, group_index):
@@ -348,7 +350,8 @@ def step_conservation(
         g64 = g64.reshape(-1)  # [n]
         r.sub_(g64)  # Δθ/η − g
         a_sq = torch.dot(a, a)
-        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq / (eta * eta)]))
+        u_i = UNIT_ROUNDOFF[ta.dtype]  # each tensor is rounded in its own dtype
+        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2]))
     dev = sums[0].device
     res_sq, g_sq, upd_sq, after_sq, par_sq = (float(x) for x in torch.stack([t.to(dev) for t in sums]).sum(0).cpu())
 
@@ -366,7 +369,7 @@ def step_conservation(
             numbers={"grad_norm": 0.0, "update_norm": upd_norm},
         )
     error = res_norm / g_norm
-    floor = u * (math.sqrt(par_sq) / g_norm + 2.0)
+    floor = math.sqrt(par_sq) / g_norm + 2.0 * u
     return ConservationReading(
         relative_error=error,
         update_precision_floor=floor,
