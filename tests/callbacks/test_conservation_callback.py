@@ -366,6 +366,19 @@ def test_frozen_parameters_in_the_optimizer_are_accounted_for():
             assert r.relative_error == pytest.approx(ref, abs=1e-13) and r.relative_error < 1e-12
 
 
+def test_a_module_hook_that_edits_grad_after_the_read_is_a_violation():
+    class Rescales(LitPolicy):
+        def on_before_optimizer_step(self, optimizer):
+            for p in self.parameters():
+                p.grad.mul_(0.5)  # runs after the callbacks' hook: the step applies half the gradient read
+
+    cb = Recording()
+    _fit(Rescales(), [cb], max_steps=2)
+    for r in cb.seen:
+        assert r.source == "grad" and r.violated
+        assert r.relative_error == pytest.approx(0.5, rel=1e-9)  # ||g/2 − g|| / ||g||
+
+
 def test_credit_parts_that_do_not_add_up_to_the_loss_are_a_violation():
     from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
 
