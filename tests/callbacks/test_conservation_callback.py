@@ -256,6 +256,14 @@ def test_skipped_amp_step_is_refused():
         assert cb.seen[k].holds
 
 
+def test_bf16_mixed_precision_reads_float32_weights():
+    cb, spy = Recording(), Spy()
+    _fit(LitPolicy(dtype=torch.float32), [cb, spy], max_steps=2, precision="bf16-mixed")
+    assert len(cb.seen) == 2
+    for r, (ref, _) in zip(cb.seen, spy.records):
+        assert r.dtype == "float32" and r.relative_error == pytest.approx(ref, rel=1e-6, abs=1e-12) and r.holds
+
+
 @pytest.mark.parametrize("steps_per_batch", [1, 2])
 def test_manual_optimization_gives_one_reading_per_step(steps_per_batch):
     cb = Recording()
