@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv as scripts/test.sh does, trains the tiny GRPO example with the credit audit attached
-# (a few minutes on a 2-core CPU), then prints the last credit report and how to view the run.
+# (a few minutes on a 2-core CPU). The callback prints the last credit report at the end of fit
+# (print_last_report in the YAML) and keeps it in <run dir>/credit_last.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -12,7 +13,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/python -m lens_callbacks fit --config cli_configs/grpo_credit.yaml --trainer.enable_progress_bar=false "$@"
 run_dir="$(ls -td runs/grpo_credit/version_* | head -n 1)"
 echo
-echo "== last credit report ($run_dir/credit_last.txt) =="
-cat "$run_dir/credit_last.txt"
-echo
+echo "last credit report: $run_dir/credit_last.txt"
 echo "view the run: tensorboard --logdir $run_dir"
