@@ -114,6 +114,7 @@ class CreditAuditCallback(Callback):
         self._batch: Any = None
         self._reference: Optional[str] = "grad"
         self._last_text: Optional[tuple[int, str]] = None  # (step, rendered table)
+        self._last_defined: Optional[tuple[int, str]] = None  # the latest reading whose shares are defined
         self._last_table_step: Optional[int] = None
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
 
@@ -167,6 +168,8 @@ class CreditAuditCallback(Callback):
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
             text = reading.render()
+            if reading.ok:
+                self._last_defined = (step, text)
         self._last_text = (step, text)
         if self.log_table_every_n_steps and (
             self._last_table_step is None or step - self._last_table_step >= self.log_table_every_n_steps
@@ -247,12 +250,16 @@ class CreditAuditCallback(Callback):
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
         log_dir = trainer.log_dir if trainer.loggers else None  # no logger: write nothing into the cwd
+        body = f"step {step}\n{text}\n"
+        if self._last_defined is not None and self._last_defined[0] != step:
+            # The last step's shares were undefined (e.g. every group had equal rewards): show the latest that was.
+            body += f"\nlast defined reading, step {self._last_defined[0]}\n{self._last_defined[1]}\n"
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, LAST_REPORT_FILE), "w") as fh:
-                fh.write(f"step {step}\n{text}\n")
+                fh.write(body)
         if self.print_last_report:
-            print(f"credit audit, step {step}:\n{text}")
+            print(f"credit audit, {body}", end="")
             tb = _tensorboard(trainer)
             if tb is not None:
                 print(f"view it: tensorboard --logdir {tb.log_dir}")

@@ -279,6 +279,25 @@ def test_zero_gradient_step_is_undefined_not_a_crash():
     assert float(m.trainer.callback_metrics["credit/undefined_fraction"]) == 1.0
 
 
+class _ZeroAtStep2(GRPOModule):
+    def sample_rollouts(self, pairs):
+        rb, ro = super().sample_rollouts(pairs)
+        # Non-zero advantages except at step 2, whatever the sampled rewards were.
+        rb.advantages = torch.linspace(-1, 1, rb.batch_size) * float(self.trainer.global_step != 2)
+        return rb, ro
+
+
+def test_last_report_file_adds_the_last_defined_reading_when_the_last_is_undefined(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    audit = CreditAuditCallback()
+    ref = _Reference(audit)
+    _fit([audit, ref], steps=3, seed=4, module_cls=_ZeroAtStep2, logger=logger)
+    assert not audit.last_report.ok and ref.rows[1][1].ok
+    text = (tmp_path / "tb" / "version_0" / "credit_last.txt").read_text()
+    assert text.startswith("step 2\n") and "UNDEFINED" in text
+    assert "last defined reading, step 1\n" + ref.rows[1][1].render() in text
+
+
 class _Steps(pl.Callback):
     def __init__(self, audit):
         self.audit, self.rows = audit, []
@@ -358,7 +377,7 @@ def test_prints_last_report_and_tensorboard_line(tmp_path, capsys):
     audit = CreditAuditCallback(print_last_report=True)
     _fit([audit], steps=2, logger=logger)
     out = capsys.readouterr().out
-    assert "credit audit, step 1:" in out and audit.last_report.render() in out
+    assert "credit audit, step 1\n" in out and audit.last_report.render() in out
     assert f"tensorboard --logdir {logger.log_dir}" in out
 
 
