@@ -285,3 +285,16 @@ def test_mixed_dtypes_round_each_tensor_in_its_own_dtype():
     a64 = after[0].numpy()
     expect = np.sqrt((u64 / lr) ** 2 * (a64 @ a64) + (u32 / lr) ** 2 * (a32 @ a32)) / g_norm + 2 * u32
     assert r.update_precision_floor == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_cost_benchmark_runs_on_a_small_size():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "conservation_cost.py"), "--layers", "1", "--embd", "32", "--T", "8", "--repeats", "2"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "read (step_conservation) / plain step:" in r.stdout and "limited True" in r.stdout
