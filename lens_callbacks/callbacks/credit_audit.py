@@ -117,6 +117,7 @@ class CreditAuditCallback(Callback):
         self._last_defined: Optional[tuple[int, str]] = None  # the latest reading whose shares are defined
         self._last_table_step: Optional[int] = None
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
+        self.last_epoch_values: dict[str, float] = {}
 
     @property
     def state_key(self) -> str:
@@ -235,9 +236,14 @@ class CreditAuditCallback(Callback):
         names = self.last_report.part_names if self.last_report is not None else tuple(
             f"part_{i}" for i in range(self.max_logged_parts)
         )
+        # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
-        pl_module.log_dict(values, on_step=False, on_epoch=True, batch_size=1)
         self.metric.reset()
+        self.last_epoch_values = values
+        if trainer.global_rank == 0:
+            # Already synchronised: straight to the loggers, no second reduction through self.log.
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=trainer.global_step)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_text is None:
@@ -249,7 +255,7 @@ class CreditAuditCallback(Callback):
 
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
-        log_dir = trainer.log_dir if trainer.loggers else None  # no logger: write nothing into the cwd
+        log_dir = _log_dir(trainer)
         body = f"step {step}\n{text}\n"
         if self._last_defined is not None and self._last_defined[0] != step:
             # The last step's shares were undefined (e.g. every group had equal rewards): show the latest that was.
@@ -323,6 +329,18 @@ class CreditAuditCallback(Callback):
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
                 setattr(self.metric, name, value.to(cur.device, cur.dtype))
+
+
+def _log_dir(trainer: Trainer) -> Optional[str]:
+    """The first logger's directory; None without a logger (never write into the cwd).
+
+    Not ``trainer.log_dir``: that is a broadcast, a collective that deadlocks when only rank 0 asks.
+    """
+    for logger in trainer.loggers:
+        d = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        if d:
+            return str(d)
+    return None
 
 
 def _tensorboard(trainer: Trainer) -> Optional[TensorBoardLogger]:

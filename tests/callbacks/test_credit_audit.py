@@ -397,3 +397,42 @@ def test_small_part_caps(cap):
     assert logged == ({"credit/projected_share/rollout_0"} if cap else set())
     if cap and audit.last_report.ok:
         assert float(m.trainer.callback_metrics["credit/projected_share/rollout_0"]) == pytest.approx(audit.last_report.projected_share[0], rel=1e-6)
+
+
+class _DDPChecks(pl.Callback):
+    """Runs inside each ddp_spawn worker, after the audit: asserts there (a failure fails the spawn)."""
+
+    def __init__(self, audit):
+        self.audit = audit
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        r = self.audit.last_report
+        assert r is not None and self.audit.last_report_step == trainer.global_step
+        assert r.grad_match is None  # .grad is the rank average here: not compared with a local g_full
+        if r.ok:
+            assert abs(r.share_sum - 1.0) < 1e-5 and r.conservation_error < 1e-5
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.audit.n_audits == trainer.global_step == 3
+        assert "credit/epoch/cancellation" in self.audit.last_epoch_values  # synchronised on every rank
+        assert "credit/grad_match" not in trainer.callback_metrics
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
+    audit = CreditAuditCallback(max_logged_parts=2)
+    pl.seed_everything(0, verbose=False)
+    m = GRPOModule(**SMALL)
+    trainer = pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=TensorBoardLogger(str(tmp_path), version=0),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[audit, _DDPChecks(audit)],
+    )
+    trainer.fit(m, AdditionDataModule(batch_size=2))  # the workers assert; here we read what rank 0 wrote
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert len(acc.Scalars("credit/cancellation")) == 3 and "credit/epoch/share_sum" in acc.Tags()["scalars"]
+    assert [t.step for t in acc.Tensors("credit/table/text_summary")] == [0, 2]  # rank 0 wrote it once per table
+    assert (tmp_path / "lightning_logs" / "version_0" / "credit_last.txt").exists()
