@@ -498,14 +498,6 @@ class RankPolicy(LitPolicy):
         return LitPolicy.credit_terms(self, batch).terms.sum()
 
 
-from lens_callbacks.callbacks.credit_audit import CreditAuditCallback  # noqa: E402
-
-
-class QuietAudit(CreditAuditCallback):
-    def on_fit_end(self, trainer, pl_module):
-        pass  # its last-table writer reads trainer.log_dir (a collective) on rank 0 only
-
-
 class CheckInWorker(Callback):
     """Asserts inside each spawned rank (its state is not sent back)."""
 
@@ -533,7 +525,9 @@ class CheckInWorker(Callback):
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # a collective run on some ranks only would hang, not fail
 def test_ddp_two_cpu_ranks_average_the_audit_parts():
-    audit = QuietAudit(dtype="float64", log_table_every_n_steps=0, log_figure=False)
+    from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
+
+    audit = CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False)
     cb = Recording()
     _fit(
         RankPolicy(),
