@@ -451,3 +451,24 @@ def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
     assert len(acc.Scalars("credit/cancellation")) == 3 and "credit/epoch/share_sum" in acc.Tags()["scalars"]
     assert [t.step for t in acc.Tensors("credit/table/text_summary")] == [0, 2]  # rank 0 wrote it once per table
     assert (tmp_path / "lightning_logs" / "version_0" / "credit_last.txt").exists()
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = CreditAuditCallback()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=2)
+    pl.seed_everything(0, verbose=False)
+    m = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[first, ckpt],
+    ).fit(m, AdditionDataModule(batch_size=2))
+    assert first.n_audits == 2
+    resumed = CreditAuditCallback()
+    m2 = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[resumed],
+    ).fit(m2, AdditionDataModule(batch_size=2), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.n_audits == 3 and resumed.last_report_step == 2
