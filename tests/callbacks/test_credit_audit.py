@@ -253,11 +253,20 @@ class _Seen(pl.Callback):
         self.rows.append((trainer.global_step, self.audit.last_report_step, self.audit.last_refusal))
 
 
-def test_a_failed_reading_is_a_refusal_and_training_continues():
+def test_a_failed_reading_is_a_refusal_and_training_continues(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     audit = CreditAuditCallback()
     seen = _Seen(audit)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
     with pytest.warns(RuntimeWarning, match="step 1 declined.*rollout 3 has no tokens"):
-        m = _fit([audit, seen], steps=3, module_cls=_FailsAtStep1)
+        m = _fit([audit, seen], steps=3, module_cls=_FailsAtStep1, logger=logger)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    [text] = acc.Tensors("credit/refusal/text_summary")
+    assert text.step == 1 and "REFUSED (credit_audit): ValueError: rollout 3 has no tokens" in text.tensor_proto.string_val[0].decode()
+    assert [(e.step, e.value) for e in acc.Scalars("credit/refused")] == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    assert np.isnan(acc.Scalars("credit/cancellation")[1].value)
     assert m.trainer.global_step == 3
     assert audit.n_audits == 3 and audit.n_refusals == 1
     step, report_step, refusal = seen.rows[1]
@@ -276,7 +285,7 @@ def test_zero_gradient_step_is_undefined_not_a_crash():
     audit = CreditAuditCallback()
     m = _fit([audit], steps=2, module_cls=_ConstantReward)
     assert not audit.last_report.ok and "zero" in audit.last_report.reason
-    assert float(m.trainer.callback_metrics["credit/undefined_fraction"]) == 1.0
+    assert audit.last_values["credit/undefined_fraction"] == 1.0
 
 
 class _ZeroAtStep2(GRPOModule):
@@ -306,12 +315,18 @@ class _Steps(pl.Callback):
         self.rows.append((trainer.global_step, self.audit.last_report_step))
 
 
-def test_every_n_steps():
+def test_every_n_steps_logs_the_audited_steps_only(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     audit = CreditAuditCallback(every_n_steps=2)
     probe = _Steps(audit)
-    _fit([audit, probe], steps=5)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    _fit([audit, probe], steps=5, logger=logger)
     assert probe.rows == [(0, 0), (1, 0), (2, 2), (3, 2), (4, 4)]
     assert audit.n_audits == 3
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("credit/conservation_error")] == [0, 2, 4]  # nothing stale in between
 
 
 class _AsksForGrads(pl.Callback):
@@ -392,11 +407,11 @@ def test_without_a_logger_nothing_is_written(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cap", [0, 1])
 def test_small_part_caps(cap):
     audit = CreditAuditCallback(max_logged_parts=cap, dtype="float64")
-    m = _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
-    logged = {k for k in m.trainer.callback_metrics if k.startswith("credit/projected_share/")}
+    _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
+    logged = {k for k in audit.last_values if k.startswith("credit/projected_share/")}
     assert logged == ({"credit/projected_share/rollout_0"} if cap else set())
     if cap and audit.last_report.ok:
-        assert float(m.trainer.callback_metrics["credit/projected_share/rollout_0"]) == pytest.approx(audit.last_report.projected_share[0], rel=1e-6)
+        assert audit.last_values["credit/projected_share/rollout_0"] == pytest.approx(audit.last_report.projected_share[0], rel=1e-12)
 
 
 class _DDPChecks(pl.Callback):
@@ -415,7 +430,7 @@ class _DDPChecks(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         assert self.audit.n_audits == trainer.global_step == 3
         assert "credit/epoch/cancellation" in self.audit.last_epoch_values  # synchronised on every rank
-        assert "credit/grad_match" not in trainer.callback_metrics
+        assert "credit/grad_match" not in self.audit.last_values
 
 
 @pytest.mark.slow
@@ -436,3 +451,24 @@ def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
     assert len(acc.Scalars("credit/cancellation")) == 3 and "credit/epoch/share_sum" in acc.Tags()["scalars"]
     assert [t.step for t in acc.Tensors("credit/table/text_summary")] == [0, 2]  # rank 0 wrote it once per table
     assert (tmp_path / "lightning_logs" / "version_0" / "credit_last.txt").exists()
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = CreditAuditCallback()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=2)
+    pl.seed_everything(0, verbose=False)
+    m = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[first, ckpt],
+    ).fit(m, AdditionDataModule(batch_size=2))
+    assert first.n_audits == 2
+    resumed = CreditAuditCallback()
+    m2 = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[resumed],
+    ).fit(m2, AdditionDataModule(batch_size=2), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.n_audits == 3 and resumed.last_report_step == 2
