@@ -1,5 +1,6 @@
 """Exact credit disintegration of one RL step (pure torch; never imports lightning)."""
 
+from .conservation import ConservationReading, exact_optimizer_precondition, step_conservation, unit_roundoff
 from .engine import disintegrate, evaluate_terms, resolve_dtype
 from .partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
 from .report import CreditGrads, CreditReport
@@ -20,4 +21,8 @@ __all__ = [
     "resolve_dtype",
     "CreditReport",
     "CreditGrads",
+    "step_conservation",
+    "exact_optimizer_precondition",
+    "ConservationReading",
+    "unit_roundoff",
 ]
