@@ -240,7 +240,7 @@ def batch_from_trajectories(
         truncation: what to do with a row longer than ``max_length``: ``"error"`` (default) raises;
             ``"left"`` keeps the last ``max_length`` tokens, ``"right"`` the first. Tokens, trained mask
             and turn ids are cut together, never shifted against each other; the number dropped is in
-            ``segments.truncated``.
+            ``segments.truncated``. A left cut that would leave a trained token first raises.
         pad_token_id: the padding id (default: the tokenizer's pad, else eos id).
         use_token_ids: use recorded ``token_ids`` where present (default); ``False`` re-tokenises text.
 
