@@ -20,6 +20,8 @@ from lens_callbacks.io.records import (
 )
 
 
+torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
+
 class Chars:
     pad_token_id = 0
 
