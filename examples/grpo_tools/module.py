@@ -218,19 +218,20 @@ class ToolsAdditionDataModule(LightningDataModule):
         n_prompts: prompts in the list.
         prompts_per_step: prompts per training step (each gets ``group_size`` episodes).
         max_operand: largest operand.
-        seed: the list's seed.
+        data_seed: the list's seed (named apart from the module's ``seed`` so loggers keep both).
     """
 
-    def __init__(self, n_prompts: int = 64, prompts_per_step: int = 2, max_operand: int = 9, seed: int = 0) -> None:
+    def __init__(self, n_prompts: int = 64, prompts_per_step: int = 2, max_operand: int = 9, data_seed: int = 0) -> None:
         super().__init__()
         if n_prompts < 1 or prompts_per_step < 1:
             raise ValueError(f"`n_prompts` and `prompts_per_step` must be >= 1, got {n_prompts!r}, {prompts_per_step!r}.")
         if not 0 <= max_operand <= 9:
             raise ValueError(f"`max_operand` must be in 0..9 (sums stay in the vocabulary), got {max_operand!r}.")
-        self.n_prompts, self.prompts_per_step, self.max_operand, self.seed = n_prompts, prompts_per_step, max_operand, seed
+        self.save_hyperparameters()
+        self.n_prompts, self.prompts_per_step, self.max_operand, self.data_seed = n_prompts, prompts_per_step, max_operand, data_seed
 
     def prompts(self) -> list[dict]:
-        g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(self.data_seed)
         ab = torch.randint(0, self.max_operand + 1, (self.n_prompts, 2), generator=g).tolist()
         return [{"a": a, "b": b, "prompt_id": f"{a}+{b}"} for a, b in ab]
 

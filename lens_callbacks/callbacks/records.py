@@ -82,15 +82,22 @@ class RunRecordCallback(Callback):
         checkpoint_every: also save the policy every this many steps (0: step 0 only). The offline
             audit replays from the nearest checkpoint; with a stateful optimizer (momentum, Adam) it
             replays from step 0, where the optimizer state is known to be empty.
+        batch_builder: import path of ``fn(module, trajectories, meta) -> batch`` that rebuilds the
+            module's rollout batch offline, for modules without ``make_rollout_batch(trajectories)``
+            (e.g. ``examples.grpo_tools.single_turn.grpo_rollout_batch`` for ``examples.grpo``).
 
-    Under DDP every rank's trajectories are gathered and rank 0 writes them.
+    A module's ``last_rollout_batch.dropout_seed`` (when it has one) is recorded per step, so a run
+    with dropout replays exactly. Under DDP every rank's trajectories are gathered and rank 0 writes them.
     """
 
-    def __init__(self, run_dir: Optional[str] = None, checkpoint_every: int = 0) -> None:
+    def __init__(self, run_dir: Optional[str] = None, checkpoint_every: int = 0, batch_builder: Optional[str] = None) -> None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
             raise ValueError(f"`checkpoint_every` must be an int >= 0, got {checkpoint_every!r}; 0 saves step 0 only.")
+        if batch_builder is not None and (not isinstance(batch_builder, str) or "." not in batch_builder):
+            raise ValueError(f"`batch_builder` must be an import path 'module.function' or None, got {batch_builder!r}.")
         self.run_dir = run_dir
         self.checkpoint_every = checkpoint_every
+        self.batch_builder = batch_builder
         self.writer: Optional[RunRecordWriter] = None
         self.steps_written = 0
 
@@ -115,6 +122,7 @@ class RunRecordCallback(Callback):
         self.writer.write_manifest(
             module=f"{cls.__module__}.{cls.__qualname__}",
             init_args=dict(pl_module.hparams),
+            batch_builder=self.batch_builder,
             optimizer=[_optimizer_config(o) for o in trainer.optimizers],
             trainer={
                 "gradient_clip_val": trainer.gradient_clip_val,
@@ -136,7 +144,8 @@ class RunRecordCallback(Callback):
             trajs = [t for part in gathered for t in part]
         if self.writer is None or not trajs:
             return
-        self.writer.write_step(step, trajs)
+        seed = getattr(getattr(pl_module, "last_rollout_batch", None), "dropout_seed", None)
+        self.writer.write_step(step, trajs, {"dropout_seed": int(seed)} if seed is not None else None)
         self.steps_written += 1
         if self.writer.wants_checkpoint(trainer.global_step):
             self.writer.write_policy(trainer.global_step, pl_module.state_dict())

@@ -9,7 +9,9 @@ no dropout, no gradient clipping, no accumulation, no mixed precision. With a st
 
 The module is rebuilt from ``record.json`` (its class path and init args), so its class must be
 importable (the working directory is put on ``sys.path``, as for ``lens-callbacks fit``). It must
-implement ``credit_terms(batch)`` and ``make_rollout_batch(trajectories)``.
+implement ``credit_terms(batch)``, and its rollout batch is rebuilt from the recorded trajectories by
+``module.make_rollout_batch(trajectories)`` or by the record's ``batch_builder``
+(``fn(module, trajectories, meta) -> batch``, named when the record was written).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..credit.trajectories import by_role, by_turn
 from ..io.records import RunRecord
 from ..refusal import Refusal
 
-__all__ = ["audit_record", "load_module", "replay_to", "main", "AUDIT_PARTITIONS"]
+__all__ = ["audit_record", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
 
 AUDIT_PARTITIONS = {**PARTITIONS, "by_turn": by_turn, "by_role": by_role}
 
@@ -103,9 +105,32 @@ def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[R
             for k in ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps"):
                 if k in rg and k in g and json.loads(json.dumps(g[k] if not isinstance(g[k], tuple) else list(g[k]))) != rg[k]:
                     return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.")
-    if float(man.get("init_args", {}).get("dropout", 0.0) or 0.0) > 0.0:
-        return Refusal("dropout", "training used dropout, whose random masks the record does not hold.",
-                       remedy="train with dropout=0 or record with checkpoint_every=1")
+    return None
+
+
+def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
+    """The module's rollout batch of a recorded step (``make_rollout_batch`` or the record's builder)."""
+    trajs = record.trajectories(step)
+    builder = record.manifest.get("batch_builder")
+    if builder:
+        return _import(builder)(module, trajs, record.step_meta(step))
+    make = getattr(module, "make_rollout_batch", None)
+    if make is None:
+        raise ValueError(
+            f"{type(module).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`; "
+            "record with RunRecordCallback(batch_builder='pkg.mod.fn')."
+        )
+    return make(trajs)
+
+
+def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusal]:
+    if float(record.manifest.get("init_args", {}).get("dropout", 0.0) or 0.0) <= 0.0:
+        return None
+    unseeded = [s for s in steps if "dropout_seed" not in record.step_meta(s)]
+    if unseeded:
+        return Refusal("dropout", f"training used dropout and steps {unseeded[:5]} carry no recorded dropout seed, so "
+                       "their masks cannot be drawn again.", {"n_unseeded": len(unseeded)},
+                       remedy="train with dropout=0, have the module keep `last_rollout_batch.dropout_seed`, or record with checkpoint_every=1")
     return None
 
 
@@ -133,8 +158,11 @@ def replay_to(
     if missing:
         return Refusal("missing_steps", f"steps {missing[:5]} between checkpoint {start} and step {step} are not recorded.",
                        {"start": start, "step": step, "n_missing": len(missing)})
-    if not hasattr(m, "make_rollout_batch"):
-        return Refusal("make_rollout_batch", f"{type(m).__name__} has no `make_rollout_batch(trajectories)` to rebuild its batch.")
+    blocker = _dropout_blocker(record, range(start, step))
+    if blocker is not None:
+        return blocker
+    if not record.manifest.get("batch_builder") and not hasattr(m, "make_rollout_batch"):
+        return Refusal("make_rollout_batch", f"{type(m).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`.")
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -144,7 +172,7 @@ def replay_to(
     m.train()
     with torch.random.fork_rng():
         for s in it:
-            batch = m.make_rollout_batch(record.trajectories(s))
+            batch = rebuild_batch(m, record, s)
             opt.zero_grad(set_to_none=True)
             loss = m.credit_terms(batch).terms.sum()
             loss.backward()
@@ -187,7 +215,7 @@ def audit_record(
     m = replay_to(record, step, module, progress)
     if isinstance(m, Refusal):
         return m
-    batch = m.make_rollout_batch(record.trajectories(step))
+    batch = rebuild_batch(m, record, step)
     report = disintegrate(m, batch, part, dtype=dtype, keep_grads=keep_grads)
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)

@@ -4,6 +4,7 @@ Layout of ``<run_dir>/`` (documented in ``docs/record_schema.md``)::
 
     record.json                       manifest (schema, module, init args, optimizer, steps, checkpoints)
     trajectories/step_000000.jsonl    one trajectory per line, schema "lens_callbacks.trajectory/1"
+    trajectories/step_000000.meta.json  optional: what else the module needs to rebuild its batch
     policy_step_000000.pt             the policy's state_dict before the first optimizer step
     policy_step_{N:06d}.pt            optional further checkpoints (every ``checkpoint_every`` steps)
 
@@ -41,6 +42,7 @@ __all__ = [
     "RunRecord",
     "step_path",
     "policy_path",
+    "meta_path",
 ]
 
 TRAJECTORY_SCHEMA = "lens_callbacks.trajectory/1"
@@ -52,6 +54,10 @@ PathLike = Union[str, os.PathLike]
 
 def step_path(run_dir: PathLike, step: int) -> Path:
     return Path(run_dir) / "trajectories" / f"step_{int(step):06d}.jsonl"
+
+
+def meta_path(run_dir: PathLike, step: int) -> Path:
+    return Path(run_dir) / "trajectories" / f"step_{int(step):06d}.meta.json"
 
 
 def policy_path(run_dir: PathLike, step: int) -> Path:
@@ -232,8 +238,12 @@ class RunRecordWriter:
             self._flush()
         return path
 
-    def write_step(self, step: int, trajectories: Sequence[Trajectory]) -> Path:
-        """Write the trajectories the policy trained on at ``step``."""
+    def write_step(self, step: int, trajectories: Sequence[Trajectory], meta: Optional[Mapping[str, Any]] = None) -> Path:
+        """Write the trajectories the policy trained on at ``step`` (and ``meta``, e.g. a dropout seed)."""
+        if meta:
+            mpath = meta_path(self.run_dir, step)
+            mpath.parent.mkdir(parents=True, exist_ok=True)
+            mpath.write_text(json.dumps(_plain(dict(meta)), sort_keys=True, allow_nan=False))
         path = write_trajectories(step_path(self.run_dir, step), trajectories, step)
         if int(step) not in self._manifest["steps"]:
             self._manifest["steps"] = sorted(self._manifest["steps"] + [int(step)])
@@ -274,6 +284,11 @@ class RunRecord:
         if not path.is_file():
             raise ValueError(f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing.")
         return read_trajectories(path)
+
+    def step_meta(self, step: int) -> dict[str, Any]:
+        """What the module needs besides the trajectories to rebuild its batch (``{}`` when nothing)."""
+        path = meta_path(self.run_dir, step)
+        return json.loads(path.read_text()) if path.is_file() else {}
 
     def iter_steps(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[int, list[Trajectory]]]:
         for s in self.steps:

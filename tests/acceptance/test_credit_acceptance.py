@@ -39,7 +39,7 @@ def _train(run_dir, **kw):
         enable_model_summary=False, accelerator="cpu", default_root_dir=str(run_dir),
         callbacks=[RunRecordCallback(str(run_dir / "record"), checkpoint_every=1)],
     )
-    trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2, seed=1))
+    trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2, data_seed=1))
     return RunRecord(run_dir / "record")
 
 
