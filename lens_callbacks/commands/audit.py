@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -58,6 +59,10 @@ def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.
     cls = _import(path)
     args = dict(record.manifest.get("init_args", {}))
     args.update(overrides)
+    # LightningCLI adds bookkeeping keys such as `_class_path` to hparams; pass only what __init__ takes.
+    sig = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
+        args = {k: v for k, v in args.items() if k in sig}
     module = cls(**args)
     module.load_state_dict(record.load_policy(step))
     return module
