@@ -66,6 +66,17 @@ def trajectories_of(pl_module: Any, step: int) -> Optional[list[Trajectory]]:
     return None
 
 
+def _merge_ranks(parts: list[list[Trajectory]]) -> list[Trajectory]:
+    """Concatenate per-rank trajectories in rank order, renumbering rollouts and groups to stay unique."""
+    out: list[Trajectory] = []
+    g_off = 0
+    for part in parts:
+        for t in part:
+            out.append(Trajectory(t.turns, t.reward, t.group + g_off, len(out), t.prompt_id, t.step))
+        g_off += max((t.group for t in part), default=-1) + 1
+    return out
+
+
 def _optimizer_config(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     for g in opt.param_groups:
@@ -87,7 +98,8 @@ class RunRecordCallback(Callback):
             (e.g. ``examples.grpo_tools.single_turn.grpo_rollout_batch`` for ``examples.grpo``).
 
     A module's ``last_rollout_batch.dropout_seed`` (when it has one) is recorded per step, so a run
-    with dropout replays exactly. Under DDP every rank's trajectories are gathered and rank 0 writes them.
+    with dropout replays exactly. Under DDP every rank's trajectories are gathered (a collective every
+    rank reaches) and rank 0 writes them, rollouts and groups renumbered in rank order.
     """
 
     def __init__(self, run_dir: Optional[str] = None, checkpoint_every: int = 0, batch_builder: Optional[str] = None) -> None:
@@ -141,7 +153,7 @@ class RunRecordCallback(Callback):
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, trajs or [])
-            trajs = [t for part in gathered for t in part]
+            trajs = _merge_ranks(gathered)
         if self.writer is None or not trajs:
             return
         seed = getattr(getattr(pl_module, "last_rollout_batch", None), "dropout_seed", None)
