@@ -179,3 +179,21 @@ def test_yaml_run_then_offline_audit_matches_the_live_audit(tmp_path):
     # the per-part rows of the offline table are the live ones: same weights (replayed), same batch (recorded)
     rows = lambda text: [ln for ln in text.splitlines() if ln.startswith("turn_")]  # noqa: E731
     assert rows(a.stdout) and rows(a.stdout) == rows(live)
+
+
+class _Scheduled(GRPOToolsModule):
+    """The example with a step-wise LR schedule (halves the rate after every step)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}}
+
+
+def test_replay_uses_the_recorded_learning_rates(tmp_path):
+    rec = _fit(_Scheduled(seed=2, lr=0.2), 3, tmp_path, checkpoint_every=1)
+    assert [rec.step_meta(s)["lr"] for s in rec.steps] == [[0.2], [0.1], [0.05]]
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    back = replay_to(view, 3, _Scheduled(seed=2, lr=0.2), progress=False)
+    ck = rec.load_policy(3)
+    assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items())
