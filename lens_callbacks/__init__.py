@@ -19,6 +19,7 @@ _LAZY = {
     "ConservationCheckCallback": "lens_callbacks.callbacks",
     "AnchorProjectionCallback": "lens_callbacks.callbacks",
     "ProcessRewardCallback": "lens_callbacks.callbacks",
+    "RunRecordCallback": "lens_callbacks.callbacks",
     "CreditTerms": "lens_callbacks.credit",
     "CreditSource": "lens_callbacks.credit",
     "disintegrate": "lens_callbacks.credit",

@@ -11,6 +11,7 @@ _CALLBACKS = {
     "ConservationCheckCallback": "conservation",
     "ProcessRewardCallback": "process",
     "AnchorProjectionCallback": "anchor",
+    "RunRecordCallback": "records",
 }
 
 __all__ = list(_CALLBACKS)

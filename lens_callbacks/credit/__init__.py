@@ -5,6 +5,23 @@ from .engine import disintegrate, evaluate_terms, resolve_dtype
 from .partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
 from .report import CreditGrads, CreditReport
 from .terms import CreditSource, CreditTerms, is_credit_source
+from .trajectories import (
+    ToolCall,
+    Trajectory,
+    TrajectoryBatch,
+    Turn,
+    TurnSegments,
+    batch_from_trajectories,
+    by_role,
+    by_turn,
+    turn_claim_support,
+    turn_segments,
+)
+
+# Turn partitions live beside the tokenisation they depend on; register them so
+# `partition: by_turn` works by name in YAML.
+PARTITIONS.setdefault("by_turn", by_turn)
+PARTITIONS.setdefault("by_role", by_role)
 
 __all__ = [
     "CreditTerms",
@@ -25,4 +42,14 @@ __all__ = [
     "exact_optimizer_precondition",
     "ConservationReading",
     "unit_roundoff",
+    "Trajectory",
+    "Turn",
+    "ToolCall",
+    "TrajectoryBatch",
+    "TurnSegments",
+    "batch_from_trajectories",
+    "turn_segments",
+    "by_turn",
+    "by_role",
+    "turn_claim_support",
 ]
