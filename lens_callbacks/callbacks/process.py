@@ -1,0 +1,129 @@
+"""ProcessRewardCallback: the outcome→process reward instrument on every training step's groups."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ..metrics.process import ProcessRewardMetric, readings_to_tensors
+from ..process.instrument import ProcessAudit, audit_groups
+from ..process.sources import groups_from_terms
+from ..refusal import Refusal
+
+__all__ = ["ProcessRewardCallback"]
+
+
+class ProcessRewardCallback(Callback):
+    """Runs :func:`~lens_callbacks.process.audit_groups` on the groups each training batch sampled.
+
+    The groups come from the module's ``credit_terms(batch)`` (``group`` ids, ``trained`` positions,
+    ``tokens`` and the outcome ``rewards``), evaluated without gradients and on a forked RNG stream, so
+    nothing the run has changes. Logs ``process/kill_fraction``, ``process/informative_fraction``,
+    ``process/mean_divergence_depth``, ``process/zero_reward_fraction`` and ``process/n_groups``
+    (summed over DDP ranks through torchmetrics), and the step's verdict as TensorBoard text
+    ``process/verdict`` (rank 0's groups).
+
+    Args:
+        every_n_steps: audit every n-th training batch.
+        log_text_every_n_steps: write the verdict text every n-th audit (0: never).
+        log_prefix: metric name prefix.
+
+    YAML::
+
+        trainer:
+          callbacks:
+            - class_path: lens_callbacks.ProcessRewardCallback
+              init_args: {every_n_steps: 1}
+    """
+
+    def __init__(self, every_n_steps: int = 1, log_text_every_n_steps: int = 1, log_prefix: str = "process/") -> None:
+        super().__init__()
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be an int >= 1, got {every_n_steps!r}.")
+        if not isinstance(log_text_every_n_steps, int) or isinstance(log_text_every_n_steps, bool) or log_text_every_n_steps < 0:
+            raise ValueError(
+                f"`log_text_every_n_steps` must be an int >= 0 (0 turns the text off), got {log_text_every_n_steps!r}."
+            )
+        self.every_n_steps = every_n_steps
+        self.log_text_every_n_steps = log_text_every_n_steps
+        self.log_prefix = log_prefix
+        self.metric = ProcessRewardMetric()
+        self.last_audit: Optional[ProcessAudit] = None
+        self.last_refusal: Optional[Refusal] = None
+        self.n_batches = 0
+        self.n_audits = 0
+        self.n_groups_total = 0
+        self.n_killed_total = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not callable(getattr(pl_module, "credit_terms", None)):
+            raise TypeError(
+                f"ProcessRewardCallback needs the LightningModule to implement `credit_terms(batch) -> CreditTerms` "
+                f"with `tokens` and `rewards`, got {type(pl_module).__name__} without it."
+            )
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.n_batches += 1
+        if (self.n_batches - 1) % self.every_n_steps:
+            return
+        audit = self._audit(pl_module, batch, trainer.global_step)
+        if audit is None:
+            return
+        self.metric.to(pl_module.device)
+        self.metric.reset()
+        self.metric.update(*readings_to_tensors(audit.readings))
+        values = self.metric.compute()  # synced over ranks: every rank reaches this line on the same batches
+        self.metric.reset()
+        pl_module.log_dict(
+            {f"{self.log_prefix}{k}": v.float() for k, v in values.items()},
+            on_step=True,
+            on_epoch=False,
+            sync_dist=False,
+            batch_size=max(audit.n_groups, 1),
+        )
+        self.last_audit = audit
+        self.n_audits += 1
+        self.n_groups_total += audit.n_groups
+        self.n_killed_total += audit.n_killed
+        if self.log_text_every_n_steps and (self.n_audits - 1) % self.log_text_every_n_steps == 0:
+            self._log_text(trainer, audit.render(), trainer.global_step)
+
+    def _audit(self, pl_module: LightningModule, batch: Any, step: int) -> Optional[ProcessAudit]:
+        devices = [pl_module.device.index or 0] if pl_module.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            terms = pl_module.credit_terms(batch)
+        try:
+            groups = groups_from_terms(terms)
+        except ValueError as err:
+            if self.last_refusal is None:
+                rank_zero_warn(f"ProcessRewardCallback: no reading this run: {err}")
+            self.last_refusal = Refusal("inputs", str(err), remedy="return tokens and rewards from credit_terms")
+            return None
+        return audit_groups(groups, source=f"step {step}")
+
+    @staticmethod
+    def _log_text(trainer: Trainer, text: str, step: int) -> None:
+        for logger in trainer.loggers:
+            exp = getattr(logger, "experiment", None)
+            add_text = getattr(exp, "add_text", None)
+            if trainer.is_global_zero and callable(add_text):
+                with contextlib.suppress(Exception):  # a logging failure never stops training
+                    # Indented lines render as preformatted text in TensorBoard's markdown.
+                    add_text("process/verdict", "\n".join("    " + line for line in text.splitlines()), global_step=step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "n_batches": self.n_batches,
+            "n_audits": self.n_audits,
+            "n_groups_total": self.n_groups_total,
+            "n_killed_total": self.n_killed_total,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for k in ("n_batches", "n_audits", "n_groups_total", "n_killed_total"):
+            if k in state_dict:
+                setattr(self, k, int(state_dict[k]))
