@@ -8,7 +8,8 @@ Monte-Carlo value of the prefix, ``q(s) = E[R | prefix s]``. Per group (the roll
 - the state after position ``t`` of rollout ``k`` is ``s_{≤t}``, its first ``t`` tokens; the state
   after its last token is the finished rollout itself, whose value is its own outcome ``R_k``;
 - the process reward at position ``t`` is ``r_{k,t} = q(s_{≤t}) − q(s_{<t})``, so
-  ``Σ_t r_{k,t} = R_k − q(root)``: it telescopes to the rollout's outcome advantage;
+  ``Σ_t r_{k,t} = R_k − q(root)``: it telescopes to the rollout's outcome advantage (a rollout with
+  no trained position carries none);
 - the divergence depth of a rollout is the 1-based position where it first stands alone
   (``n(s_{≤t}) = 1``; the finished rollout always does);
 - a position is *informative* when its state is shared by ≥ 2 rollouts with different outcomes: the
