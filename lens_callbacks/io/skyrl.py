@@ -31,7 +31,7 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -56,13 +56,14 @@ class SkyRLDumpError(pickle.UnpicklingError):
 class ForbiddenGlobalError(SkyRLDumpError):
     """The dump names a global outside the allow-list; nothing it names is imported or called."""
 
-    def __init__(self, module: str, name: str, path: str) -> None:
+    def __init__(self, module: str, name: str, path: str, allowed: Optional[Iterable[str]] = None) -> None:
         self.module = module
         self.name = name
         self.path = path
+        names = ", ".join(sorted(ALLOWED_GLOBALS if allowed is None else allowed))
         super().__init__(
             f"{path}: refused to unpickle the global {module}.{name}: it is not one SkyRL's "
-            f"TrainingInputBatch.save writes (allowed: {', '.join(sorted(ALLOWED_GLOBALS))}). "
+            f"TrainingInputBatch.save writes (allowed here: {names}). "
             "Nothing was imported or called; read only dumps you trust with pickle itself."
         )
 
@@ -131,6 +132,9 @@ _STORAGES = {
 }
 
 
+_INNER_ALLOWED = ["torch._utils._rebuild_tensor_v2", "collections.OrderedDict", *(f"torch.{n}" for n in _STORAGES)]
+
+
 @dataclass
 class _Tensor:
     """A decoded tensor payload: a numpy array plus the torch dtype it stands for."""
@@ -169,7 +173,7 @@ class _ZipTensorUnpickler(pickle.Unpickler):
             return _OrderedDict
         if module == "torch" and name in _STORAGES:
             return _STORAGES[name]
-        raise ForbiddenGlobalError(module, name, self._path + " (embedded torch.save payload)")
+        raise ForbiddenGlobalError(module, name, self._path + " (embedded torch.save payload)", _INNER_ALLOWED)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Storage)):

@@ -90,7 +90,7 @@ def test_groups_from_terms_use_trained_tokens_and_rewards():
         groups_from_terms(CreditTerms(torch.zeros(3, 4), trained, torch.arange(3), torch.zeros(3, dtype=torch.long)))
 
 
-def test_process_command_prints_the_table(tmp_path):
+def test_process_command_prints_the_table(tmp_path, capsys):
     run = _write_record(tmp_path, {0: [_line(0, 0, 0, 1.0, [5, 6]), _line(0, 0, 1, 0.0, [8, 7])]})
     r = subprocess.run(
         [sys.executable, "-m", "lens_callbacks", "process", str(run), "--groups", "1"],
@@ -98,8 +98,7 @@ def test_process_command_prints_the_table(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "Kill condition fires" in r.stdout and "on 1 of 1" in r.stdout and "group step0/group0" in r.stdout
-    r = subprocess.run(
-        [sys.executable, "-m", "lens_callbacks", "process", str(tmp_path / "missing")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert r.returncode == 2 and "missing" in r.stderr
+    from lens_callbacks.cli import main
+
+    assert main(["process", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
