@@ -53,6 +53,7 @@ class ProcessRewardCallback(Callback):
         self.log_prefix = log_prefix
         self.metric = ProcessRewardMetric()
         self.last_audit: Optional[ProcessAudit] = None
+        self.last_audit_step = -1
         self.last_refusal: Optional[Refusal] = None
         self.n_batches = 0
         self.n_audits = 0
@@ -66,11 +67,16 @@ class ProcessRewardCallback(Callback):
                 f"with `tokens` and `rewards`, got {type(pl_module).__name__} without it."
             )
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # The step this batch trains at (global_step before the optimizer step increments it).
+        self._step = trainer.global_step
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.n_batches += 1
         if (self.n_batches - 1) % self.every_n_steps:
             return
-        audit = self._audit(pl_module, batch, trainer.global_step)
+        step = getattr(self, "_step", trainer.global_step)
+        audit = self._audit(pl_module, batch, step)
         if audit is None:
             return
         self.metric.to(pl_module.device)
@@ -86,11 +92,12 @@ class ProcessRewardCallback(Callback):
             batch_size=max(audit.n_groups, 1),
         )
         self.last_audit = audit
+        self.last_audit_step = step
         self.n_audits += 1
         self.n_groups_total += audit.n_groups
         self.n_killed_total += audit.n_killed
         if self.log_text_every_n_steps and (self.n_audits - 1) % self.log_text_every_n_steps == 0:
-            self._log_text(trainer, audit.render(), trainer.global_step)
+            self._log_text(trainer, audit.render(), step)
 
     def _audit(self, pl_module: LightningModule, batch: Any, step: int) -> Optional[ProcessAudit]:
         devices = [pl_module.device.index or 0] if pl_module.device.type == "cuda" else []
