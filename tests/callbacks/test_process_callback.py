@@ -173,3 +173,19 @@ def test_metric_matches_functional_and_sums_states():
     # the empty group has no positions: it counts for the kill, not for the means
     assert float(got["mean_divergence_depth"]) == pytest.approx((a.readings[0].mean_divergence_depth + 1.0) / 2)
     assert math.isnan(a.readings[2].mean_divergence_depth)
+
+
+@pytest.mark.slow
+def test_ddp_two_ranks_sum_the_groups(tmp_path):
+    """Every rank audits its own groups; the logged counts are summed over ranks, without a deadlock."""
+    seed_everything(7, workers=True)
+    trainer = Trainer(
+        max_steps=2, accelerator="cpu", strategy="ddp_spawn", devices=2, logger=False,
+        callbacks=[ProcessRewardCallback()], enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=tmp_path,
+    )
+    trainer.fit(TinyRL(prompts=3))
+    metrics = trainer.callback_metrics
+    assert float(metrics["process/n_groups"]) == 6.0  # 3 groups on each of 2 ranks
+    assert 0.0 <= float(metrics["process/kill_fraction"]) <= 1.0
+    assert float(metrics["process/n_killed"]) == pytest.approx(6.0 * float(metrics["process/kill_fraction"]))
