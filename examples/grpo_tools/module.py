@@ -1,0 +1,239 @@
+"""A multi-turn GRPO loop whose assistant may call a calculator tool.
+
+Each training step samples ``group_size`` episodes per prompt inside ``training_step`` (never again
+later), builds the rollout batch with :func:`~lens_callbacks.credit.trajectories.batch_from_trajectories`
+(each turn tokenised on its own; only assistant turns trained; tool results are ``tool`` turns), caches
+it as ``last_rollout_batch``, and returns exactly ``self.credit_terms(None).terms.sum()`` as the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch.utils.data import DataLoader
+
+from lens_callbacks.credit.terms import CreditTerms
+from lens_callbacks.credit.trajectories import (
+    Trajectory,
+    TrajectoryBatch,
+    TurnSegments,
+    batch_from_trajectories,
+    turn_segments,
+)
+
+from .env import VOCAB, build_tokenizer, run_episode
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+_SEGMENT_BY = ("turn", "role", "turn_index")
+
+
+@dataclass(frozen=True)
+class ToolRolloutBatch:
+    """What one step trained on: the padded batch, the turn of each position, the advantages."""
+
+    batch: TrajectoryBatch
+    segments: TurnSegments
+    advantages: torch.Tensor  # [B] float64
+    trajectories: tuple[Trajectory, ...]
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages ``A_k = (R_k − mean_g R) / (std_g R + eps)`` within each prompt group (float64)."""
+    r = rewards.double()  # [B]
+    adv = torch.zeros_like(r)
+    for g in torch.unique(group):
+        m = group == g
+        x = r[m]
+        adv[m] = (x - x.mean()) / (x.std(unbiased=False) + eps)
+    return adv
+
+
+class GRPOToolsModule(LightningModule):
+    """GRPO on ``a + b =`` with a calculator the assistant may call.
+
+    Args:
+        n_layer, n_embd, n_head: the tiny GPT-2 policy.
+        group_size: episodes per prompt.
+        max_new_tokens: tokens per assistant turn at most.
+        max_tool_calls: tool calls per episode at most.
+        temperature: sampling temperature.
+        dropout: GPT-2 dropout (0 keeps an offline replay exact).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``. lr, momentum, weight_decay: its settings.
+        seed: model init and sampling seed (sampling at step N uses ``seed`` and N only).
+        dtype: ``"float32"`` or ``"float64"`` parameters.
+        system_prompt: text of the system turn (``""``: no system turn).
+        segment_by: the turn segments ``credit_terms`` reports: ``"turn"``, ``"role"`` or ``"turn_index"``.
+        padding_side: ``"right"`` or ``"left"``.
+    """
+
+    def __init__(
+        self,
+        n_layer: int = 2,
+        n_embd: int = 32,
+        n_head: int = 2,
+        group_size: int = 4,
+        max_new_tokens: int = 6,
+        max_tool_calls: int = 2,
+        temperature: float = 1.0,
+        dropout: float = 0.0,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        dtype: str = "float32",
+        system_prompt: str = "tools : calc",
+        segment_by: str = "turn",
+        padding_side: str = "right",
+    ) -> None:
+        super().__init__()
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"`optimizer` must be one of {_OPTIMIZERS}, got {optimizer!r}.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"`dtype` must be one of {tuple(_DTYPES)}, got {dtype!r}.")
+        if segment_by not in _SEGMENT_BY:
+            raise ValueError(f"`segment_by` must be one of {_SEGMENT_BY}, got {segment_by!r}.")
+        if group_size < 1 or max_new_tokens < 1 or max_tool_calls < 0:
+            raise ValueError(
+                f"`group_size` and `max_new_tokens` must be >= 1 and `max_tool_calls` >= 0, got "
+                f"{group_size!r}, {max_new_tokens!r}, {max_tool_calls!r}."
+            )
+        if temperature <= 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        self.save_hyperparameters()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.tokenizer = build_tokenizer()
+        cfg = GPT2Config(
+            vocab_size=len(VOCAB),
+            n_positions=128,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            bos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cfg._attn_implementation = "eager"  # math attention: same numbers in every dtype, forward AD works
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.policy = GPT2LMHeadModel(cfg).to(_DTYPES[dtype])
+        self.last_rollout_batch: Optional[ToolRolloutBatch] = None
+        self.last_trajectories: list[Trajectory] = []
+
+    # -- rollouts -------------------------------------------------------------------------------
+    def rollout(self, prompts: Sequence[dict], step: int) -> list[Trajectory]:
+        """Sample ``group_size`` episodes per prompt with a generator seeded by (seed, step) only."""
+        hp = self.hparams
+        gen = torch.Generator().manual_seed(int(hp.seed) * 1_000_003 + int(step))
+        out: list[Trajectory] = []
+        for g, p in enumerate(prompts):
+            for _ in range(hp.group_size):
+                turns, r = run_episode(
+                    self.policy,
+                    self.tokenizer,
+                    int(p["a"]),
+                    int(p["b"]),
+                    system_prompt=hp.system_prompt,
+                    max_new_tokens=hp.max_new_tokens,
+                    max_tool_calls=hp.max_tool_calls,
+                    temperature=hp.temperature,
+                    generator=gen,
+                )
+                out.append(Trajectory(tuple(turns), r, g, len(out), str(p["prompt_id"]), int(step)))
+        return out
+
+    def make_rollout_batch(self, trajectories: Sequence[Trajectory]) -> ToolRolloutBatch:
+        """The rollout batch of a list of trajectories (from sampling, or read back from a run record)."""
+        batch, segments = batch_from_trajectories(self.tokenizer, trajectories, padding_side=self.hparams.padding_side)
+        return ToolRolloutBatch(batch, segments, group_advantages(batch.rewards, batch.group), tuple(trajectories))
+
+    # -- the one interface ----------------------------------------------------------------------
+    def credit_terms(self, batch: Any = None) -> CreditTerms:
+        r"""``terms[k, t] = −A_k · log π(y_{k,t} | y_{k,<t}) · trained[k, t] / N_trained``."""
+        if isinstance(batch, ToolRolloutBatch):
+            rb = batch
+        elif isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], Trajectory):
+            rb = self.make_rollout_batch(batch)
+        else:
+            rb = self.last_rollout_batch
+        if rb is None:
+            raise ValueError("`credit_terms` needs a rollout batch; none was given and no step has run yet.")
+        b = rb.batch.to(self.device)
+        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+        logp = F.pad(logp, (1, 0))  # [B, T]; position 0 is never trained (it has no context)
+        trained = b.trained  # [B, T]
+        n = trained.sum().clamp(min=1)
+        adv = rb.advantages.to(device=logp.device, dtype=logp.dtype)  # [B]
+        terms = -(adv[:, None] * logp) * trained.to(logp.dtype) / n  # [B, T]
+        segment, names = turn_segments(rb.segments, self.hparams.segment_by, rollout=b.rollout)
+        return CreditTerms(
+            terms, trained, b.rollout, b.group, segment.to(trained.device), names, rewards=b.rewards, tokens=b.input_ids
+        )
+
+    # -- Lightning ------------------------------------------------------------------------------
+    def training_step(self, batch: Sequence[dict], batch_idx: int) -> torch.Tensor:
+        trajs = self.rollout(batch, self.global_step)
+        self.last_trajectories = trajs
+        self.last_rollout_batch = self.make_rollout_batch(trajs)
+        loss = self.credit_terms(None).terms.sum()
+        n = len(trajs)
+        self.log_dict(
+            {
+                "train/loss": loss.detach().float(),
+                "train/reward": sum(t.reward for t in trajs) / n,
+                "train/turns": sum(len(t.turns) for t in trajs) / n,
+                "train/tool_calls": sum(t.n_tool_calls for t in trajs) / n,
+            },
+            batch_size=n,
+        )
+        return loss
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+
+
+def _collate(items: list[dict]) -> list[dict]:
+    return list(items)
+
+
+class ToolsAdditionDataModule(LightningDataModule):
+    """Prompts ``a + b =`` with operands in ``0 .. max_operand`` (a fixed, seeded list).
+
+    Args:
+        n_prompts: prompts in the list.
+        prompts_per_step: prompts per training step (each gets ``group_size`` episodes).
+        max_operand: largest operand.
+        data_seed: the list's seed (named apart from the module's ``seed`` so loggers keep both).
+    """
+
+    def __init__(self, n_prompts: int = 64, prompts_per_step: int = 2, max_operand: int = 9, data_seed: int = 0) -> None:
+        super().__init__()
+        if n_prompts < 1 or prompts_per_step < 1:
+            raise ValueError(f"`n_prompts` and `prompts_per_step` must be >= 1, got {n_prompts!r}, {prompts_per_step!r}.")
+        if not 0 <= max_operand <= 9:
+            raise ValueError(f"`max_operand` must be in 0..9 (sums stay in the vocabulary), got {max_operand!r}.")
+        self.save_hyperparameters()
+        self.n_prompts, self.prompts_per_step, self.max_operand, self.data_seed = n_prompts, prompts_per_step, max_operand, data_seed
+
+    def prompts(self) -> list[dict]:
+        g = torch.Generator().manual_seed(self.data_seed)
+        ab = torch.randint(0, self.max_operand + 1, (self.n_prompts, 2), generator=g).tolist()
+        return [{"a": a, "b": b, "prompt_id": f"{a}+{b}"} for a, b in ab]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.prompts(), batch_size=self.prompts_per_step, shuffle=False, collate_fn=_collate)

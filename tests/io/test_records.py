@@ -1,0 +1,200 @@
+"""The run record: schema, round trip bit for bit, the writer/reader, and RunRecordCallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lens_callbacks.credit.trajectories import ToolCall, Trajectory, Turn, batch_from_trajectories, turn_segments
+from lens_callbacks.io.records import (
+    TRAJECTORY_SCHEMA,
+    RunRecord,
+    RunRecordWriter,
+    read_trajectories,
+    step_path,
+    trajectory_from_json,
+    trajectory_to_json,
+    write_trajectories,
+)
+
+
+torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
+
+class Chars:
+    pad_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def _trajs():
+    return [
+        Trajectory(
+            (
+                Turn("system", "tools: calc"),
+                Turn("user", "7 + 5 = ?  é✓"),
+                Turn("assistant", "calc 7 + 5", (101, 7, 3, 5), tool_call=ToolCall("calc", "7 + 5")),
+                Turn("tool", "12"),
+                Turn("assistant", "12", (12,)),
+            ),
+            reward=0.1 + 0.2,  # not a short decimal: the round trip must keep every bit
+            group=0,
+            rollout=0,
+            prompt_id="7+5",
+            step=3,
+        ),
+        Trajectory((Turn("user", "hi"), Turn("assistant", "yo")), reward=-1e-300, group=1, rollout=1, prompt_id="p1", step=3),
+    ]
+
+
+def _tensors(batch, seg):
+    return [batch.input_ids, batch.attention_mask, batch.position_ids, batch.trained, batch.rollout, batch.group, batch.rewards, seg.ids]
+
+
+def test_round_trip_rebuilds_the_same_batch_bit_for_bit(tmp_path):
+    trajs = _trajs()
+    path = write_trajectories(tmp_path / "s.jsonl", trajs, step=3)
+    back = read_trajectories(path)
+    for side in ("right", "left"):
+        a = batch_from_trajectories(Chars(), trajs, padding_side=side)
+        b = batch_from_trajectories(Chars(), back, padding_side=side)
+        for x, y in zip(_tensors(*a), _tensors(*b)):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+        assert a[1].roles == b[1].roles and turn_segments(a[1]) [1] == turn_segments(b[1])[1]
+    assert back[0].reward == 0.1 + 0.2 and back[1].reward == -1e-300
+    assert back[0].turns[2].tool_call == ToolCall("calc", "7 + 5")
+    assert back[0].turns[1].text == "7 + 5 = ?  é✓"
+
+
+def test_lines_follow_the_contract_schema(tmp_path):
+    write_trajectories(tmp_path / "s.jsonl", _trajs(), step=3)
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    d = lines[0]
+    assert d["schema"] == TRAJECTORY_SCHEMA == "lens_callbacks.trajectory/1"
+    assert set(d) == {"schema", "step", "group", "rollout", "prompt_id", "reward", "turns"}
+    assert [t["role"] for t in d["turns"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert [t["trained"] for t in d["turns"]] == [False, False, True, False, True]
+    assert d["turns"][2]["tool_call"] == {"name": "calc", "arguments": "7 + 5"} and d["turns"][3]["tool_call"] is None
+    assert set(d["turns"][0]) == {"role", "text", "token_ids", "trained", "tool_call"}
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d.update(schema="other/1"), "`schema` must be"),
+        (lambda d: d["turns"][0].update(role="narrator"), "`role` must be one of"),
+        (lambda d: d.pop("reward"), "field `reward` is missing"),
+        (lambda d: d["turns"][0].update(token_ids=[1, "2"]), "`token_ids` must be a list of ints"),
+        (lambda d: d["turns"][0].update(trained="yes"), "`trained` must be true/false"),
+        (lambda d: d["turns"][0].update(tool_call="calc"), "`tool_call` must be null"),
+        (lambda d: d.update(group="0"), "field `group` must be int"),
+    ],
+)
+def test_bad_lines_are_clear_errors_naming_the_line(tmp_path, edit, match):
+    d = trajectory_to_json(_trajs()[0])
+    edit(d)
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps(trajectory_to_json(_trajs()[1])) + "\n" + json.dumps(d) + "\n")
+    with pytest.raises(ValueError, match=match) as err:
+        read_trajectories(p)
+    assert "bad.jsonl:2" in str(err.value)
+
+
+def test_non_finite_reward_is_refused_at_write_time():
+    t = Trajectory((Turn("user", "a"), Turn("assistant", "b")), reward=float("nan"))
+    with pytest.raises(ValueError, match="`reward` must be finite"):
+        trajectory_to_json(t)
+
+
+def test_writer_and_reader(tmp_path):
+    w = RunRecordWriter(tmp_path / "run", checkpoint_every=2)
+    w.write_manifest(module="pkg.M", init_args={"lr": 0.5, "betas": (0.9, 0.99)})
+    state = {"w": torch.arange(3.0), "b": torch.tensor([1.5], dtype=torch.float64)}
+    w.write_policy(0, state)
+    for s in range(3):
+        w.write_step(s, _trajs())
+    assert [w.wants_checkpoint(s) for s in range(5)] == [True, False, True, False, True]
+    r = RunRecord(tmp_path / "run")
+    assert r.steps == [0, 1, 2] and r.checkpoints == [0]
+    assert r.manifest["init_args"] == {"lr": 0.5, "betas": [0.9, 0.99]}
+    loaded = r.load_policy(0)
+    assert set(loaded) == {"w", "b"} and all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in state)
+    assert r.nearest_checkpoint(2) == 0
+    assert step_path(tmp_path / "run", 2).name == "step_000002.jsonl"
+    assert [t.step for t in r.trajectories(1)] == [1, 1]
+    with pytest.raises(ValueError, match="`step` must be a recorded step"):
+        r.trajectories(9)
+    with pytest.raises(ValueError, match="no policy checkpoint at step 1"):
+        r.load_policy(1)
+    with pytest.raises(ValueError, match="`run_dir` must hold a run record"):
+        RunRecord(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="already holds a record"):
+        RunRecordWriter(tmp_path / "run", overwrite=False)
+
+
+def test_from_json_keeps_unset_token_ids_unset():
+    d = trajectory_to_json(_trajs()[0])
+    t = trajectory_from_json(d)
+    assert t.turns[0].token_ids is None and t.turns[2].token_ids == (101, 7, 3, 5)
+
+
+# --------------------------------------------------------------------------------------- the callback
+def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
+    pytest.importorskip("transformers")
+    from lightning.pytorch import Trainer
+
+    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.callbacks.records import RunRecordCallback
+
+    torch.manual_seed(0)
+    m = GRPOToolsModule(seed=3)
+    fresh = GRPOToolsModule(seed=3).state_dict()  # the same seed builds the same initial policy
+    cb = RunRecordCallback(str(tmp_path / "rec"), checkpoint_every=2)
+    trainer = Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+    )
+    trainer.callbacks.append(cb)
+    trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=1))
+    rec = RunRecord(tmp_path / "rec")
+    assert rec.steps == [0, 1, 2] and rec.checkpoints == [0, 2]
+    assert rec.manifest["module"] == "examples.grpo_tools.module.GRPOToolsModule"
+    assert rec.manifest["init_args"]["seed"] == 3
+    assert rec.manifest["optimizer"][0]["class"] == "torch.optim.sgd.SGD"
+    assert rec.manifest["trainer"]["accumulate_grad_batches"] == 1
+    p0 = rec.load_policy(0)
+    assert set(p0) == set(fresh) and all(torch.equal(p0[k], fresh[k]) for k in fresh)
+    last = rec.trajectories(2)
+    assert len(last) == m.hparams.group_size and all(t.step == 2 for t in last)
+    assert [t.turns for t in last] == [t.turns for t in m.last_trajectories]
+    assert [t.reward for t in last] == [t.reward for t in m.last_trajectories]
+
+
+def test_callback_reads_single_turn_rollouts():
+    from lens_callbacks.callbacks.records import trajectories_of
+
+    class M:
+        last_rollouts = [
+            {"prompt": "1 + 2 =", "completion": "3", "prompt_ids": [4, 5], "completion_ids": torch.tensor([6]),
+             "reward": 1.0, "group": 2, "rollout": 5},
+        ]
+
+    (t,) = trajectories_of(M(), 7)
+    assert [x.role for x in t.turns] == ["user", "assistant"]
+    assert t.turns[0].token_ids == (4, 5) and t.turns[1].token_ids == (6,)
+    assert (t.group, t.rollout, t.step, t.reward) == (2, 5, 7, 1.0)
+
+
+def test_callback_refuses_gradient_accumulation():
+    from lightning.pytorch import Trainer
+
+    from lens_callbacks.callbacks.records import RunRecordCallback
+
+    trainer = Trainer(accumulate_grad_batches=2, logger=False, enable_checkpointing=False, accelerator="cpu")
+    with pytest.raises(ValueError, match="`accumulate_grad_batches` must be 1"):
+        RunRecordCallback("x").setup(trainer, None, "fit")
+    with pytest.raises(ValueError, match="`checkpoint_every` must be an int"):
+        RunRecordCallback("x", checkpoint_every=-1)
