@@ -26,6 +26,7 @@ The peer for cross-checks is the ``InfPRMTree`` of coli-saar/grpo-prm (Sullivan 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
@@ -407,11 +408,13 @@ class ProcessAudit:
         return "\n".join(lines)
 
 
-def audit_groups(groups: Iterable[GroupLike], *, source: str = "", progress: bool = False) -> ProcessAudit:
+def audit_groups(groups: Any, *, source: str = "", progress: bool = False) -> ProcessAudit:
     """Run :func:`induced_process_reward` on every group (never a sample of them).
 
     Args:
-        groups: :class:`RolloutGroup` objects, ``(completions, rewards)`` pairs, or dicts with those keys.
+        groups: :class:`RolloutGroup` objects, ``(completions, rewards)`` pairs, or dicts with those keys;
+            or, for every group at once: a step's ``CreditTerms`` (with ``tokens`` and ``rewards``), a
+            :class:`~lens_callbacks.io.SkyRLDump`, or a path (run-record directory, dump file, directory of dumps).
         source: what the groups came from (shown in the table).
         progress: show a progress bar on stderr (needs ``tqdm``; silently off without it).
 
@@ -420,6 +423,16 @@ def audit_groups(groups: Iterable[GroupLike], *, source: str = "", progress: boo
         >>> a.n_killed, a.n_groups, a.mean_divergence_depth_range
         (1, 2, (1.0, 2.0))
     """
+    from . import sources  # here, not at the top: sources builds RolloutGroups from this module
+
+    if isinstance(groups, (str, os.PathLike)):
+        groups, found = sources.load_groups(groups)
+        source = source or found
+    elif hasattr(groups, "trained") and hasattr(groups, "group"):
+        groups = sources.groups_from_terms(groups)
+    elif hasattr(groups, "advantages_per_row") and hasattr(groups, "groups"):
+        source = source or f"SkyRL dump {getattr(groups, 'path', '')}"
+        groups = sources.groups_from_dump(groups)
     items = list(groups)
     it: Iterable[Any] = enumerate(items)
     if progress:

@@ -339,3 +339,25 @@ def test_skyrl_command_prints_the_summary(capsys):
 
     assert main(["skyrl", str(HOSTILE)]) == 2
     assert "builtins.eval" in capsys.readouterr().err
+
+
+@needs_fixtures
+def test_process_table_of_a_dump(current, legacy, capsys):
+    from lens_callbacks.cli import main
+    from lens_callbacks.process import audit_groups, groups_from_dump
+
+    groups = groups_from_dump(current)
+    assert [len(g.completions) for g in groups] == [4, 4, 4]
+    assert groups[2].completions[1] == tuple(current.trained_tokens(9))  # observation tokens left out
+    assert list(groups[0].rewards) == current.advantages_per_row()[:4].tolist()
+    a = audit_groups(current)
+    assert a.numbers() == audit_groups(legacy).numbers()  # same step, either layout
+    # the advantage stands in for the popped reward: a positive affine map leaves the table unchanged
+    shifted = audit_groups([(g.completions, [2.0 * r + 5.0 for r in g.rewards]) for g in groups])
+    for key in ("n_killed", "mean_divergence_depth", "informative_fraction", "zero_reward_fraction"):
+        assert shifted.numbers()[key] == pytest.approx(a.numbers()[key]), key
+    # the fixture's rollouts never share a first token, so the kill fires everywhere
+    assert all(len({c[0] for c in g.completions}) == len(g.completions) for g in groups)
+    assert a.n_killed == 3 and a.mean_divergence_depth_range == (1.0, 1.0) and a.informative_fraction_max == 0.0
+    assert main(["process", str(CURRENT), "--no-progress"]) == 0
+    assert "on 3 of 3" in capsys.readouterr().out

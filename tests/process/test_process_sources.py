@@ -61,6 +61,8 @@ def test_record_groups_follow_the_schema(tmp_path):
     assert [r.kill for r in a.readings] == [False, True, True]
     g2, src = load_groups(run)
     assert [g.completions for g in g2] == [g.completions for g in groups] and "run record" in src
+    by_path = audit_groups(str(run))
+    assert by_path.numbers() == a.numbers() and "run record" in by_path.source
 
 
 def test_record_errors_name_the_line(tmp_path):
@@ -86,6 +88,9 @@ def test_groups_from_terms_use_trained_tokens_and_rewards():
     assert [g.key for g in groups] == ["2", "4"]
     assert groups[1].completions == ((1, 2), (1, 3, 4)) and groups[1].rewards == (1.0, 0.0)
     assert groups[0].completions == ((9, 9),)
+    direct = audit_groups(terms)
+    assert [r.key for r in direct.readings] == ["2", "4"]
+    assert direct.readings[1].prefix_counts == ((2, 1), (2, 1, 1))
     with pytest.raises(ValueError, match="tokens"):
         groups_from_terms(CreditTerms(torch.zeros(3, 4), trained, torch.arange(3), torch.zeros(3, dtype=torch.long)))
 
