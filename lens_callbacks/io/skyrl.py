@@ -25,6 +25,7 @@ returned. Both errors subclass :class:`pickle.UnpicklingError`.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pickle
@@ -149,10 +150,14 @@ class _OuterUnpickler(pickle.Unpickler):
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _OUTER_GLOBALS[(module, name)]
-        except KeyError:
-            raise ForbiddenGlobalError(module, name, self._path) from None
+        if (module, name) not in _OUTER_GLOBALS:
+            raise ForbiddenGlobalError(module, name, self._path)
+        # A fresh stand-in per read: BUILD can set attributes on what find_class returns, and that must
+        # not reach the module-level objects the next read uses.
+        obj = _OUTER_GLOBALS[(module, name)]
+        if isinstance(obj, type):
+            return type(obj.__name__, (obj,), {})
+        return functools.partial(obj)
 
     def persistent_load(self, pid: Any) -> Any:
         raise SkyRLDumpError(f"{self._path}: unexpected persistent id {pid!r} in the outer pickle.")
@@ -168,11 +173,12 @@ class _ZipTensorUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_from_storage
+            return functools.partial(_rebuild_tensor_from_storage)
         if (module, name) == ("collections", "OrderedDict"):
-            return _OrderedDict
+            return type("OrderedDict", (_OrderedDict,), {})
         if module == "torch" and name in _STORAGES:
-            return _STORAGES[name]
+            st = _STORAGES[name]
+            return _Storage(st.name, st.np_dtype.str, st.torch_dtype)
         raise ForbiddenGlobalError(module, name, self._path + " (embedded torch.save payload)", _INNER_ALLOWED)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -410,7 +416,7 @@ def read_skyrl_dump(path: PathLike) -> SkyRLDump:
 
 
 def _assemble(obj: Any, data: bytes, path: str) -> SkyRLDump:
-    state = obj.state if isinstance(obj, _TrainingInputBatch) and hasattr(obj, "state") else obj
+    state = obj.__dict__.get("state") if isinstance(obj, _TrainingInputBatch) else obj
     if not isinstance(state, dict) or not {"batch_dict", "batch_size", "metadata"} <= set(state):
         raise SkyRLDumpError(
             f"{path}: expected a TrainingInputBatch state with batch_dict, batch_size and metadata, "

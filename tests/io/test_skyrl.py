@@ -361,3 +361,21 @@ def test_process_table_of_a_dump(current, legacy, capsys):
     assert a.n_killed == 3 and a.mean_divergence_depth_range == (1.0, 1.0) and a.informative_fraction_max == 0.0
     assert main(["process", str(CURRENT), "--no-progress"]) == 0
     assert "on 3 of 3" in capsys.readouterr().out
+
+
+@needs_fixtures
+def test_a_dump_cannot_tamper_with_the_stand_ins_of_the_next_read(tmp_path):
+    """BUILD may set attributes on what find_class returns; every read gets fresh stand-ins."""
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return b"\x8c" + bytes([len(b)]) + b
+    tamper = (
+        b"\x80\x04" + s("collections") + s("OrderedDict") + b"\x93"
+        + b"N}" + s("__init__") + s("torch") + s("device") + b"\x93" + b"s\x86b."
+    )
+    p = tmp_path / "global_step_0_training_input.pkl"
+    p.write_bytes(tamper)
+    with pytest.raises(SkyRLDumpError, match="expected a TrainingInputBatch state"):
+        read_skyrl_dump(p)
+    d = read_skyrl_dump(LEGACY)  # the legacy layout calls the OrderedDict stand-in
+    assert d.n_rows == 12 and d.layout == "legacy"
