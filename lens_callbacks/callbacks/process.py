@@ -14,7 +14,42 @@ from ..process.instrument import ProcessAudit, audit_groups
 from ..process.sources import groups_from_terms
 from ..refusal import Refusal
 
-__all__ = ["ProcessRewardCallback"]
+__all__ = ["ProcessRewardCallback", "process_reward_figure"]
+
+
+def process_reward_figure(audit: ProcessAudit, group: Optional[int] = None) -> Any:
+    """A heatmap of one group's process rewards, rollouts x trained positions (needs matplotlib).
+
+    ``group`` picks the reading; by default the first group where the kill does not fire, else the first.
+    Cells past a rollout's end are blank; the title carries the group's kill verdict numbers.
+    """
+    import numpy as np
+    from matplotlib.figure import Figure  # no pyplot: the user's backend and figure registry stay as they are
+
+    if group is None:
+        group = next((i for i, r in enumerate(audit.readings) if not r.kill), 0)
+    r = audit.readings[group]
+    width = max(max(r.lengths, default=0), 1)
+    grid = np.full((r.n_rollouts, width), np.nan)  # [K, L_max]
+    for k, row in enumerate(r.process_rewards):
+        grid[k, : len(row)] = row
+    lim = float(np.nanmax(np.abs(grid))) if np.isfinite(grid).any() else 1.0
+    fig = Figure(figsize=(min(max(5.0, 2 + 0.35 * width), 14), 1.6 + 0.4 * r.n_rollouts))
+    ax = fig.subplots()
+    im = ax.imshow(grid, cmap="coolwarm", vmin=-lim or -1.0, vmax=lim or 1.0, aspect="auto", interpolation="nearest")
+    ticks = list(range(0, width, max(1, width // 20)))
+    ax.set_xticks(ticks, [str(t + 1) for t in ticks])  # positions are 1-based, as in the definitions
+    ax.set_xlabel("trained position t")
+    ax.set_ylabel("rollout k")
+    ax.set_title(
+        f"group {r.key}: kill {'fires' if r.kill else 'does not fire'}\n"
+        f"mean divergence depth {r.mean_divergence_depth:.2f}, informative {r.informative_fraction:.3f}, "
+        f"zero {r.zero_reward_fraction:.2f}",
+        fontsize=9,
+    )
+    fig.colorbar(im, ax=ax, label="q(s≤t) − q(s<t)")
+    fig.tight_layout()
+    return fig
 
 
 class ProcessRewardCallback(Callback):
@@ -30,6 +65,8 @@ class ProcessRewardCallback(Callback):
     Args:
         every_n_steps: audit every n-th training batch.
         log_text_every_n_steps: write the verdict text every n-th audit (0: never).
+        log_figure_every_n_steps: every n-th audit, draw one group's process rewards (rollouts x
+            positions) as a TensorBoard figure ``process/process_rewards`` (0: never; needs matplotlib).
         log_prefix: metric name prefix.
 
     YAML::
@@ -40,7 +77,13 @@ class ProcessRewardCallback(Callback):
               init_args: {every_n_steps: 1}
     """
 
-    def __init__(self, every_n_steps: int = 1, log_text_every_n_steps: int = 1, log_prefix: str = "process/") -> None:
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        log_text_every_n_steps: int = 1,
+        log_figure_every_n_steps: int = 0,
+        log_prefix: str = "process/",
+    ) -> None:
         super().__init__()
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be an int >= 1, got {every_n_steps!r}.")
@@ -48,7 +91,12 @@ class ProcessRewardCallback(Callback):
             raise ValueError(
                 f"`log_text_every_n_steps` must be an int >= 0 (0 turns the text off), got {log_text_every_n_steps!r}."
             )
+        if not isinstance(log_figure_every_n_steps, int) or isinstance(log_figure_every_n_steps, bool) or log_figure_every_n_steps < 0:
+            raise ValueError(
+                f"`log_figure_every_n_steps` must be an int >= 0 (0 turns the figure off), got {log_figure_every_n_steps!r}."
+            )
         self.every_n_steps = every_n_steps
+        self.log_figure_every_n_steps = log_figure_every_n_steps
         self.log_text_every_n_steps = log_text_every_n_steps
         self.log_prefix = log_prefix
         self.metric = ProcessRewardMetric()
@@ -98,6 +146,8 @@ class ProcessRewardCallback(Callback):
         self.n_killed_total += audit.n_killed
         if self.log_text_every_n_steps and (self.n_audits - 1) % self.log_text_every_n_steps == 0:
             self._log_text(trainer, audit.render(), step)
+        if self.log_figure_every_n_steps and (self.n_audits - 1) % self.log_figure_every_n_steps == 0:
+            self._log_figure(trainer, audit, step)
 
     def _audit(self, pl_module: LightningModule, batch: Any, step: int) -> Optional[ProcessAudit]:
         devices = [pl_module.device.index or 0] if pl_module.device.type == "cuda" else []
@@ -121,6 +171,20 @@ class ProcessRewardCallback(Callback):
                 with contextlib.suppress(Exception):  # a logging failure never stops training
                     # Indented lines render as preformatted text in TensorBoard's markdown.
                     add_text("process/verdict", "\n".join("    " + line for line in text.splitlines()), global_step=step)
+
+    @staticmethod
+    def _log_figure(trainer: Trainer, audit: ProcessAudit, step: int) -> None:
+        if not trainer.is_global_zero or not audit.readings:
+            return
+        try:
+            fig = process_reward_figure(audit)
+        except ImportError:
+            return
+        for logger in trainer.loggers:
+            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
+            if callable(add_figure):
+                with contextlib.suppress(Exception):
+                    add_figure("process/process_rewards", fig, global_step=step, close=False)
 
     def state_dict(self) -> dict[str, Any]:
         return {

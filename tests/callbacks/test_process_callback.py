@@ -86,7 +86,7 @@ def _fit(tmp_path, callbacks, steps=3, logger=None, **module_kw):
 
 def test_logs_the_instruments_numbers_and_the_verdict_text(tmp_path):
     torch.set_num_threads(1)
-    cb = ProcessRewardCallback()
+    cb = ProcessRewardCallback(log_figure_every_n_steps=2)
     tb = TensorBoardLogger(tmp_path, name="tb")
     model, trainer = _fit(tmp_path, [cb], steps=3, logger=[tb, CSVLogger(tmp_path, name="csv")])
     assert cb.n_audits == 3 and len(model.seen) == 3
@@ -105,7 +105,7 @@ def test_logs_the_instruments_numbers_and_the_verdict_text(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb.experiment.flush()
-    acc = EventAccumulator(tb.log_dir, size_guidance={"tensors": 0})
+    acc = EventAccumulator(tb.log_dir, size_guidance={"tensors": 0, "images": 0})
     acc.Reload()
     tag = [t for t in acc.Tags()["tensors"] if t.startswith("process/verdict")]
     assert tag, acc.Tags()
@@ -113,6 +113,7 @@ def test_logs_the_instruments_numbers_and_the_verdict_text(tmp_path):
     assert [e.step for e in texts] == [0, 1, 2]
     body = texts[-1].tensor_proto.string_val[0].decode()
     assert "Kill condition fires" in body and f"on {ref.n_killed} of 2" in body
+    assert [e.step for e in acc.Images("process/process_rewards")] == [0, 2]
 
 
 def test_changes_nothing_the_run_has(tmp_path):
@@ -148,6 +149,8 @@ def test_config_errors():
         ProcessRewardCallback(every_n_steps=0)
     with pytest.raises(ValueError, match="log_text_every_n_steps"):
         ProcessRewardCallback(log_text_every_n_steps=-1)
+    with pytest.raises(ValueError, match="log_figure_every_n_steps"):
+        ProcessRewardCallback(log_figure_every_n_steps=True)
 
     class NoTerms(TinyRL):
         credit_terms = None
