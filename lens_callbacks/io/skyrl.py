@@ -63,7 +63,7 @@ class ForbiddenGlobalError(SkyRLDumpError):
         self.path = path
         names = ", ".join(sorted(ALLOWED_GLOBALS if allowed is None else allowed))
         super().__init__(
-            f"{path}: refused to unpickle the global {module}.{name}: it is not one SkyRL's "
+            f"{path}: refused to unpickle the global {module}.{name}: it is not one that SkyRL's "
             f"TrainingInputBatch.save writes (allowed here: {names}). "
             "Nothing was imported or called; read only dumps you trust with pickle itself."
         )
