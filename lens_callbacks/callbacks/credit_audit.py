@@ -206,6 +206,7 @@ class CreditAuditCallback(Callback):
         values: dict[str, float] = {}
         for key, v in out.items():
             if key in ("projected_share", "norm_share"):
+                v = v.reshape(-1)  # torchmetrics squeezes a one-part vector to a scalar
                 for i, name in enumerate(names[: self.max_logged_parts]):
                     values[f"{p}{key}/{name}"] = float(v[i])
             elif key == "grad_match" and self._reference is None:

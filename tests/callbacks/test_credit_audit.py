@@ -368,3 +368,13 @@ def test_without_a_logger_nothing_is_written(tmp_path, monkeypatch):
     _fit([audit], steps=1, default_root_dir=str(tmp_path))
     assert audit.last_report is not None
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_small_part_caps(cap):
+    audit = CreditAuditCallback(max_logged_parts=cap, dtype="float64")
+    m = _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
+    logged = {k for k in m.trainer.callback_metrics if k.startswith("credit/projected_share/")}
+    assert logged == ({"credit/projected_share/rollout_0"} if cap else set())
+    if cap and audit.last_report.ok:
+        assert float(m.trainer.callback_metrics["credit/projected_share/rollout_0"]) == pytest.approx(audit.last_report.projected_share[0], rel=1e-6)
