@@ -66,6 +66,17 @@ def trajectories_of(pl_module: Any, step: int) -> Optional[list[Trajectory]]:
     return None
 
 
+def _merge_ranks(parts: list[list[Trajectory]]) -> list[Trajectory]:
+    """Concatenate per-rank trajectories in rank order, renumbering rollouts and groups to stay unique."""
+    out: list[Trajectory] = []
+    g_off = 0
+    for part in parts:
+        for t in part:
+            out.append(Trajectory(t.turns, t.reward, t.group + g_off, len(out), t.prompt_id, t.step))
+        g_off += max((t.group for t in part), default=-1) + 1
+    return out
+
+
 def _optimizer_config(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     for g in opt.param_groups:
@@ -86,8 +97,10 @@ class RunRecordCallback(Callback):
             module's rollout batch offline, for modules without ``make_rollout_batch(trajectories)``
             (e.g. ``examples.grpo_tools.single_turn.grpo_rollout_batch`` for ``examples.grpo``).
 
-    A module's ``last_rollout_batch.dropout_seed`` (when it has one) is recorded per step, so a run
-    with dropout replays exactly. Under DDP every rank's trajectories are gathered and rank 0 writes them.
+    Per step it also records the learning rates the optimizer step used (so a run with an LR scheduler
+    replays exactly) and the module's ``last_rollout_batch.dropout_seed`` when it has one (so a run with
+    dropout does). Under DDP every rank's trajectories are gathered (a collective every
+    rank reaches) and rank 0 writes them, rollouts and groups renumbered in rank order.
     """
 
     def __init__(self, run_dir: Optional[str] = None, checkpoint_every: int = 0, batch_builder: Optional[str] = None) -> None:
@@ -100,6 +113,7 @@ class RunRecordCallback(Callback):
         self.batch_builder = batch_builder
         self.writer: Optional[RunRecordWriter] = None
         self.steps_written = 0
+        self._lrs: Optional[list[float]] = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -134,6 +148,10 @@ class RunRecordCallback(Callback):
         if trainer.global_step == 0:
             self.writer.write_policy(0, pl_module.state_dict())
 
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # The learning rates this step is taken with (a scheduler may change them between steps).
+        self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The optimizer step has run: global_step counts it, so the step just trained is global_step - 1.
         step = trainer.global_step - 1
@@ -141,11 +159,17 @@ class RunRecordCallback(Callback):
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, trajs or [])
-            trajs = [t for part in gathered for t in part]
+            trajs = _merge_ranks(gathered)
         if self.writer is None or not trajs:
             return
+        meta: dict[str, Any] = {}
         seed = getattr(getattr(pl_module, "last_rollout_batch", None), "dropout_seed", None)
-        self.writer.write_step(step, trajs, {"dropout_seed": int(seed)} if seed is not None else None)
+        if seed is not None:
+            meta["dropout_seed"] = int(seed)
+        if self._lrs is not None:
+            meta["lr"] = self._lrs
+        self._lrs = None
+        self.writer.write_step(step, trajs, meta or None)
         self.steps_written += 1
         if self.writer.wants_checkpoint(trainer.global_step):
             self.writer.write_policy(trainer.global_step, pl_module.state_dict())

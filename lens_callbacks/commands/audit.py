@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -58,6 +59,10 @@ def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.
     cls = _import(path)
     args = dict(record.manifest.get("init_args", {}))
     args.update(overrides)
+    # LightningCLI adds bookkeeping keys such as `_class_path` to hparams; pass only what __init__ takes.
+    sig = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
+        args = {k: v for k, v in args.items() if k in sig}
     module = cls(**args)
     module.load_state_dict(record.load_policy(step))
     return module
@@ -103,9 +108,17 @@ def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[R
             return Refusal("optimizer", f"the record's optimizer is {cls!r}, the rebuilt module's is {mine!r}.")
         for i, (rg, g) in enumerate(zip(recorded[0].get("param_groups", []), opt.param_groups)):
             for k in ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps"):
-                if k in rg and k in g and json.loads(json.dumps(g[k] if not isinstance(g[k], tuple) else list(g[k]))) != rg[k]:
+                if k in rg and k in g and _plain_value(g[k]) != rg[k]:
                     return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.")
     return None
+
+
+def _plain_value(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.tolist()
+    if isinstance(v, tuple):
+        v = list(v)
+    return v
 
 
 def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
@@ -173,6 +186,10 @@ def replay_to(
     with torch.random.fork_rng():
         for s in it:
             batch = rebuild_batch(m, record, s)
+            lrs = record.step_meta(s).get("lr")
+            if lrs is not None:  # the rates the recorded step used (an LR scheduler may have moved them)
+                for g, lr in zip(opt.param_groups, lrs):
+                    g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             loss = m.credit_terms(batch).terms.sum()
             loss.backward()

@@ -291,6 +291,7 @@ def batch_from_trajectories(
         tid: list[int] = []
         r_roles: list[str] = []
         r_trained: list[bool] = []
+        r_spans: list[tuple[int, int]] = []
         for j, turn in enumerate(traj.turns):
             piece = list(turn.token_ids) if (use_token_ids and turn.token_ids is not None) else encode_text(tokenizer, turn.text)
             if not piece:
@@ -302,6 +303,7 @@ def batch_from_trajectories(
                 tr = turn.role in train_roles
             else:
                 tr = turn.trained if turn.trained is not None else turn.role == "assistant"
+            r_spans.append((len(ids), len(ids) + len(piece)))
             ids.extend(piece)
             tmask.extend([tr] * len(piece))
             tid.extend([j] * len(piece))
@@ -317,12 +319,16 @@ def batch_from_trajectories(
             drop = len(ids) - max_length
             sl = slice(drop, None) if truncation == "left" else slice(0, max_length)
             ids, tmask, tid = ids[sl], tmask[sl], tid[sl]
+            if truncation == "left":
+                r_spans = [(max(a - drop, 0), max(b - drop, 0)) for a, b in r_spans]
+            else:
+                r_spans = [(min(a, max_length), min(b, max_length)) for a, b in r_spans]
         if tmask[0]:
             raise ValueError(
                 f"`trajectories[{k}]` (rollout {traj.rollout}) starts with a trained token: the first position has no "
                 "context to be predicted from. Open the trajectory with a system or user turn."
             )
-        rows.append((ids, tmask, tid))
+        rows.append((ids, tmask, tid, r_spans))
         roles.append(tuple(r_roles))
         trained_turns.append(tuple(r_trained))
         truncated.append(drop)
@@ -335,7 +341,7 @@ def batch_from_trajectories(
     trained = torch.zeros((B, T), dtype=torch.bool)  # [B, T]
     seg = torch.full((B, T), -1, dtype=torch.long)  # [B, T]
     spans: list[tuple[tuple[int, int], ...]] = []
-    for k, (ids, tmask, tid) in enumerate(rows):
+    for k, (ids, tmask, tid, r_spans) in enumerate(rows):
         n = len(ids)
         off = 0 if padding_side == "right" else T - n
         cols = slice(off, off + n)
@@ -344,11 +350,7 @@ def batch_from_trajectories(
         positions[k, cols] = torch.arange(n)
         trained[k, cols] = torch.tensor(tmask, dtype=torch.bool)
         seg[k, cols] = torch.tensor(tid, dtype=torch.long)
-        row_spans = []
-        for j in range(len(roles[k])):
-            where = [i for i, v in enumerate(tid) if v == j]
-            row_spans.append((off + where[0], off + where[-1] + 1) if where else (off, off))
-        spans.append(tuple(row_spans))
+        spans.append(tuple((off + a, off + b) for a, b in r_spans))
 
     batch = TrajectoryBatch(
         input_ids=input_ids,
@@ -397,10 +399,11 @@ def turn_segments(
     rid = list(range(B)) if rollout is None else [int(r) for r in rollout.tolist()]
     names: list[str] = []
     if by == "turn":
+        counts = torch.tensor([0] + [len(r) for r in segments.roles[:-1]], dtype=torch.long)
+        first = torch.cumsum(counts, 0).to(ids.device)  # [B] id of each row's turn 0
+        out = torch.where(ids >= 0, ids + first[:, None], out)  # [B, T]
         for k in range(B):
-            for j, role in enumerate(segments.roles[k]):
-                out[k][ids[k] == j] = len(names)
-                names.append(f"rollout_{rid[k]}/turn_{j}:{role}")
+            names.extend(f"rollout_{rid[k]}/turn_{j}:{role}" for j, role in enumerate(segments.roles[k]))
     elif by == "role":
         present = [r for r in ROLES if any(r in row for row in segments.roles)]
         index = {r: i for i, r in enumerate(present)}

@@ -73,22 +73,38 @@ def test_per_rollout_parts_close_against_an_independent_full_backward(record):
 
 
 def test_one_real_sgd_step_against_the_summed_parts(record):
-    """Δθ/η of the step the Trainer took, against Σ g_S re-audited offline from the record."""
+    """Δθ/η of the step the Trainer took, against Σ g_S re-audited offline from the record.
+
+    Read with the conservation check's core (``step_conservation``), and once more by a direct
+    comparison that shares no code with it.
+    """
+    from lens_callbacks.commands.audit import _make_optimizer
+    from lens_callbacks.credit.conservation import exact_optimizer_precondition, step_conservation
+
     step = 1
     rep = audit_record(record.run_dir, step, "by_rollout", "float64", progress=False, keep_grads=True)
     before, after = record.load_policy(step), record.load_policy(step + 1)
-    names = rep.grads.names
-    # the audited names are the module's parameter names; the tied lm_head shares wte's tensor
-    delta = [(before[n] - after[n]) / LR for n in names]  # Δθ / η of the real step
-    parts_sum = rep.grads.parts_sum
-    err = float((_flat(delta) - _flat(parts_sum)).norm() / _flat(parts_sum).norm())
-    rel_update = float(_flat(delta).norm() * LR / _flat([after[n] for n in names]).norm())
-    floor = torch.finfo(torch.float64).eps / 2 / rel_update
-    print(f"\none real torch.optim.SGD step vs summed parts (float64): {err:.3e} (precision floor {floor:.1e})")
-    assert err <= 1e-8
-    # the independent full backward agrees with the step too (the record rebuilt the trained batch)
-    err_full = float((_flat(delta) - _flat(rep.grads.g_full)).norm() / _flat(rep.grads.g_full).norm())
-    assert err_full <= 1e-8
+    names = rep.grads.names  # trainable parameter names (the tied lm_head shares wte's tensor)
+    tr = record.manifest["trainer"]
+    pre = exact_optimizer_precondition(
+        _make_optimizer(load_module(record, 0)),
+        gradient_clip_val=tr["gradient_clip_val"],
+        accumulate_grad_batches=tr["accumulate_grad_batches"],
+    )
+    assert pre[0] is True, pre
+    reading = step_conservation(
+        [before[n] for n in names], [after[n] for n in names], LR, rep.grads.parts_sum,
+        precondition=pre, source="credit_parts", step=step,
+    )
+    print(
+        f"\none real torch.optim.SGD step vs summed parts (float64): {reading.relative_error:.3e} "
+        f"(update_precision_floor {reading.update_precision_floor:.1e})"
+    )
+    assert reading.relative_error <= 1e-8 and reading.dtype == "float64"
+    # independently: the real Δθ/η against Σ g_S and against the independent g_full
+    delta = _flat([(before[n] - after[n]) / LR for n in names])
+    for g in (rep.grads.parts_sum, rep.grads.g_full):
+        assert float((delta - _flat(g)).norm() / _flat(g).norm()) <= 1e-8
 
 
 def test_replay_reaches_the_checkpoint_the_trainer_wrote_bit_for_bit(record):

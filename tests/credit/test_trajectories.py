@@ -169,6 +169,9 @@ def test_truncation_cuts_tokens_mask_and_turns_together(side):
     assert cut.trained[0].tolist() == full.trained[0, sl].tolist()
     assert cseg.ids[0].tolist() == fseg.ids[0, sl].tolist()
     assert cseg.truncated == (2,)
+    for j, (a, b) in enumerate(cseg.spans[0]):  # each span covers exactly its turn's surviving positions
+        where = (cseg.ids[0] == j).nonzero().flatten().tolist()
+        assert list(range(a, b)) == where
 
 
 # --------------------------------------------------------------------------------------- properties

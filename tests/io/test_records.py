@@ -18,6 +18,7 @@ from lens_callbacks.io.records import (
     trajectory_to_json,
     write_trajectories,
 )
+from lens_callbacks.refusal import Refusal
 
 
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
@@ -198,3 +199,41 @@ def test_callback_refuses_gradient_accumulation():
         RunRecordCallback("x").setup(trainer, None, "fit")
     with pytest.raises(ValueError, match="`checkpoint_every` must be an int"):
         RunRecordCallback("x", checkpoint_every=-1)
+
+
+def _ddp_fit(run_dir):
+    from lightning.pytorch import Trainer
+
+    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.callbacks.records import RunRecordCallback
+
+    trainer = Trainer(
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=str(run_dir),
+        callbacks=[RunRecordCallback(str(run_dir / "rec"))],
+    )
+    trainer.fit(GRPOToolsModule(seed=0, group_size=2), ToolsAdditionDataModule(prompts_per_step=1))
+
+
+@pytest.mark.slow
+def test_callback_under_ddp_gathers_every_rank(tmp_path):
+    pytest.importorskip("transformers")
+    _ddp_fit(tmp_path)
+    rec = RunRecord(tmp_path / "rec")
+    assert rec.steps == [0, 1] and rec.manifest["trainer"]["world_size"] == 2
+    for s in rec.steps:
+        trajs = rec.trajectories(s)
+        # 2 ranks x 1 prompt x group_size 2, renumbered so ids stay unique within the step
+        assert [t.rollout for t in trajs] == [0, 1, 2, 3] and [t.group for t in trajs] == [0, 0, 1, 1]
+    from lens_callbacks.commands.audit import audit_record
+
+    r = audit_record(rec.run_dir, 1, progress=False)
+    assert isinstance(r, Refusal) and r.condition == "world_size"
+
+
+def test_merge_ranks_renumbers():
+    from lens_callbacks.callbacks.records import _merge_ranks
+
+    t = lambda g, r: Trajectory((Turn("user", "a"), Turn("assistant", "b")), group=g, rollout=r)  # noqa: E731
+    out = _merge_ranks([[t(0, 0), t(1, 1)], [], [t(0, 0)]])
+    assert [(x.group, x.rollout) for x in out] == [(0, 0), (1, 1), (2, 2)]

@@ -1,0 +1,267 @@
+"""ConservationCheckCallback: hold each optimizer step against the gradient it should have applied."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from ..credit.conservation import ConservationReading, exact_optimizer_precondition, step_conservation
+from ..metrics.conservation import ConservationMetric
+from ..refusal import Refusal
+
+__all__ = ["ConservationCheckCallback"]
+
+
+@dataclass
+class _Pending:
+    """What one optimizer step needs read back after the update."""
+
+    step: int
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]  # live parameters held by the optimizer
+    names: list[Optional[str]]
+    group_index: list[int]
+    lrs: list[float]  # η per group, read at step time
+    theta_before: list[torch.Tensor]  # one parameter-sized buffer
+    grads: Optional[list[Optional[torch.Tensor]]]  # .grad copies, when the audit's parts are not at hand
+    audit_grads: Optional[list[Optional[torch.Tensor]]]  # Σ g_S from the audit, when already made
+    scale: Optional[float]  # GradScaler scale before the step
+
+
+class ConservationCheckCallback(Callback):
+    r"""Checks ``θ_before − θ_after = η·g`` for every optimizer step the exact set allows.
+
+    In ``on_before_optimizer_step`` it reads η per param group and copies ``θ_before`` (one
+    parameter-sized buffer), and takes the gradient to hold against: the summed credit parts of a
+    :class:`~lens_callbacks.callbacks.credit_audit.CreditAuditCallback` in the same Trainer when there is
+    one (the audit's claim), else the trainer's ``.grad`` (a second buffer). After the update (in
+    ``on_train_batch_end``, or at the next optimizer step under manual optimization) it reads
+    ``θ_after`` and logs ``conservation/error``, ``conservation/floor``, ``conservation/limited``,
+    ``conservation/violated`` and ``conservation/refused``.
+
+    Optimizers and trainer settings outside the exact set (see
+    :func:`~lens_callbacks.credit.conservation.exact_optimizer_precondition`) are refused: the refusal is
+    logged once as text (a warning and TensorBoard text) and ``conservation/refused = 1`` every step; no
+    buffer is copied for a refused step. The callback is read-only: weights, gradients, optimizer state and
+    the random stream are left as they were.
+
+    Place it after the ``CreditAuditCallback`` in ``trainer.callbacks`` to save the ``.grad`` copy.
+
+    Args:
+        every_n_steps: check every n-th optimizer step (``trainer.global_step % n == 0``).
+        tolerance: relative error under which a resolvable reading holds.
+        use_credit_audit: hold the step against the audit's summed parts when an audit is attached (sets
+            the audit's ``keep_grads``); False holds it against ``.grad``.
+        prefix: metric name prefix.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 1,
+        tolerance: float = 1e-4,
+        use_credit_audit: bool = True,
+        prefix: str = "conservation/",
+    ) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}.")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+            raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}; e.g. 1e-4.")
+        if not isinstance(prefix, str):
+            raise ValueError(f"`prefix` must be a str, got {prefix!r}; e.g. 'conservation/'.")
+        self.every_n_steps = every_n_steps
+        self.tolerance = float(tolerance)
+        self.use_credit_audit = bool(use_credit_audit)
+        self.prefix = prefix
+        self.metric = ConservationMetric(sync_on_compute=False)
+        self.last_reading: Optional[Union[ConservationReading, Refusal]] = None
+        self.readings_made = 0
+        self._audit: Optional[Callback] = None
+        self._audit_first = False
+        self._pending: Optional[_Pending] = None
+        self._pending_refusal: Optional[tuple[int, Refusal]] = None
+        self._refusals_logged: set[str] = set()
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._audit = None
+        if self.use_credit_audit:
+            cbs = list(trainer.callbacks)
+            for i, cb in enumerate(cbs):
+                if _is_credit_audit(cb):
+                    self._audit = cb
+                    # The audit keeps Σ g_S only when asked; that sum is the claim checked here.
+                    cb.keep_grads = True
+                    self._audit_first = i < cbs.index(self) if self in cbs else False
+                    break
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._finish(trainer, pl_module)  # manual optimization: the previous opt.step() is complete
+        step = int(trainer.global_step)
+        if step % self.every_n_steps:
+            return
+        opt = _unwrap(optimizer)
+        verdict = self._precondition(trainer, pl_module, opt)
+        if isinstance(verdict, Refusal):
+            self._pending_refusal = (step, verdict)
+            return
+        with torch.no_grad():
+            self._pending = self._record(step, pl_module, opt)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._finish(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if int(self.metric.readings) == 0:
+            return
+        out = {f"{self.prefix}epoch/{k}": v.float() for k, v in self.metric.compute().items()}
+        out = {k: v for k, v in out.items() if torch.isfinite(v)}
+        pl_module.log_dict(out, on_step=False, on_epoch=True, batch_size=1)
+        self.metric.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"refusals_logged": sorted(self._refusals_logged), "readings_made": self.readings_made}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._refusals_logged = set(state_dict.get("refusals_logged", ()))
+        self.readings_made = int(state_dict.get("readings_made", 0))
+
+    # ------------------------------------------------------------------ internals
+
+    def _precondition(self, trainer: Trainer, pl_module: LightningModule, opt: Any) -> Union[tuple[bool, str], Refusal]:
+        verdict = exact_optimizer_precondition(
+            opt,
+            gradient_clip_val=trainer.gradient_clip_val,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+        )
+        if isinstance(verdict, Refusal):
+            return verdict
+        if pl_module.automatic_optimization and is_overridden("configure_gradient_clipping", pl_module, LightningModule):
+            return Refusal(
+                "configure_gradient_clipping",
+                f"`configure_gradient_clipping` must not be overridden for the step to conserve, got an override in "
+                f"{type(pl_module).__name__}: it may rescale the gradient after it is read.",
+                numbers={"module": type(pl_module).__name__},
+                remedy="remove the override on the steps you want checked.",
+            )
+        return verdict
+
+    def _record(self, step: int, pl_module: LightningModule, opt: torch.optim.Optimizer) -> _Pending:
+        name_of = {id(p): n for n, p in pl_module.named_parameters()}
+        params, names, gidx, lrs = [], [], [], []
+        for i, group in enumerate(opt.param_groups):
+            lr = group["lr"]
+            lrs.append(float(lr.item() if isinstance(lr, torch.Tensor) else lr))
+            for p in group["params"]:
+                params.append(p)
+                names.append(name_of.get(id(p)))
+                gidx.append(i)
+        theta_before = [p.detach().clone() for p in params]
+        audit_grads = None
+        if self._audit is not None and self._audit_first:
+            audit_grads = self._audit_grads(step, params, names)
+        grads = None
+        if audit_grads is None:
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        return _Pending(step, opt, params, names, gidx, lrs, theta_before, grads, audit_grads, _scale(pl_module))
+
+    def _audit_grads(self, step: int, params: list[torch.Tensor], names: list[Optional[str]]) -> Optional[list[Optional[torch.Tensor]]]:
+        """Σ g_S from the audit's report of this step, aligned with ``params``; None if it does not cover them."""
+        report = getattr(self._audit, "last_report", None)
+        if report is None or getattr(self._audit, "last_report_step", None) != step:
+            return None
+        grads = getattr(report, "grads", None)
+        if grads is None or getattr(grads, "parts_sum", None) is None:
+            return None
+        by_name = dict(zip(grads.names, grads.parts_sum))
+        out: list[Optional[torch.Tensor]] = []
+        for p, n in zip(params, names):
+            if n is not None and n in by_name:
+                out.append(by_name[n])
+            elif p.grad is None:
+                out.append(None)  # not trainable in the audit and untouched by the optimizer
+            else:
+                return None  # the optimizer updates a tensor the audit has no part for
+        return out
+
+    def _finish(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pending_refusal is not None:
+            step, refusal = self._pending_refusal
+            self._pending_refusal = None
+            self._emit(trainer, pl_module, refusal, step)
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return
+        if pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
+            reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
+        else:
+            grads, source = pend.audit_grads, "credit_parts"
+            if grads is None and self._audit is not None:
+                grads = self._audit_grads(pend.step, pend.params, pend.names)
+            if grads is None:
+                grads, source = pend.grads, "grad"
+            elif trainer.world_size > 1:
+                grads = _mean_over_ranks(trainer, grads)
+            with torch.no_grad():
+                reading = step_conservation(
+                    pend.theta_before,
+                    [p.detach() for p in pend.params],
+                    pend.lrs,
+                    grads,  # type: ignore[arg-type]
+                    group_index=pend.group_index,
+                    tolerance=self.tolerance,
+                    source=source,
+                    step=pend.step,
+                )
+        self._emit(trainer, pl_module, reading, pend.step)
+
+    def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
+        self.last_reading = reading
+        self.readings_made += 1
+        self.metric.update(reading)
+        if isinstance(reading, Refusal):
+            values = {f"{self.prefix}refused": 1.0}
+            key = f"{reading.condition}: {reading.reason}"
+            if key not in self._refusals_logged:
+                self._refusals_logged.add(key)
+                text = reading.render()
+                rank_zero_warn(f"ConservationCheckCallback: {text}")
+                for logger in trainer.loggers:
+                    add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
+                    if callable(add_text):
+                        add_text(f"{self.prefix}refusal", "```\n" + text + "\n```", global_step=step)
+        else:
+            values = reading.to_dict(self.prefix)
+        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+
+
+def _is_credit_audit(cb: Any) -> bool:
+    # By name along the MRO: subclasses count, and the audit's module is not imported unless in use.
+    return any(k.__name__ == "CreditAuditCallback" for k in type(cb).__mro__) and hasattr(cb, "keep_grads")
+
+
+def _unwrap(optimizer: Any) -> Any:
+    # LightningOptimizer wraps the torch optimizer; the precondition reads the real one.
+    inner = getattr(optimizer, "_optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def _scale(pl_module: LightningModule) -> Optional[float]:
+    trainer = pl_module.trainer
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not callable(getattr(scaler, "get_scale", None)):
+        return None
+    if callable(getattr(scaler, "is_enabled", None)) and not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())
+
+
+def _mean_over_ranks(trainer: Trainer, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    # At the optimizer step DDP has averaged .grad over ranks; the audit's backward did not go through DDP,
+    # so its local sum is averaged the same way before it is held against the update.
+    return [None if g is None else trainer.strategy.reduce(g.detach().clone(), reduce_op="mean") for g in grads]

@@ -1,0 +1,199 @@
+"""The tool-using GRPO example, its record, and the offline audit (function and console script).
+
+References are independent: the calculator against Python's own sum over the words, log-probabilities
+by one forward pass per prefix without padding, the offline audit against the live callback's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lightning.pytorch import Trainer  # noqa: E402
+
+from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule, group_advantages  # noqa: E402
+from examples.grpo_tools.env import VOCAB  # noqa: E402
+from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
+from lens_callbacks.commands.audit import audit_record, load_module, replay_to  # noqa: E402
+from lens_callbacks.io.records import RunRecord  # noqa: E402
+from lens_callbacks.refusal import Refusal  # noqa: E402
+
+torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fit(module, steps, tmp_path, checkpoint_every=0, data=None, **cb):
+    trainer = Trainer(
+        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+        callbacks=[RunRecordCallback(str(tmp_path / "record"), checkpoint_every=checkpoint_every, **cb)],
+    )
+    trainer.fit(module, data or ToolsAdditionDataModule(prompts_per_step=2))
+    return RunRecord(tmp_path / "record")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tools")
+    m = GRPOToolsModule(seed=0)
+    return m, _fit(m, 4, d, checkpoint_every=0)
+
+
+def _py_calc(args: str) -> str:
+    words = args.split()
+    if not words or any(w != "+" and not w.isdigit() for w in words) or not any(w.isdigit() for w in words):
+        return "error"
+    total = sum(int(w) for w in words if w.isdigit())
+    return str(total) if total <= 19 else "error"
+
+
+def test_episodes_are_multi_turn_with_tool_turns_untrained(run):
+    m, rec = run
+    trajs = [t for s in rec.steps for t in rec.trajectories(s)]
+    assert len(trajs) == 4 * 8
+    mean_turns = sum(len(t.turns) for t in trajs) / len(trajs)
+    calls = sum(t.n_tool_calls for t in trajs)
+    print(f"\nmean turns {mean_turns:.2f}, tool calls {calls} in {len(trajs)} trajectories")
+    assert mean_turns >= 3 and calls >= 1
+    for t in trajs:
+        roles = [x.role for x in t.turns]
+        assert roles[:3] == ["system", "user", "assistant"] and roles[-1] == "assistant"
+        for j, turn in enumerate(t.turns):
+            assert turn.trained == (turn.role == "assistant")
+            if turn.role == "tool":
+                prev = t.turns[j - 1]
+                assert prev.role == "assistant" and prev.tool_call is not None and prev.tool_call.name == "calc"
+                assert turn.text == _py_calc(prev.tool_call.arguments)
+        assert sum(x.tool_call is not None for x in t.turns) == roles.count("tool") <= m.hparams.max_tool_calls
+
+
+def test_sampling_depends_on_seed_and_step_only_and_leaves_the_global_stream(run):
+    m, _ = run
+    prompts = ToolsAdditionDataModule().prompts()[:2]
+    state = torch.get_rng_state()
+    a = m.rollout(prompts, step=5)
+    assert torch.equal(state, torch.get_rng_state())
+    torch.manual_seed(123)
+    b = m.rollout(prompts, step=5)
+    assert [t.turns for t in a] == [t.turns for t in b]
+    assert [t.turns for t in a] != [t.turns for t in m.rollout(prompts, step=6)]
+
+
+def test_credit_terms_against_a_per_prefix_loop(run):
+    """terms[k, t] = −A_k log π(y_t | y_<t) / N on trained positions, by one unpadded forward per prefix."""
+    m, rec = run
+    m = load_module(rec, 0)
+    m.policy.double()
+    trajs = rec.trajectories(0)
+    rb = m.make_rollout_batch(trajs)
+    terms = m.credit_terms(rb)
+    adv = group_advantages(torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor([t.group for t in trajs]))
+    n = sum(len(x.token_ids) for t in trajs for x in t.turns if x.role == "assistant")
+    assert terms.n_trained == n
+    with torch.no_grad():
+        for k, t in enumerate(trajs):
+            ids = [i for x in t.turns for i in x.token_ids]
+            trained = [x.role == "assistant" for x in t.turns for _ in x.token_ids]
+            for pos in range(len(ids)):
+                if not trained[pos]:
+                    assert terms.terms[k, pos] == 0
+                    continue
+                logits = m.policy(input_ids=torch.tensor([ids[:pos]])).logits[0, -1]
+                ref = -adv[k] * torch.log_softmax(logits, -1)[ids[pos]] / n
+                assert abs(float(terms.terms[k, pos]) - float(ref)) <= 1e-12
+            assert not terms.terms[k, len(ids):].any()
+    assert len(VOCAB) == m.policy.config.vocab_size
+
+
+def test_replay_from_step0_reaches_the_weights_training_had(tmp_path):
+    """Momentum SGD (a stateful optimizer): the replay starts at step 0 and meets a second, shorter run."""
+    kw = dict(seed=1, optimizer="sgd", momentum=0.9, lr=0.05)
+    rec = _fit(GRPOToolsModule(**kw), 3, tmp_path / "a", checkpoint_every=1)
+    short = GRPOToolsModule(**kw)
+    _fit(short, 2, tmp_path / "b")
+    rec.manifest["checkpoints"] = [0, 1]  # a checkpoint after 0 must not be used with momentum
+    back = replay_to(rec, 2, progress=False)
+    assert all(torch.equal(v, short.state_dict()[k]) for k, v in back.state_dict().items())
+
+
+def test_audit_refuses_what_it_cannot_replay(tmp_path):
+    m = GRPOToolsModule(seed=1, dropout=0.1)
+    rec = _fit(m, 2, tmp_path)
+    r = audit_record(rec.run_dir, 1, "by_turn", progress=False)
+    assert isinstance(r, Refusal) and r.condition == "dropout"
+    # at a checkpointed step nothing needs replaying
+    ok = audit_record(rec.run_dir, 0, "by_role", "float64", progress=False)
+    assert not isinstance(ok, Refusal) and ok.share("tool" if "tool" in ok.part_names else "user") == 0.0
+    with pytest.raises(ValueError, match="`step` must be a recorded step"):
+        audit_record(rec.run_dir, 7, progress=False)
+
+
+def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
+    """examples.grpo (Adam, dropout) through RunRecordCallback: replaying from step 0 meets every checkpoint."""
+    from examples.grpo import AdditionDataModule, GRPOModule
+
+    torch.manual_seed(0)
+    m = GRPOModule(n_layer=1, n_embd=16, n_head=2, dropout=0.1, optimizer="adam", lr=3e-3)
+    rec = _fit(m, 3, tmp_path, checkpoint_every=1, data=AdditionDataModule(batch_size=2),
+               batch_builder="examples.grpo_tools.single_turn.grpo_rollout_batch")
+    assert all("dropout_seed" in rec.step_meta(s) for s in rec.steps)
+    t = rec.trajectories(1)[0]
+    assert [x.role for x in t.turns] == ["user", "assistant"] and t.turns[1].trained
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    for s in (1, 2, 3):
+        back = replay_to(view, s, progress=False)
+        ck = rec.load_policy(s)
+        assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items()), f"step {s}"
+    with pytest.raises(ValueError, match="`by_turn` needs"):  # the single-turn module reports no turn segments
+        audit_record(rec.run_dir, 2, "by_turn", "float64", progress=False)
+    r = audit_record(rec.run_dir, 2, "by_rollout", "float64", progress=False)
+    assert r.n_parts == 8 and (not r.ok or r.conservation_error <= 1e-14)
+
+
+@pytest.mark.slow
+def test_yaml_run_then_offline_audit_matches_the_live_audit(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    fit = [
+        sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_tools_turns.yaml"),
+        "--trainer.max_steps=3", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        "--trainer.enable_progress_bar=false",
+    ]
+    r = subprocess.run(fit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    version = tmp_path / "runs" / "grpo_tools" / "version_0"
+    live = (version / "credit_last.txt").read_text()
+    assert live.startswith("step 2\n")
+    audit = [sys.executable, "-m", "lens_callbacks", "audit", str(version / "record"), "--step", "2",
+             "--partition", "lens_callbacks.credit.trajectories.by_turn", "--no-progress"]
+    a = subprocess.run(audit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    # the per-part rows of the offline table are the live ones: same weights (replayed), same batch (recorded)
+    rows = lambda text: [ln for ln in text.splitlines() if ln.startswith("turn_")]  # noqa: E731
+    assert rows(a.stdout) and rows(a.stdout) == rows(live)
+
+
+class _Scheduled(GRPOToolsModule):
+    """The example with a step-wise LR schedule (halves the rate after every step)."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}}
+
+
+def test_replay_uses_the_recorded_learning_rates(tmp_path):
+    rec = _fit(_Scheduled(seed=2, lr=0.2), 3, tmp_path, checkpoint_every=1)
+    assert [rec.step_meta(s)["lr"] for s in rec.steps] == [[0.2], [0.1], [0.05]]
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    back = replay_to(view, 3, _Scheduled(seed=2, lr=0.2), progress=False)
+    ck = rec.load_policy(3)
+    assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items())
