@@ -125,7 +125,12 @@ class ProcessRewardCallback(Callback):
             return
         step = getattr(self, "_step", trainer.global_step)
         audit = self._audit(pl_module, batch, step)
-        if audit is None:
+        if trainer.world_size > 1:
+            # The metric sync below is a collective: every rank skips it together if any rank has no reading.
+            failed = torch.tensor(0.0 if audit is not None else 1.0, device=pl_module.device)
+            if float(trainer.strategy.reduce(failed, reduce_op="sum")) > 0:
+                return
+        elif audit is None:
             return
         self.metric.to(pl_module.device)
         self.metric.reset()
@@ -150,17 +155,25 @@ class ProcessRewardCallback(Callback):
             self._log_figure(trainer, audit, step)
 
     def _audit(self, pl_module: LightningModule, batch: Any, step: int) -> Optional[ProcessAudit]:
+        """The step's audit, or None with ``last_refusal`` set: a reading that fails never stops training."""
         devices = [pl_module.device.index or 0] if pl_module.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            terms = pl_module.credit_terms(batch)
         try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                terms = pl_module.credit_terms(batch)
             groups = groups_from_terms(terms)
-        except ValueError as err:
+            return audit_groups(groups, source=f"step {step}")
+        except Exception as err:  # noqa: BLE001 - any failure of the reading becomes a Refusal
+            condition = "inputs" if isinstance(err, ValueError) else "reading"
+            refusal = Refusal(
+                condition,
+                f"step {step}: {type(err).__name__}: {err}",
+                numbers={"step": step},
+                remedy="return `tokens` and `rewards` from `credit_terms(batch)` for the rollout batch of the step",
+            )
             if self.last_refusal is None:
-                rank_zero_warn(f"ProcessRewardCallback: no reading this run: {err}")
-            self.last_refusal = Refusal("inputs", str(err), remedy="return tokens and rewards from credit_terms")
+                rank_zero_warn(f"ProcessRewardCallback: no reading at step {step} (later failures are not repeated): {err}")
+            self.last_refusal = refusal
             return None
-        return audit_groups(groups, source=f"step {step}")
 
     @staticmethod
     def _log_text(trainer: Trainer, text: str, step: int) -> None:

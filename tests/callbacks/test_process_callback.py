@@ -135,6 +135,24 @@ def test_without_tokens_it_refuses_and_training_continues(tmp_path):
     assert cb.n_audits == 0 and cb.last_refusal is not None and not cb.last_refusal
 
 
+def test_a_failing_reading_is_a_refusal_not_a_crash(tmp_path):
+    class Broken(TinyRL):
+        def credit_terms(self, batch):
+            terms = super().credit_terms(batch)
+            if not torch.is_grad_enabled():  # only the callback's call (training_step runs with grad)
+                raise RuntimeError("no rollout batch cached")
+            return terms
+
+    cb = ProcessRewardCallback()
+    seed_everything(7, workers=True)
+    trainer = Trainer(max_steps=3, accelerator="cpu", logger=False, callbacks=[cb], enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="no rollout batch cached"):
+        trainer.fit(Broken())
+    assert trainer.global_step == 3 and cb.n_audits == 0
+    assert cb.last_refusal is not None and not cb.last_refusal and cb.last_refusal.condition == "reading"
+
+
 def test_state_dict_round_trip_and_every_n_steps(tmp_path):
     cb = ProcessRewardCallback(every_n_steps=2, log_text_every_n_steps=0)
     _fit(tmp_path, [cb], steps=5)
