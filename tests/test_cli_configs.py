@@ -62,5 +62,5 @@ def test_demo_config_runs_end_to_end(tmp_path):
     version = tmp_path / "runs" / "grpo_credit" / "version_0"
     last = (version / "credit_last.txt").read_text()
     assert last.startswith("step 2\n") and "credit by by_rollout" in last
-    assert "credit audit, step 2:" in r.stdout and f"tensorboard --logdir {version}" in r.stdout
+    assert "credit audit, step 2\n" in r.stdout and f"tensorboard --logdir {version}" in r.stdout
     assert any(p.name.startswith("events.out.tfevents") for p in version.iterdir())

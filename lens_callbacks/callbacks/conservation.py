@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -57,6 +59,8 @@ class ConservationCheckCallback(Callback):
         tolerance: relative error under which a resolvable reading holds.
         use_credit_audit: hold the step against the audit's summed parts when an audit is attached (sets
             the audit's ``keep_grads``); False holds it against ``.grad``.
+        log_figure: at the end of fit, log ``conservation/error_vs_floor`` to TensorBoard (error and floor
+            per step on a log scale, refused steps marked) when matplotlib is importable.
         prefix: metric name prefix.
     """
 
@@ -65,6 +69,7 @@ class ConservationCheckCallback(Callback):
         every_n_steps: int = 1,
         tolerance: float = 1e-4,
         use_credit_audit: bool = True,
+        log_figure: bool = True,
         prefix: str = "conservation/",
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -76,6 +81,7 @@ class ConservationCheckCallback(Callback):
         self.every_n_steps = every_n_steps
         self.tolerance = float(tolerance)
         self.use_credit_audit = bool(use_credit_audit)
+        self.log_figure = bool(log_figure)
         self.prefix = prefix
         self.metric = ConservationMetric(sync_on_compute=False)
         self.last_reading: Optional[Union[ConservationReading, Refusal]] = None
@@ -85,6 +91,11 @@ class ConservationCheckCallback(Callback):
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
+        self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(every_n_steps=self.every_n_steps, prefix=self.prefix)
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -101,8 +112,10 @@ class ConservationCheckCallback(Callback):
                     break
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        self._finish(trainer, pl_module)  # manual optimization: the previous opt.step() is complete
         step = int(trainer.global_step)
+        # Manual optimization: an earlier opt.step() of this batch is complete. (A closure the optimizer
+        # calls again within one step, as LBFGS does, keeps the step number and is not a new step.)
+        self._finish(trainer, pl_module, before_step=step)
         if step % self.every_n_steps:
             return
         opt = _unwrap(optimizer)
@@ -123,6 +136,46 @@ class ConservationCheckCallback(Callback):
         out = {k: v for k, v in out.items() if torch.isfinite(v)}
         pl_module.log_dict(out, on_step=False, on_epoch=True, batch_size=1)
         self.metric.reset()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.log_figure or not self._history or trainer.global_rank != 0:
+            return
+        tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
+        if tb is None:
+            return
+        fig = self.figure()
+        if fig is not None:
+            tb.experiment.add_figure(f"{self.prefix}error_vs_floor", fig, self._history[-1][0], close=True)
+
+    def figure(self):
+        """Error and precision floor per checked step (log scale); refused steps as marks on the axis.
+
+        Returns a matplotlib figure, or None without matplotlib or readings.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        made = [(s, e, f) for s, e, f in self._history if e == e]  # NaN marks a refusal
+        refused = [s for s, e, _ in self._history if e != e]
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        if made:
+            steps = [s for s, _, _ in made]
+            err = [max(e, 1e-300) for _, e, _ in made]
+            ax.plot(steps, [f for _, _, f in made], color="0.5", lw=1, label="update_precision_floor")
+            ax.plot(steps, err, "o-", ms=3, lw=1, label="relative_error")
+            ax.axhline(self.tolerance, color="C3", ls=":", lw=1, label=f"tolerance {self.tolerance:g}")
+            ax.set_yscale("log")
+        if refused:
+            ax.plot(refused, [0.02] * len(refused), "x", color="C3", transform=ax.get_xaxis_transform(), label="refused")
+        ax.set_xlabel("step")
+        ax.set_title("step conservation: error under the floor is no evidence; above both, a violation", fontsize=8)
+        ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        return fig
 
     def state_dict(self) -> dict[str, Any]:
         return {"refusals_logged": sorted(self._refusals_logged), "readings_made": self.readings_made}
@@ -166,7 +219,8 @@ class ConservationCheckCallback(Callback):
         if self._audit is not None and self._audit_first:
             audit_grads = self._audit_grads(step, params, names)
         grads = None
-        if audit_grads is None:
+        if audit_grads is None or pl_module.trainer.world_size > 1:
+            # Under DDP another rank may lack the audit's parts this step; then every rank reads .grad.
             grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
         return _Pending(step, opt, params, names, gidx, lrs, theta_before, grads, audit_grads, _scale(pl_module))
 
@@ -189,41 +243,58 @@ class ConservationCheckCallback(Callback):
                 return None  # the optimizer updates a tensor the audit has no part for
         return out
 
-    def _finish(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._pending_refusal is not None:
+    def _finish(self, trainer: Trainer, pl_module: LightningModule, before_step: Optional[int] = None) -> None:
+        if self._pending_refusal is not None and (before_step is None or self._pending_refusal[0] < before_step):
             step, refusal = self._pending_refusal
             self._pending_refusal = None
             self._emit(trainer, pl_module, refusal, step)
-        pend, self._pending = self._pending, None
-        if pend is None:
+        if self._pending is None or (before_step is not None and self._pending.step >= before_step):
             return
+        pend, self._pending = self._pending, None
         if pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
             reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
         else:
             grads, source = pend.audit_grads, "credit_parts"
             if grads is None and self._audit is not None:
                 grads = self._audit_grads(pend.step, pend.params, pend.names)
+            if self._audit is not None and trainer.world_size > 1 and not _on_every_rank(trainer, grads is not None):
+                grads = None  # the collective below must run on every rank or on none
             if grads is None:
                 grads, source = pend.grads, "grad"
             elif trainer.world_size > 1:
                 grads = _mean_over_ranks(trainer, grads)
-            with torch.no_grad():
-                reading = step_conservation(
-                    pend.theta_before,
-                    [p.detach() for p in pend.params],
-                    pend.lrs,
-                    grads,  # type: ignore[arg-type]
-                    group_index=pend.group_index,
-                    tolerance=self.tolerance,
-                    source=source,
-                    step=pend.step,
+            try:
+                reading = self._read(pend, grads, source)
+            except Exception as err:  # a reading that cannot be made must not end the training run
+                reading = Refusal(
+                    "conservation",
+                    f"{type(err).__name__}: {err}",
+                    numbers={"step": pend.step},
+                    remedy="check that the gradient held against matches the optimizer's parameters",
                 )
         self._emit(trainer, pl_module, reading, pend.step)
+
+    def _read(self, pend: _Pending, grads: Any, source: str) -> Union[ConservationReading, Refusal]:
+        with torch.no_grad():
+            return step_conservation(
+                pend.theta_before,
+                [p.detach() for p in pend.params],
+                pend.lrs,
+                grads,
+                group_index=pend.group_index,
+                tolerance=self.tolerance,
+                source=source,
+                step=pend.step,
+            )
 
     def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
         self.last_reading = reading
         self.readings_made += 1
         self.metric.update(reading)
+        if isinstance(reading, Refusal):
+            self._history.append((step, float("nan"), float("nan")))
+        else:
+            self._history.append((step, reading.relative_error, reading.update_precision_floor))
         if isinstance(reading, Refusal):
             values = {f"{self.prefix}refused": 1.0}
             key = f"{reading.condition}: {reading.reason}"
@@ -261,7 +332,27 @@ def _scale(pl_module: LightningModule) -> Optional[float]:
     return float(scaler.get_scale())
 
 
+def _on_every_rank(trainer: Trainer, flag: bool) -> bool:
+    dev = trainer.strategy.root_device
+    n = trainer.strategy.reduce(torch.tensor(1.0 if flag else 0.0, device=dev), reduce_op="sum")
+    return bool(float(n) == trainer.world_size)
+
+
 def _mean_over_ranks(trainer: Trainer, grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
     # At the optimizer step DDP has averaged .grad over ranks; the audit's backward did not go through DDP,
     # so its local sum is averaged the same way before it is held against the update.
-    return [None if g is None else trainer.strategy.reduce(g.detach().clone(), reduce_op="mean") for g in grads]
+    # One collective for the whole vector, not one per tensor.
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    flat = torch.cat([g.detach().reshape(-1).to(present[0]) for g in present])  # [Σ n]
+    flat = trainer.strategy.reduce(flat, reduce_op="mean")
+    out: list[Optional[torch.Tensor]] = []
+    i = 0
+    for g in grads:
+        if g is None:
+            out.append(None)
+            continue
+        out.append(flat[i : i + g.numel()].view(g.shape))
+        i += g.numel()
+    return out

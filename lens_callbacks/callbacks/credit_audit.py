@@ -63,6 +63,11 @@ class CreditAuditCallback(Callback):
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
         last_report_step: ``trainer.global_step`` when it was made (before the optimizer step increments it).
         last_refusal: the latest :class:`~lens_callbacks.refusal.Refusal`, if an audit was declined.
+        last_values: the scalars logged for the latest audited step (name -> value).
+        last_epoch_values: the epoch means logged at the latest epoch end.
+
+    Scalars go to ``trainer.loggers`` at the audited step itself (``trainer.global_step``), from rank 0;
+    steps that ``every_n_steps`` skips get no value rather than a repeated one.
     """
 
     def __init__(
@@ -114,8 +119,11 @@ class CreditAuditCallback(Callback):
         self._batch: Any = None
         self._reference: Optional[str] = "grad"
         self._last_text: Optional[tuple[int, str]] = None  # (step, rendered table)
+        self._last_defined: Optional[tuple[int, str]] = None  # the latest reading whose shares are defined
         self._last_table_step: Optional[int] = None
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
+        self.last_values: dict[str, float] = {}
+        self.last_epoch_values: dict[str, float] = {}
 
     @property
     def state_key(self) -> str:
@@ -158,16 +166,20 @@ class CreditAuditCallback(Callback):
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
             warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
             self.metric.update_report(None)
-            pl_module.log(f"{self.prefix}refused", 1.0, on_step=True, on_epoch=False, batch_size=1)
+            values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
             text = reading.render()
+            self._add_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
             self.last_report, self.last_report_step = reading, step
             values = self.metric_values(reading)
-            pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
             text = reading.render()
+            if reading.ok:
+                self._last_defined = (step, text)
         self._last_text = (step, text)
+        self.last_values = values
+        self._log_values(trainer, values, step)
         if self.log_table_every_n_steps and (
             self._last_table_step is None or step - self._last_table_step >= self.log_table_every_n_steps
         ):
@@ -199,7 +211,18 @@ class CreditAuditCallback(Callback):
             list(report.projected_share), list(report.norm_share), report.cancellation,
             report.conservation_error, report.grad_match, report.full_grad_norm, report.ok,
         )
-        return self._flatten(out, report.part_names, extra={"n_parts": report.n_parts, "n_trained": report.n_trained})
+        extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0}
+        return self._flatten(out, report.part_names, extra=extra)
+
+    @staticmethod
+    def _log_values(trainer: Trainer, values: dict[str, float], step: int) -> None:
+        # Straight to the loggers, at the step audited. Not through ``LightningModule.log``: its results
+        # collection re-logs a key's last value on every later step of the epoch, which would put stale
+        # readings on the steps ``every_n_steps`` skips and keep a refusal flag raised.
+        if trainer.global_rank != 0:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
 
     def _flatten(self, out: dict[str, torch.Tensor], names: tuple[str, ...], extra: Optional[dict] = None, prefix: Optional[str] = None) -> dict[str, float]:
         p = self.prefix if prefix is None else prefix
@@ -232,9 +255,11 @@ class CreditAuditCallback(Callback):
         names = self.last_report.part_names if self.last_report is not None else tuple(
             f"part_{i}" for i in range(self.max_logged_parts)
         )
+        # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
-        pl_module.log_dict(values, on_step=False, on_epoch=True, batch_size=1)
         self.metric.reset()
+        self.last_epoch_values = values
+        self._log_values(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_text is None:
@@ -246,23 +271,32 @@ class CreditAuditCallback(Callback):
 
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
-        log_dir = trainer.log_dir if trainer.loggers else None  # no logger: write nothing into the cwd
+        log_dir = _log_dir(trainer)
+        body = f"step {step}\n{text}\n"
+        if self._last_defined is not None and self._last_defined[0] != step:
+            # The last step's shares were undefined (e.g. every group had equal rewards): show the latest that was.
+            body += f"\nlast defined reading, step {self._last_defined[0]}\n{self._last_defined[1]}\n"
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             with open(os.path.join(log_dir, LAST_REPORT_FILE), "w") as fh:
-                fh.write(f"step {step}\n{text}\n")
+                fh.write(body)
         if self.print_last_report:
-            print(f"credit audit, step {step}:\n{text}")
+            print(f"credit audit, {body}", end="")
             tb = _tensorboard(trainer)
             if tb is not None:
                 print(f"view it: tensorboard --logdir {tb.log_dir}")
 
+    def _add_text(self, trainer: Trainer, tag: str, text: str, step: int) -> None:
+        tb = _tensorboard(trainer)
+        if tb is not None and trainer.global_rank == 0:
+            tb.experiment.add_text(tag, "```\n" + text + "\n```", step)
+
     def _log_table(self, trainer: Trainer, step: int, text: str) -> None:
         self._last_table_step = step
+        self._add_text(trainer, f"{self.prefix}table", text, step)
         tb = _tensorboard(trainer)
         if tb is None or trainer.global_rank != 0:
             return
-        tb.experiment.add_text(f"{self.prefix}table", "```\n" + text + "\n```", step)
         if self.log_figure and len(self._history) > 0:
             fig = self._heatmap()
             if fig is not None:
@@ -316,6 +350,18 @@ class CreditAuditCallback(Callback):
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
                 setattr(self.metric, name, value.to(cur.device, cur.dtype))
+
+
+def _log_dir(trainer: Trainer) -> Optional[str]:
+    """The first logger's directory; None without a logger (never write into the cwd).
+
+    Not ``trainer.log_dir``: that is a broadcast, a collective that deadlocks when only rank 0 asks.
+    """
+    for logger in trainer.loggers:
+        d = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+        if d:
+            return str(d)
+    return None
 
 
 def _tensorboard(trainer: Trainer) -> Optional[TensorBoardLogger]:

@@ -77,6 +77,13 @@ def _merge_ranks(parts: list[list[Trajectory]]) -> list[Trajectory]:
     return out
 
 
+def _clip_algorithm(trainer: Trainer) -> Optional[str]:
+    algo = trainer.gradient_clip_algorithm
+    if algo is None:
+        return None
+    return str(getattr(algo, "value", algo))
+
+
 def _optimizer_config(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     for g in opt.param_groups:
@@ -140,6 +147,7 @@ class RunRecordCallback(Callback):
             optimizer=[_optimizer_config(o) for o in trainer.optimizers],
             trainer={
                 "gradient_clip_val": trainer.gradient_clip_val,
+                "gradient_clip_algorithm": _clip_algorithm(trainer),
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "precision": str(trainer.precision),
                 "world_size": trainer.world_size,

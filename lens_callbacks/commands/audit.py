@@ -2,9 +2,10 @@
 
 Step ``N`` needs the weights the policy had at step ``N``. The record holds the policy at step 0 (and
 every ``checkpoint_every`` steps); :func:`replay_to` rebuilds step ``N`` by re-applying the recorded
-steps — the module's own ``credit_terms`` loss, one backward, the module's own optimizer — from the
-nearest usable checkpoint. The replay is exact (bit for bit on CPU) when training was: one process,
-no dropout, no gradient clipping, no accumulation, no mixed precision. With a stateful optimizer
+steps — the module's own ``credit_terms`` loss, one backward, Lightning's default gradient clipping
+when the run clipped, the module's own optimizer at the recorded learning rates — from the nearest
+usable checkpoint. The replay is exact (bit for bit on CPU) when training was: one process, no
+accumulation, no mixed precision, and no dropout unless the batch's dropout seed was recorded. With a stateful optimizer
 (momentum, Adam) it starts at step 0, where the optimizer state is known to be empty.
 
 The module is rebuilt from ``record.json`` (its class path and init args), so its class must be
@@ -91,9 +92,9 @@ def _stateless(opt: torch.optim.Optimizer) -> bool:
 def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[Refusal]:
     man = record.manifest
     tr = man.get("trainer", {})
-    if tr.get("gradient_clip_val") not in (None, 0, 0.0):
-        return Refusal("gradient_clip_val", f"training clipped gradients (gradient_clip_val={tr['gradient_clip_val']!r}); the replay does not.",
-                       remedy="record with checkpoint_every=1 and audit at a checkpoint")
+    if tr.get("gradient_clip_val") not in (None, 0, 0.0) and (tr.get("gradient_clip_algorithm") or "norm") not in ("norm", "value"):
+        return Refusal("gradient_clip_algorithm", f"training clipped gradients with {tr['gradient_clip_algorithm']!r}, which the replay "
+                       "does not know.", remedy="record with checkpoint_every=1 and audit at a checkpoint")
     if int(tr.get("world_size", 1)) != 1:
         return Refusal("world_size", f"training ran on {tr['world_size']} processes; the replay of an averaged DDP step is not exact.",
                        remedy="record with checkpoint_every=1 and audit at a checkpoint")
@@ -111,6 +112,17 @@ def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[R
                 if k in rg and k in g and _plain_value(g[k]) != rg[k]:
                     return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.")
     return None
+
+
+def _clip_like_lightning(opt: torch.optim.Optimizer, clip_val: Optional[float], algorithm: str) -> None:
+    """Lightning's default ``configure_gradient_clipping``: the optimizer's parameters, in group order."""
+    if not clip_val or clip_val <= 0:
+        return
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, clip_val)
 
 
 def _plain_value(v: Any) -> Any:
@@ -182,6 +194,8 @@ def replay_to(
         tqdm = None
     steps = range(start, step)
     it = tqdm(steps, desc=f"replay {start}->{step}", disable=not progress, leave=False) if tqdm else steps
+    tr = record.manifest.get("trainer", {})
+    clip_val, clip_algo = tr.get("gradient_clip_val"), tr.get("gradient_clip_algorithm") or "norm"
     m.train()
     with torch.random.fork_rng():
         for s in it:
@@ -193,6 +207,7 @@ def replay_to(
             opt.zero_grad(set_to_none=True)
             loss = m.credit_terms(batch).terms.sum()
             loss.backward()
+            _clip_like_lightning(opt, clip_val, clip_algo)
             opt.step()
     opt.zero_grad(set_to_none=True)
     return m

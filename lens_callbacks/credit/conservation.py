@@ -73,7 +73,8 @@ class ConservationReading:
 
     - ``relative_error = ||Δθ ⊘ η − g|| / ||g||``;
     - ``update_precision_floor = u · (||θ_after ⊘ η||_upd / ||g|| + 2)``, over the entries the optimizer
-      updated; for one group and a small step this is ``u·||θ_after|| / ||η·g||`` ≈
+      updated (``u`` per tensor when dtypes are mixed; the ``+ 2u`` term takes the coarsest); for one group
+      and a small step this is ``u·||θ_after|| / ||η·g||`` ≈
       ``u·||θ_after|| / ||Δθ||``. The ``+ 2`` covers rounding ``η`` and ``η·g`` themselves. The floor uses
       the update the gradient claims, ``η·g``, not the measured ``Δθ``: a step that never happened
       (``Δθ = 0``) must read as an error of 1, not as an unresolvable reading;
@@ -320,42 +321,41 @@ def step_conservation(
     if n == 0:
         return Refusal("no_parameters", "the optimizer holds no parameters, so there is no update to read.")
 
+    for t in theta_after:
+        if t.dtype not in UNIT_ROUNDOFF:
+            return Refusal("dtype", f"parameters must be floating point to read an update, got {t.dtype}.")
     dtypes = {t.dtype for t, g in zip(theta_after, grad) if g is not None} or {t.dtype for t in theta_after}
-    dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF.get(d, 0.0))  # the coarsest sets the floor
-    if dtype not in UNIT_ROUNDOFF:
-        return Refusal("dtype", f"parameters must be floating point to read an update, got {dtype}.")
+    dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d])  # the coarsest, for the report and the `+ 2u` term
     u = UNIT_ROUNDOFF[dtype]
 
-    res_sq: list[float] = []
-    g_sq: list[float] = []
-    upd_sq: list[float] = []
-    par_sq: list[float] = []  # ||θ_after ⊘ η||² over updated entries (floor)
-    after_sq: list[float] = []
+    # Per tensor: [‖r‖², ‖g‖², ‖Δθ‖², ‖θ_after‖², u_i²‖θ_after‖²/η²] as float64 tensors, read back with one sync.
+    sums: list[torch.Tensor] = []
     n_without = 0
     for tb, ta, g, gi in zip(theta_before, theta_after, grad, group_index):
         if tuple(tb.shape) != tuple(ta.shape):
             raise ValueError(f"`theta_before` and `theta_after` must match in shape, got {list(tb.shape)} and {list(ta.shape)}.")
         eta = lrs[int(gi)]
-        delta = _f64(tb) - _f64(ta)  # [*p]; exact for nearby floats
-        ratio = delta / eta  # [*p]
-        upd_sq.append(float(torch.sum(delta * delta)))
+        a = _f64(ta).reshape(-1)  # [n]
+        r = _f64(tb).reshape(-1).to(a.device) - a  # [n] Δθ; exact for nearby floats
+        upd = torch.dot(r, r)
+        r.div_(eta)  # Δθ/η
         if g is None:
             n_without += 1
-            res_sq.append(float(torch.sum(ratio * ratio)))
+            zero = torch.zeros((), dtype=torch.float64, device=a.device)
+            sums.append(torch.stack([torch.dot(r, r), zero, upd, zero, zero]))
             continue
-        g64 = _f64(g).to(ratio.device)
-        if tuple(g64.shape) != tuple(ratio.shape):
-            raise ValueError(f"`grad` entries must match their parameter's shape, got {list(g64.shape)} for {list(ratio.shape)}.")
-        r = ratio - g64
-        res_sq.append(float(torch.sum(r * r)))
-        g_sq.append(float(torch.sum(g64 * g64)))
-        a = _f64(ta)
-        after_sq.append(float(torch.sum(a * a)))
-        par_sq.append(float(torch.sum(a * a)) / (eta * eta))
+        g64 = _f64(g).to(a.device)
+        if g64.numel() != r.numel() or tuple(g64.shape) != tuple(ta.shape):
+            raise ValueError(f"`grad` entries must match their parameter's shape, got {list(g64.shape)} for {list(ta.shape)}.")
+        g64 = g64.reshape(-1)  # [n]
+        r.sub_(g64)  # Δθ/η − g
+        a_sq = torch.dot(a, a)
+        u_i = UNIT_ROUNDOFF[ta.dtype]  # each tensor is rounded in its own dtype
+        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2]))
+    dev = sums[0].device
+    res_sq, g_sq, upd_sq, after_sq, par_sq = (float(x) for x in torch.stack([t.to(dev) for t in sums]).sum(0).cpu())
 
-    g_norm = math.sqrt(math.fsum(g_sq))
-    res_norm = math.sqrt(math.fsum(res_sq))
-    upd_norm = math.sqrt(math.fsum(upd_sq))
+    g_norm, res_norm, upd_norm = math.sqrt(g_sq), math.sqrt(res_sq), math.sqrt(upd_sq)
     if not (math.isfinite(g_norm) and math.isfinite(res_norm)):
         return Refusal(
             "not_finite",
@@ -369,7 +369,7 @@ def step_conservation(
             numbers={"grad_norm": 0.0, "update_norm": upd_norm},
         )
     error = res_norm / g_norm
-    floor = u * (math.sqrt(math.fsum(par_sq)) / g_norm + 2.0)
+    floor = math.sqrt(par_sq) / g_norm + 2.0 * u
     return ConservationReading(
         relative_error=error,
         update_precision_floor=floor,
@@ -379,7 +379,7 @@ def step_conservation(
         tolerance=float(tolerance),
         grad_norm=g_norm,
         update_norm=upd_norm,
-        param_norm=math.sqrt(math.fsum(after_sq)),
+        param_norm=math.sqrt(after_sq),
         lrs=tuple(lrs),
         n_tensors=n,
         n_without_grad=n_without,

@@ -277,7 +277,7 @@ def batch_from_trajectories(
         raise ValueError("`trajectories` must hold at least one trajectory, got an empty list.")
     pad = _pad_id(tokenizer, pad_token_id)
 
-    rows: list[tuple[list[int], list[bool], list[int]]] = []
+    rows: list[tuple[list[int], list[bool], list[int], list[tuple[int, int]]]] = []  # ids, trained, turn, spans
     roles: list[tuple[str, ...]] = []
     trained_turns: list[tuple[bool, ...]] = []
     truncated: list[int] = []
@@ -297,7 +297,7 @@ def batch_from_trajectories(
             if not piece:
                 raise ValueError(
                     f"turn {j} ({turn.role}) of `trajectories[{k}]` tokenises to nothing (text {turn.text!r}); "
-                    "drop the turn or give it text, since an empty turn cannot carry credit and would shift nothing."
+                    "drop the turn or give it text: a turn without tokens has no position to carry its credit."
                 )
             if train_roles is not None:
                 tr = turn.role in train_roles

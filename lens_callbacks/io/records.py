@@ -4,8 +4,8 @@ Layout of ``<run_dir>/`` (documented in ``docs/record_schema.md``)::
 
     record.json                       manifest (schema, module, init args, optimizer, steps, checkpoints)
     trajectories/step_000000.jsonl    one trajectory per line, schema "lens_callbacks.trajectory/1"
-    trajectories/step_000000.meta.json  optional: what else the module needs to rebuild its batch
-    policy_step_000000.pt             the policy's state_dict before the first optimizer step
+    steps/step_000000.json            optional: what else a replay of the step needs (lr, dropout seed)
+    policy_step_000000.pt             the module's state_dict() before the first optimizer step
     policy_step_{N:06d}.pt            optional further checkpoints (every ``checkpoint_every`` steps)
 
 One line::
@@ -57,7 +57,8 @@ def step_path(run_dir: PathLike, step: int) -> Path:
 
 
 def meta_path(run_dir: PathLike, step: int) -> Path:
-    return Path(run_dir) / "trajectories" / f"step_{int(step):06d}.meta.json"
+    # Kept out of trajectories/ so that a reader globbing it sees trajectory files only.
+    return Path(run_dir) / "steps" / f"step_{int(step):06d}.json"
 
 
 def policy_path(run_dir: PathLike, step: int) -> Path:

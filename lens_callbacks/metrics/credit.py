@@ -168,10 +168,10 @@ class CreditMetric(Metric):
 
     def update(
         self,
-        projected_share: _Vec,
-        norm_share: _Vec,
-        cancellation: float,
-        conservation_error: float,
+        projected_share: _Vec = (),
+        norm_share: _Vec = (),
+        cancellation: float = float("nan"),
+        conservation_error: float = float("nan"),
         grad_match: Optional[float] = None,
         full_grad_norm: float = float("nan"),
         defined: bool = True,
@@ -189,7 +189,7 @@ class CreditMetric(Metric):
     def update_report(self, report) -> None:
         """Update from a :class:`~lens_callbacks.credit.CreditReport` (or a refused reading: ``None``)."""
         if report is None:
-            self.update([], [], float("nan"), float("nan"), defined=False)
+            self.update(defined=False)
             return
         self.update(
             list(report.projected_share), list(report.norm_share), report.cancellation,

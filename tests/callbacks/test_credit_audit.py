@@ -253,11 +253,20 @@ class _Seen(pl.Callback):
         self.rows.append((trainer.global_step, self.audit.last_report_step, self.audit.last_refusal))
 
 
-def test_a_failed_reading_is_a_refusal_and_training_continues():
+def test_a_failed_reading_is_a_refusal_and_training_continues(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     audit = CreditAuditCallback()
     seen = _Seen(audit)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
     with pytest.warns(RuntimeWarning, match="step 1 declined.*rollout 3 has no tokens"):
-        m = _fit([audit, seen], steps=3, module_cls=_FailsAtStep1)
+        m = _fit([audit, seen], steps=3, module_cls=_FailsAtStep1, logger=logger)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    [text] = acc.Tensors("credit/refusal/text_summary")
+    assert text.step == 1 and "REFUSED (credit_audit): ValueError: rollout 3 has no tokens" in text.tensor_proto.string_val[0].decode()
+    assert [(e.step, e.value) for e in acc.Scalars("credit/refused")] == [(0, 0.0), (1, 1.0), (2, 0.0)]
+    assert np.isnan(acc.Scalars("credit/cancellation")[1].value)
     assert m.trainer.global_step == 3
     assert audit.n_audits == 3 and audit.n_refusals == 1
     step, report_step, refusal = seen.rows[1]
@@ -276,7 +285,26 @@ def test_zero_gradient_step_is_undefined_not_a_crash():
     audit = CreditAuditCallback()
     m = _fit([audit], steps=2, module_cls=_ConstantReward)
     assert not audit.last_report.ok and "zero" in audit.last_report.reason
-    assert float(m.trainer.callback_metrics["credit/undefined_fraction"]) == 1.0
+    assert audit.last_values["credit/undefined_fraction"] == 1.0
+
+
+class _ZeroAtStep2(GRPOModule):
+    def sample_rollouts(self, pairs):
+        rb, ro = super().sample_rollouts(pairs)
+        # Non-zero advantages except at step 2, whatever the sampled rewards were.
+        rb.advantages = torch.linspace(-1, 1, rb.batch_size) * float(self.trainer.global_step != 2)
+        return rb, ro
+
+
+def test_last_report_file_adds_the_last_defined_reading_when_the_last_is_undefined(tmp_path):
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    audit = CreditAuditCallback()
+    ref = _Reference(audit)
+    _fit([audit, ref], steps=3, seed=4, module_cls=_ZeroAtStep2, logger=logger)
+    assert not audit.last_report.ok and ref.rows[1][1].ok
+    text = (tmp_path / "tb" / "version_0" / "credit_last.txt").read_text()
+    assert text.startswith("step 2\n") and "UNDEFINED" in text
+    assert "last defined reading, step 1\n" + ref.rows[1][1].render() in text
 
 
 class _Steps(pl.Callback):
@@ -287,12 +315,18 @@ class _Steps(pl.Callback):
         self.rows.append((trainer.global_step, self.audit.last_report_step))
 
 
-def test_every_n_steps():
+def test_every_n_steps_logs_the_audited_steps_only(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     audit = CreditAuditCallback(every_n_steps=2)
     probe = _Steps(audit)
-    _fit([audit, probe], steps=5)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    _fit([audit, probe], steps=5, logger=logger)
     assert probe.rows == [(0, 0), (1, 0), (2, 2), (3, 2), (4, 4)]
     assert audit.n_audits == 3
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("credit/conservation_error")] == [0, 2, 4]  # nothing stale in between
 
 
 class _AsksForGrads(pl.Callback):
@@ -358,7 +392,7 @@ def test_prints_last_report_and_tensorboard_line(tmp_path, capsys):
     audit = CreditAuditCallback(print_last_report=True)
     _fit([audit], steps=2, logger=logger)
     out = capsys.readouterr().out
-    assert "credit audit, step 1:" in out and audit.last_report.render() in out
+    assert "credit audit, step 1\n" in out and audit.last_report.render() in out
     assert f"tensorboard --logdir {logger.log_dir}" in out
 
 
@@ -373,8 +407,68 @@ def test_without_a_logger_nothing_is_written(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cap", [0, 1])
 def test_small_part_caps(cap):
     audit = CreditAuditCallback(max_logged_parts=cap, dtype="float64")
-    m = _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
-    logged = {k for k in m.trainer.callback_metrics if k.startswith("credit/projected_share/")}
+    _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
+    logged = {k for k in audit.last_values if k.startswith("credit/projected_share/")}
     assert logged == ({"credit/projected_share/rollout_0"} if cap else set())
     if cap and audit.last_report.ok:
-        assert float(m.trainer.callback_metrics["credit/projected_share/rollout_0"]) == pytest.approx(audit.last_report.projected_share[0], rel=1e-6)
+        assert audit.last_values["credit/projected_share/rollout_0"] == pytest.approx(audit.last_report.projected_share[0], rel=1e-12)
+
+
+class _DDPChecks(pl.Callback):
+    """Runs inside each ddp_spawn worker, after the audit: asserts there (a failure fails the spawn)."""
+
+    def __init__(self, audit):
+        self.audit = audit
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        r = self.audit.last_report
+        assert r is not None and self.audit.last_report_step == trainer.global_step
+        assert r.grad_match is None  # .grad is the rank average here: not compared with a local g_full
+        if r.ok:
+            assert abs(r.share_sum - 1.0) < 1e-5 and r.conservation_error < 1e-5
+
+    def on_train_end(self, trainer, pl_module):
+        assert self.audit.n_audits == trainer.global_step == 3
+        assert "credit/epoch/cancellation" in self.audit.last_epoch_values  # synchronised on every rank
+        assert "credit/grad_match" not in self.audit.last_values
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
+    audit = CreditAuditCallback(max_logged_parts=2)
+    pl.seed_everything(0, verbose=False)
+    m = GRPOModule(**SMALL)
+    trainer = pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=TensorBoardLogger(str(tmp_path), version=0),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[audit, _DDPChecks(audit)],
+    )
+    trainer.fit(m, AdditionDataModule(batch_size=2))  # the workers assert; here we read what rank 0 wrote
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert len(acc.Scalars("credit/cancellation")) == 3 and "credit/epoch/share_sum" in acc.Tags()["scalars"]
+    assert [t.step for t in acc.Tensors("credit/table/text_summary")] == [0, 2]  # rank 0 wrote it once per table
+    assert (tmp_path / "lightning_logs" / "version_0" / "credit_last.txt").exists()
+
+
+def test_state_survives_a_checkpoint_resume(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first = CreditAuditCallback()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=2)
+    pl.seed_everything(0, verbose=False)
+    m = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[first, ckpt],
+    ).fit(m, AdditionDataModule(batch_size=2))
+    assert first.n_audits == 2
+    resumed = CreditAuditCallback()
+    m2 = GRPOModule(**SMALL)
+    pl.Trainer(
+        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, callbacks=[resumed],
+    ).fit(m2, AdditionDataModule(batch_size=2), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.n_audits == 3 and resumed.last_report_step == 2

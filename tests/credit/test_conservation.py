@@ -266,3 +266,35 @@ def test_reading_render_and_dict():
     d = r.to_dict("conservation/")
     assert d["conservation/error"] == 0.0 and d["conservation/refused"] == 0.0 and d["conservation/limited"] == 1.0
     assert "step 7" in r.render() and "PRECISION-LIMITED" in r.render()
+
+
+def test_mixed_dtypes_round_each_tensor_in_its_own_dtype():
+    rng = np.random.default_rng(1)
+    lr = 1e-6
+    before = [torch.tensor(rng.normal(size=500) * 4), torch.tensor(rng.normal(size=500).astype(np.float32) * 4)]
+    grads = [torch.tensor(rng.normal(size=500)), torch.tensor(rng.normal(size=500).astype(np.float32))]
+    after = [(b.double() - lr * g.double()).to(b.dtype) for b, g in zip(before, grads)]
+    r = step_conservation(before, after, lr, grads)
+    naive = _numpy_error(before, after, [lr, lr], grads)
+    assert r.relative_error == pytest.approx(naive, rel=1e-9) and naive <= r.update_precision_floor
+    assert r.dtype == "float32"
+    # only the float32 tensor is rounded coarsely: its share of the floor, by numpy
+    a32 = after[1].double().numpy()
+    g_norm = np.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+    u32, u64 = 2.0**-24, 2.0**-53
+    a64 = after[0].numpy()
+    expect = np.sqrt((u64 / lr) ** 2 * (a64 @ a64) + (u32 / lr) ** 2 * (a32 @ a32)) / g_norm + 2 * u32
+    assert r.update_precision_floor == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_cost_benchmark_runs_on_a_small_size():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "conservation_cost.py"), "--layers", "1", "--embd", "32", "--T", "8", "--repeats", "2"]
+    r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "read (step_conservation) / plain step:" in r.stdout and "last reading: error" in r.stdout

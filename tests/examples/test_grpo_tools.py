@@ -197,3 +197,43 @@ def test_replay_uses_the_recorded_learning_rates(tmp_path):
     back = replay_to(view, 3, _Scheduled(seed=2, lr=0.2), progress=False)
     ck = rec.load_policy(3)
     assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items())
+
+
+def test_audit_console_script_prints_the_report(run, capsys, monkeypatch):
+    from lens_callbacks.cli import main
+
+    _, rec = run
+    monkeypatch.chdir(ROOT)
+    assert main(["audit", str(rec.run_dir), "--step", "2", "--partition", "by_role", "--dtype", "float64", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "credit by by_role" in out and "assistant" in out and "conservation_error" in out
+    assert main(["audit", str(rec.run_dir), "--partition", "by_turn", "--json", "--no-progress"]) == 0
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    assert d["credit/share_sum"] == pytest.approx(1.0, abs=1e-5)
+    shares = {k: v for k, v in d.items() if k.startswith("credit/projected_share/")}
+    assert shares and all(v == 0.0 for k, v in shares.items() if not k.endswith(":assistant"))
+    assert main(["audit", str(rec.run_dir), "--step", "99", "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_replay_clips_gradients_as_the_trainer_did(tmp_path, algorithm):
+    m = GRPOToolsModule(seed=4, lr=0.5)
+    trainer = Trainer(
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", gradient_clip_val=0.01, gradient_clip_algorithm=algorithm,
+        callbacks=[RunRecordCallback(str(tmp_path / "record"), checkpoint_every=1)],
+    )
+    trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2))
+    rec = RunRecord(tmp_path / "record")
+    assert rec.manifest["trainer"]["gradient_clip_algorithm"] == algorithm
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    back = replay_to(view, 3, progress=False)
+    ck = rec.load_policy(3)
+    assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items())
+    # and the clip mattered: without it the replay lands elsewhere
+    view.manifest["trainer"] = dict(view.manifest["trainer"], gradient_clip_val=None)
+    loose = replay_to(view, 3, progress=False)
+    assert not all(torch.equal(v, ck[k]) for k, v in loose.state_dict().items())

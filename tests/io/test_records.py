@@ -237,3 +237,42 @@ def test_merge_ranks_renumbers():
     t = lambda g, r: Trajectory((Turn("user", "a"), Turn("assistant", "b")), group=g, rollout=r)  # noqa: E731
     out = _merge_ranks([[t(0, 0), t(1, 1)], [], [t(0, 0)]])
     assert [(x.group, x.rollout) for x in out] == [(0, 0), (1, 1), (2, 2)]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_turn = st.builds(
+    Turn,
+    role=st.sampled_from(["system", "user", "assistant", "tool"]),
+    text=st.text(min_size=1, max_size=8),
+    token_ids=st.one_of(st.none(), st.lists(st.integers(0, 2**31), min_size=1, max_size=4).map(tuple)),
+    trained=st.one_of(st.none(), st.booleans()),
+    tool_call=st.one_of(st.none(), st.builds(ToolCall, st.text(max_size=5), st.text(max_size=10))),
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    trajs=st.lists(
+        st.builds(
+            Trajectory,
+            turns=st.lists(_turn, min_size=1, max_size=5).map(tuple),
+            reward=st.floats(allow_nan=False, allow_infinity=False),
+            group=st.integers(0, 5),
+            rollout=st.integers(0, 100),
+            prompt_id=st.text(max_size=6),
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_any_trajectory_round_trips_exactly(tmp_path_factory, trajs):
+    path = write_trajectories(tmp_path_factory.mktemp("rt") / "s.jsonl", trajs, step=4)
+    back = read_trajectories(path)
+    assert len(back) == len(trajs)
+    for a, b in zip(trajs, back):
+        assert (b.reward, b.group, b.rollout, b.prompt_id, b.step) == (a.reward, a.group, a.rollout, a.prompt_id, 4)
+        for x, y in zip(a.turns, b.turns, strict=True):
+            resolved = x.trained if x.trained is not None else x.role == "assistant"
+            assert (y.role, y.text, y.token_ids, y.trained, y.tool_call) == (x.role, x.text, x.token_ids, resolved, x.tool_call)
