@@ -1,0 +1,133 @@
+"""Where the instrument's groups come from: a step's CreditTerms, a run record, a SkyRL dump."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .instrument import RolloutGroup
+
+__all__ = [
+    "groups_from_terms",
+    "groups_from_record",
+    "groups_from_dump",
+    "load_groups",
+    "TRAJECTORY_SCHEMA",
+]
+
+TRAJECTORY_SCHEMA = "lens_callbacks.trajectory/1"
+
+
+def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
+    """One group per distinct ``terms.group`` id: trained tokens and outcome rewards of its rows.
+
+    Needs ``terms.tokens`` (``[B, T]`` token ids) and ``terms.rewards`` (``[B]`` outcomes); raises
+    ``ValueError`` naming the missing field otherwise.
+    """
+    for name in ("tokens", "rewards"):
+        if getattr(terms, name, None) is None:
+            raise ValueError(
+                f"`CreditTerms.{name}` must be set for the process instrument, got None. Return "
+                "`tokens` ([B, T] token ids) and `rewards` ([B] outcome rewards) from `credit_terms`."
+            )
+    tokens = terms.tokens.detach().cpu()  # [B, T]
+    trained = terms.trained.detach().cpu()  # [B, T]
+    rewards = terms.rewards.detach().cpu().double()  # [B]
+    group = terms.group.detach().cpu()  # [B]
+    out = []
+    for g in torch.unique(group, sorted=True).tolist():
+        rows = (group == g).nonzero().flatten().tolist()
+        comps = [tokens[r][trained[r]].tolist() for r in rows]
+        out.append(RolloutGroup(f"{prefix}{g}", comps, [float(rewards[r]) for r in rows]))
+    return out
+
+
+def _record_files(run_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(run_dir, "trajectories", "step_*.jsonl")))
+    if not files:
+        raise FileNotFoundError(
+            f"`run_dir` must hold trajectories/step_*.jsonl (a run record), got none under {run_dir!r}."
+        )
+    return files
+
+
+def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[Sequence[int]] = None) -> list[RolloutGroup]:
+    """Every group of every step of a run record (``trajectories/step_{N:06d}.jsonl``).
+
+    A trajectory's completion is the token ids of its turns with ``trained: true``, in order; groups are
+    keyed by ``(step, group)`` in file order.
+    """
+    run_dir = os.fspath(run_dir)
+    wanted = None if steps is None else {int(s) for s in steps}
+    groups: dict[tuple[int, int], tuple[list[list[int]], list[float]]] = {}
+    for path in _record_files(run_dir):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{where}: not a JSON object ({err}).") from err
+                schema = rec.get("schema", "")
+                if not str(schema).startswith("lens_callbacks.trajectory/"):
+                    raise ValueError(f"{where}: `schema` must be {TRAJECTORY_SCHEMA!r}, got {schema!r}.")
+                try:
+                    step, grp, reward = int(rec["step"]), int(rec["group"]), float(rec["reward"])
+                    comp = [int(t) for turn in rec["turns"] if turn.get("trained") for t in turn["token_ids"]]
+                except (KeyError, TypeError, ValueError) as err:
+                    raise ValueError(f"{where}: a trajectory needs step, group, reward and turns ({err!r}).") from err
+                if wanted is not None and step not in wanted:
+                    continue
+                comps, rewards = groups.setdefault((step, grp), ([], []))
+                comps.append(comp)
+                rewards.append(reward)
+    return [RolloutGroup(f"step{s}/group{g}", c, r) for (s, g), (c, r) in groups.items()]
+
+
+def groups_from_dump(dump: Any) -> list[RolloutGroup]:
+    """Every prompt group of a :class:`~lens_callbacks.io.SkyRLDump`.
+
+    SkyRL pops ``rewards`` before the dump, so the per-row GRPO advantage stands in for the outcome. Within
+    a group it is a positive affine map of the reward, ``(R − mean)/(std + ε)``, under which ``n(s)``, the
+    divergence depth, the informative and zero shares and the kill condition are unchanged; the process
+    rewards come out in advantage units.
+    """
+    adv = dump.advantages_per_row()  # [N]
+    out = []
+    for g, rows in enumerate(dump.groups):
+        out.append(RolloutGroup(str(g), [dump.trained_tokens(r) for r in rows], [float(adv[r]) for r in rows]))
+    return out
+
+
+def load_groups(path: Union[str, "os.PathLike[str]"]) -> tuple[list[RolloutGroup], str]:
+    """Groups from a run-record directory, a SkyRL dump file, or a directory of dumps.
+
+    Returns ``(groups, description)``.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "trajectories")):
+        groups = groups_from_record(path)
+        return groups, f"run record {path}"
+    from ..io.skyrl import read_skyrl_dump
+
+    if os.path.isdir(path):
+        dumps = sorted(glob.glob(os.path.join(path, "**", "global_step_*_training_input.pkl"), recursive=True))
+        if not dumps:
+            raise FileNotFoundError(
+                f"`path` must be a run record (with trajectories/) or a SkyRL dump, got a directory with neither: {path!r}."
+            )
+        groups: list[RolloutGroup] = []
+        for p in dumps:
+            d = read_skyrl_dump(p)
+            groups += [RolloutGroup(f"step{d.step}/group{g.key}", g.completions, g.rewards) for g in groups_from_dump(d)]
+        return groups, f"{len(dumps)} SkyRL dumps under {path} (advantage as outcome)"
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"`path` must be a run record directory or a SkyRL dump file, got {path!r} (no such path).")
+    d = read_skyrl_dump(path)
+    return groups_from_dump(d), f"SkyRL dump {path} (step {d.step}, advantage as outcome)"
