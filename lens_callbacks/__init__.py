@@ -23,6 +23,10 @@ _LAZY = {
     "CreditTerms": "lens_callbacks.credit",
     "CreditSource": "lens_callbacks.credit",
     "disintegrate": "lens_callbacks.credit",
+    "read_skyrl_dump": "lens_callbacks.io",
+    "SkyRLDump": "lens_callbacks.io",
+    "induced_process_reward": "lens_callbacks.process",
+    "audit_groups": "lens_callbacks.process",
 }
 
 __all__ = ["Refusal", "__version__", *_LAZY]

@@ -5,7 +5,7 @@ the Monte-Carlo values ``q(s)``, the process rewards they induce, and the kill c
 """
 
 from .instrument import REMEDY, InducedProcessReward, ProcessAudit, RolloutGroup, audit_groups, induced_process_reward
-from .sources import TRAJECTORY_SCHEMA, groups_from_dump, groups_from_record, groups_from_terms, load_groups
+from .sources import groups_from_dump, groups_from_record, groups_from_terms, load_groups
 from .trie import PrefixTrie, TrieNode
 
 __all__ = [
@@ -21,5 +21,4 @@ __all__ = [
     "groups_from_record",
     "groups_from_dump",
     "load_groups",
-    "TRAJECTORY_SCHEMA",
 ]

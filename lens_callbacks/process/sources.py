@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any, Optional, Sequence, Union
 
@@ -16,10 +15,7 @@ __all__ = [
     "groups_from_record",
     "groups_from_dump",
     "load_groups",
-    "TRAJECTORY_SCHEMA",
 ]
-
-TRAJECTORY_SCHEMA = "lens_callbacks.trajectory/1"
 
 
 def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
@@ -58,35 +54,33 @@ def _record_files(run_dir: str) -> list[str]:
 def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[Sequence[int]] = None) -> list[RolloutGroup]:
     """Every group of every step of a run record (``trajectories/step_{N:06d}.jsonl``).
 
-    A trajectory's completion is the token ids of its turns with ``trained: true``, in order; groups are
-    keyed by ``(step, group)`` in file order.
+    A trajectory's completion is the token ids of its trained turns, in order (``trained`` unset means
+    assistant turns, as in :class:`~lens_callbacks.credit.trajectories.Turn`); groups are keyed by
+    ``(step, group)`` in file order. Lines are parsed and validated by the record reader, so its errors
+    name the file and line.
     """
-    run_dir = os.fspath(run_dir)
+    from ..io.records import read_trajectories
+
     wanted = None if steps is None else {int(s) for s in steps}
     groups: dict[tuple[int, int], tuple[list[list[int]], list[float]]] = {}
-    for path in _record_files(run_dir):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+    for path in _record_files(os.fspath(run_dir)):
+        for traj in read_trajectories(path):
+            if wanted is not None and traj.step not in wanted:
+                continue
+            comp: list[int] = []
+            for j, turn in enumerate(traj.turns):
+                trained = turn.trained if turn.trained is not None else turn.role == "assistant"
+                if not trained:
                     continue
-                where = f"{path}:{lineno}"
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not a JSON object ({err}).") from err
-                schema = rec.get("schema", "")
-                if not str(schema).startswith("lens_callbacks.trajectory/"):
-                    raise ValueError(f"{where}: `schema` must be {TRAJECTORY_SCHEMA!r}, got {schema!r}.")
-                try:
-                    step, grp, reward = int(rec["step"]), int(rec["group"]), float(rec["reward"])
-                    comp = [int(t) for turn in rec["turns"] if turn.get("trained") for t in turn["token_ids"]]
-                except (KeyError, TypeError, ValueError) as err:
-                    raise ValueError(f"{where}: a trajectory needs step, group, reward and turns ({err!r}).") from err
-                if wanted is not None and step not in wanted:
-                    continue
-                comps, rewards = groups.setdefault((step, grp), ([], []))
-                comps.append(comp)
-                rewards.append(reward)
+                if turn.token_ids is None:
+                    raise ValueError(
+                        f"{path}: rollout {traj.rollout}, turn {j} is trained but has no `token_ids`; the process "
+                        "instrument reads the sampled tokens, so record them."
+                    )
+                comp.extend(turn.token_ids)
+            comps, rewards = groups.setdefault((traj.step, traj.group), ([], []))
+            comps.append(comp)
+            rewards.append(traj.reward)
     return [RolloutGroup(f"step{s}/group{g}", c, r) for (s, g), (c, r) in groups.items()]
 
 
