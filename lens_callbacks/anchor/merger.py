@@ -48,7 +48,9 @@ def confidence_weights(m: torch.Tensor, kappa: float = 1.0, p: float = 0.5) -> t
     if flat.numel() == 0:
         return torch.ones_like(a)
     k = min(max(int(-(-p * flat.numel() // 1)), 1), flat.numel())
-    q = float(flat.float().kthvalue(k).values)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    q = float(flat.kthvalue(k).values)
     if q <= 0.0:
         return (a > 0).to(a.dtype)
     return (a / (kappa * q)).clamp(0.0, 1.0)
