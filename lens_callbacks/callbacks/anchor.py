@@ -20,7 +20,7 @@ from ..credit.terms import is_credit_source
 from ..metrics.anchor import GatedOnFraction, WeightPredictionError
 from ..refusal import Refusal
 
-__all__ = ["AnchorProjectionCallback"]
+__all__ = ["AnchorProjectionCallback", "coefficient_figure"]
 
 MODES = ("off", "signed_ema", "projected")
 
@@ -74,6 +74,9 @@ class AnchorProjectionCallback(Callback):
         null_quantile: quantile of the random-walk EVR1 null a block must beat.
         dtype: dtype of the anchor's forward (``"native"`` = the parameters' own).
         log_readings: log ``anchor/...`` scalars through ``pl_module.log_dict``.
+        figure_every_n_fires: every that many projected fires, add a TensorBoard figure of the pooled
+            coefficient trajectory ``c_i`` on the ticks with its OLS line and ``ĉ(t_tgt)`` (needs matplotlib
+            and a logger with ``add_figure``; 0 = never).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class AnchorProjectionCallback(Callback):
         null_quantile: float = 0.95,
         dtype: str = "native",
         log_readings: bool = True,
+        figure_every_n_fires: int = 0,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -122,6 +126,7 @@ class AnchorProjectionCallback(Callback):
         resolve_dtype(dtype)
         self.dtype = dtype
         self.log_readings = bool(log_readings)
+        self.figure_every_n_fires = _int("figure_every_n_fires", figure_every_n_fires, 0)
         # Rank1TrajProjector validates the fit arguments once more, with its own names.
         Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
                            r2_min=self.r2_min, null_quantile=self.null_quantile)
@@ -224,6 +229,21 @@ class AnchorProjectionCallback(Callback):
                 out["anchor/run/weight_err_ratio"] = float(self.weight_error.compute())
                 out["anchor/run/gated_on_fraction"] = float(self.gated_on.compute())
             pl_module.log_dict(out, on_step=True, on_epoch=False, batch_size=1)
+        n_proj = sum(1 for x in self.readings if x.projected)
+        if r.projected and self.figure_every_n_fires and n_proj % self.figure_every_n_fires == 0:
+            self._log_figure(pl_module, step)
+
+    def _log_figure(self, pl_module: LightningModule, step: int) -> None:
+        logger = getattr(pl_module, "logger", None)
+        exp = getattr(logger, "experiment", None)
+        fit = self.projector.prev_fit.get("") if self.projector is not None else None
+        if fit is None or not hasattr(exp, "add_figure") or getattr(pl_module, "global_rank", 0) != 0:
+            return
+        try:
+            fig = coefficient_figure(fit, self.last_reading)
+        except ImportError:  # matplotlib is an optional extra
+            return
+        exp.add_figure("anchor/coefficient_trajectory", fig, global_step=step)
 
     def _anchor_grad(self, trainer: Trainer, pl_module: LightningModule, params: dict) -> Optional[dict[str, torch.Tensor]]:
         assert self._anchor is not None
@@ -302,3 +322,25 @@ class AnchorProjectionCallback(Callback):
         self.weight_error.stale_sq = state_dict["weight_error"]["stale_sq"].clone()
         self.gated_on.on = state_dict["gated_on"]["on"].clone()
         self.gated_on.total = state_dict["gated_on"]["total"].clone()
+
+
+def coefficient_figure(fit: Any, reading: Optional[AnchorReading] = None) -> Any:
+    """A matplotlib figure: the window's coefficients ``c_i`` on their ticks, the OLS line and ``ĉ(t_tgt)``."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(fit.ticks, fit.c, "o", label="c_i = <Δ_i, v1>")
+    t_end = reading.t_tgt if reading is not None and math.isfinite(reading.t_tgt) else fit.ticks[-1]
+    xs = [fit.ticks[0], t_end]
+    ax.plot(xs, [fit.predict(x) for x in xs], "-", label=f"OLS a={fit.a:.3g}, R²={fit.r2:.3f}")
+    if reading is not None and math.isfinite(reading.t_tgt):
+        ax.plot([reading.t_tgt], [fit.predict(reading.t_tgt)], "*", ms=10, label="ĉ(t_tgt)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("coefficient on v1")
+    ax.set_title(f"EVR1 {fit.evr1:.3f}, W {fit.W}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

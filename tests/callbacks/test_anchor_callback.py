@@ -220,3 +220,23 @@ def test_module_without_credit_terms_is_an_error_at_setup():
     with pytest.raises(ValueError, match="credit_terms"):
         _trainer(2, [AnchorProjectionCallback(mode="signed_ema")]).fit(Plain())
     _trainer(2, [AnchorProjectionCallback(mode="off")]).fit(Plain())  # off needs nothing
+
+
+def test_readings_and_the_coefficient_figure_reach_tensorboard(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global", figure_every_n_fires=2)
+    seed_everything(0, verbose=False)
+    tr = Trainer(max_steps=16, callbacks=[cb], logger=TensorBoardLogger(tmp_path, name="a"), log_every_n_steps=1,
+                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    tr.fit(Tiny())
+    ea = EventAccumulator(str(tmp_path / "a" / "version_0"), size_guidance={"images": 0, "scalars": 0})
+    ea.Reload()
+    assert "anchor/coefficient_trajectory" in ea.Tags()["images"]
+    assert {"anchor/evr1", "anchor/weight_err_ratio", "anchor/gated_on_fraction"} <= set(ea.Tags()["scalars"])
+    logged = {e.step: e.value for e in ea.Scalars("anchor/evr1")}
+    want = {r.t_fast: r.evr1 for r in cb.readings if r.projected}
+    common = set(logged) & set(want)
+    assert len(common) >= 3
+    assert all(logged[s] == pytest.approx(want[s], rel=1e-6) for s in common)
