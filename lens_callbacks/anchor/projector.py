@@ -175,6 +175,8 @@ class Rank1TrajProjector:
         r2_min: ``R²`` at which the trust's line factor starts above 0.
         null_quantile: quantile of the random-walk EVR1 null that a block's EVR1 must exceed.
         null_samples, seed: the null's Monte-Carlo size and seed (deterministic, cached).
+        null_dim: dimension of the isotropic walk the null assumes (``None``: the block's parameter count).
+            Real updates are anisotropic; a smaller effective dimension widens the null (stricter gate).
 
     Example:
         >>> p = Rank1TrajProjector(n0=4)
@@ -195,6 +197,7 @@ class Rank1TrajProjector:
         null_quantile: float = 0.95,
         null_samples: int = 2000,
         seed: int = 0,
+        null_dim: Optional[int] = None,
     ) -> None:
         if not isinstance(n0, int) or isinstance(n0, bool) or n0 < 3:
             raise ValueError(f"`n0` must be an int ≥ 3 (a line plus a residual), got {n0!r}; the spec uses 4.")
@@ -209,6 +212,9 @@ class Rank1TrajProjector:
             raise ValueError(f"`null_quantile` must be in (0, 1), got {null_quantile!r}.")
         self.n0, self.h_safe, self.pool = n0, h_safe, pool
         self.r2_min, self.null_quantile, self.null_samples, self.seed = r2_min, null_quantile, null_samples, seed
+        if null_dim is not None and (isinstance(null_dim, bool) or not isinstance(null_dim, int) or null_dim < 1):
+            raise ValueError(f"`null_dim` must be a positive int or None, got {null_dim!r}.")
+        self.null_dim = null_dim
         self.ring = GrowingWeightTrajRing(w_cap)
         self.prev_fit: dict[str, Rank1Fit] = {}  # "" = pooled over all tensors, else block name
         self.comm_bytes = 0.0
@@ -345,7 +351,7 @@ class Rank1TrajProjector:
             if fb is None or not span_ok:
                 tb, null = 0.0, _NAN
             else:
-                null = evr1_null_quantile(fb.ticks, null_d or numel, self.null_quantile, self.null_samples, self.seed)
+                null = evr1_null_quantile(fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed)
                 fc = self._fire_cos.get(b if self.pool != "global" else "", _NAN)
                 tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree)
             block_info[b] = {"tau": tb, "evr1_null": null, "sign_agree": sign_agree,
@@ -368,7 +374,7 @@ class Rank1TrajProjector:
 
         n_agree = sum(a[0] for a in agree.values())
         n_both = sum(a[1] for a in agree.values())
-        null_pooled = (evr1_null_quantile(pooled.ticks, null_d or total, self.null_quantile, self.null_samples, self.seed)
+        null_pooled = (evr1_null_quantile(pooled.ticks, null_d or self.null_dim or total, self.null_quantile, self.null_samples, self.seed)
                        if pooled is not None else _NAN)
         reading = AnchorReading(
             **base,

@@ -72,6 +72,7 @@ class AnchorProjectionCallback(Callback):
         pool: block of the coherence gate: ``"layer"``, ``"global"`` or ``"tensor"``.
         r2_min: ``R²`` at which the line starts to earn trust.
         null_quantile: quantile of the random-walk EVR1 null a block must beat.
+        null_dim: dimension of the isotropic random walk behind the null (``None``: the block's size).
         dtype: dtype of the anchor's forward (``"native"`` = the parameters' own).
         log_readings: log ``anchor/...`` scalars through ``pl_module.log_dict``.
         figure_every_n_fires: every that many projected fires, add a TensorBoard figure of the pooled
@@ -94,6 +95,7 @@ class AnchorProjectionCallback(Callback):
         pool: str = "layer",
         r2_min: float = 0.7,
         null_quantile: float = 0.95,
+        null_dim: Optional[int] = None,
         dtype: str = "native",
         log_readings: bool = True,
         figure_every_n_fires: int = 0,
@@ -123,13 +125,14 @@ class AnchorProjectionCallback(Callback):
         self.pool = pool
         self.r2_min = float(r2_min)
         self.null_quantile = float(null_quantile)
+        self.null_dim = null_dim
         resolve_dtype(dtype)
         self.dtype = dtype
         self.log_readings = bool(log_readings)
         self.figure_every_n_fires = _int("figure_every_n_fires", figure_every_n_fires, 0)
         # Rank1TrajProjector validates the fit arguments once more, with its own names.
         Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                           r2_min=self.r2_min, null_quantile=self.null_quantile)
+                           r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim)
         self._reset()
 
     def _reset(self) -> None:
@@ -167,7 +170,7 @@ class AnchorProjectionCallback(Callback):
 
     def _new_projector(self) -> Rank1TrajProjector:
         return Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                                  r2_min=self.r2_min, null_quantile=self.null_quantile)
+                                  r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode == "off":

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pool", default="layer", choices=("layer", "global", "tensor"), help="gate block (default layer)")
     ap.add_argument("--r2-min", type=float, default=0.7, help="R² where the line starts to earn trust (default 0.7)")
     ap.add_argument("--null-quantile", type=float, default=0.95, help="random-walk EVR1 quantile to beat (default 0.95)")
+    ap.add_argument("--null-dim", type=int, default=None, help="dimension of the random walk behind the null (default: block size)")
     ap.add_argument("--prefix", default="", help="only tensors whose name starts with this")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary and every fire's readings here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         weights = load_checkpoints(args.directory, args.prefix)
         projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
-                                       r2_min=args.r2_min, null_quantile=args.null_quantile)
+                                       r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim)
         progress = None
         if not args.no_progress:
             try:
