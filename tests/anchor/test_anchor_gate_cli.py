@@ -59,11 +59,13 @@ def test_cli_prints_the_table_of_the_replay(tmp_path):
     assert rep.median_ratio < 0.5 and np.isfinite(rep.median_vel_ratio)
 
 
-def test_cli_errors_are_clear(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "lens_callbacks", "anchor-gate", str(tmp_path / "nope"), "--cadence", "10",
-                        "--delay-K", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "must be a directory" in r.stderr
+def test_cli_errors_are_clear(tmp_path, capsys):
+    from lens_callbacks.commands.anchor_gate import main
+
+    assert main([str(tmp_path / "nope"), "--cadence", "10", "--delay-K", "0"]) == 2
+    assert "must be a directory" in capsys.readouterr().err
     _save_run(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "lens_callbacks", "anchor-gate", str(tmp_path), "--cadence", "0",
-                        "--delay-K", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "cadence" in r.stderr
+    assert main([str(tmp_path), "--cadence", "0", "--delay-K", "0", "--no-progress"]) == 2
+    assert "`cadence` must be a positive int" in capsys.readouterr().err
+    assert main([str(tmp_path), "--cadence", "10", "--delay-K", "0", "--n0", "8", "--w-cap", "5"]) == 2
+    assert "`w_cap` must be" in capsys.readouterr().err
