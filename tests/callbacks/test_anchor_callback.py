@@ -240,3 +240,33 @@ def test_readings_and_the_coefficient_figure_reach_tensorboard(tmp_path):
     common = set(logged) & set(want)
     assert len(common) >= 3
     assert all(logged[s] == pytest.approx(want[s], rel=1e-6) for s in common)
+
+
+class _RankTiny(Tiny):
+    """A different batch on each rank: the anchor's gradient must still be the same on both."""
+
+    def make_batch(self, step):
+        return super().make_batch(step * 10 + self.global_rank)
+
+
+class _SameOnRanks(Callback):
+    def on_train_end(self, trainer, pl_module):
+        cb = next(c for c in trainer.callbacks if isinstance(c, AnchorProjectionCallback))
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        m = torch.cat([x.reshape(-1) for x in cb.m_anchor.values()])
+        ring = torch.cat([cb.projector.ring.base_gram().reshape(-1).float()])
+        for x in (flat, m, ring):
+            both = trainer.strategy.all_gather(x)
+            if not torch.equal(both[0], both[1]):
+                raise AssertionError("a rank diverged from the other")
+        if not any(r.projected for r in cb.readings):
+            raise AssertionError("no projected fire")
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_stay_identical():
+    seed_everything(0, verbose=False)
+    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global")
+    Trainer(max_steps=14, callbacks=[cb, _SameOnRanks()], logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
+            strategy="ddp_spawn").fit(_RankTiny())
