@@ -278,8 +278,12 @@ class Rank1TrajProjector:
         truth: Optional[Mapping[str, torch.Tensor]] = None,
         m_anchor: Optional[Mapping[str, torch.Tensor]] = None,
         null_d: Optional[int] = None,
+        theta_dtype: torch.dtype = torch.float32,
     ) -> Projection:
-        """Build the anchor's weights for the live step ``t_fast`` (``θ̂`` per gated-ON block, else ``θ_W``)."""
+        """Build the anchor's weights for the live step ``t_fast`` (``θ̂`` per gated-ON block, else ``θ_W``).
+
+        ``θ̂`` is built in float64 and returned as ``theta_dtype`` (flat, per tensor).
+        """
         ring = self.ring
         if ring.W == 0:
             raise ValueError("`project` needs at least one observed snapshot.")
@@ -319,7 +323,7 @@ class Rank1TrajProjector:
                 x = base_t + c_hat * v1  # θ̂ = θ_base + ĉ·v1
                 rel = float(torch.linalg.vector_norm(snap_comb - x)) / max(float(torch.linalg.vector_norm(x)), 1e-300)
                 span_res = max(span_res, rel)
-            theta_hat[n] = x.to(torch.float32)
+            theta_hat[n] = x.to(theta_dtype)
             if m_anchor is not None and n in m_anchor and f is not None:
                 m = m_anchor[n].detach().reshape(-1).to(x.device)
                 s_m, s_b = torch.sign(m), torch.sign(-f.a * v1)
@@ -362,7 +366,7 @@ class Rank1TrajProjector:
             if tb > 0.0:
                 on_numel += numel
                 tau_sum += tb * numel
-        anchor = {n: (theta_hat[n] if gate[n] else stale[n]) for n in ring.names}
+        anchor = {n: (theta_hat[n].to(torch.float32) if gate[n] else stale[n]) for n in ring.names}
         if truth is not None:
             for n in ring.names:
                 tr = truth[n].detach().reshape(-1).double()

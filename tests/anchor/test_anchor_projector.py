@@ -66,12 +66,21 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
         theta_ref = base + (a * t_tgt + b) * v1
         hat = prj.theta_hat["w"].double().numpy()
         np.testing.assert_allclose(hat, theta_ref, rtol=1e-4, atol=1e-5)
-        # θ̂ − θ_base lies in the span of the stored snapshots' displacements (float64 reconstruction)
-        X = np.stack([s.double().numpy() - base for s in ws[1:]]).T  # [d, W-1]
-        coef, *_ = np.linalg.lstsq(X, hat - base, rcond=None)
-        resid = np.linalg.norm(X @ coef - (hat - base)) / np.linalg.norm(hat - base)
-        assert resid < 1e-6  # θ̂ is stored in fp32
         assert r.span_residual < 1e-9
+        # θ̂ (float64) lies in the affine span of the snapshots: θ̂ − θ_base in the span of their displacements
+        p64 = Rank1TrajProjector(n0=4, w_cap=6, pool="global")
+        p64.load_state_dict(p.state_dict())
+        hat64 = p64.project(tick + K, theta_dtype=torch.float64).theta_hat["w"].numpy()
+        # ... of the snapshots as stored (fp32 base + fp32 deltas, summed here in float64) to 1e-9,
+        ring = p64.ring
+        base_st = ring.base["w"].double().numpy()
+        X = np.cumsum(np.stack([dk["w"].double().numpy() for dk in ring.deltas]), axis=0).T  # [d, W-1]
+        coef, *_ = np.linalg.lstsq(X, hat64 - base_st, rcond=None)
+        assert np.linalg.norm(X @ coef - (hat64 - base_st)) / np.linalg.norm(hat64 - base_st) < 1e-9
+        # ... and of the raw snapshots up to the fp32 rounding of the stored deltas.
+        X = np.stack([s.double().numpy() - base for s in ws[1:]]).T  # [d, W-1]
+        coef, *_ = np.linalg.lstsq(X, hat64 - base, rcond=None)
+        assert np.linalg.norm(X @ coef - (hat64 - base)) / np.linalg.norm(hat64 - base) < 1e-6
         tr = truth.double().numpy()
         want = np.linalg.norm(theta_ref - tr) / np.linalg.norm(ws[-1].double().numpy() - tr)
         assert r.weight_err_ratio == pytest.approx(want, rel=1e-4)
