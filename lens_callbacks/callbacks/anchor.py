@@ -205,7 +205,8 @@ class AnchorProjectionCallback(Callback):
 
     # -- pieces --------------------------------------------------------------------------------
     def _fire(self, pl_module: LightningModule, tick: int, snap: dict, step: int, params: dict) -> None:
-        assert self.projector is not None
+        if self.projector is None:  # setup was skipped (a hook called by hand): build it now
+            self.projector = self._new_projector()
         truth = {n: p.detach() for n, p in params.items()}
         m = self.m_anchor
         prj = self.projector.fire(snap, tick, step, truth=truth, m_anchor=m)
@@ -249,7 +250,6 @@ class AnchorProjectionCallback(Callback):
         exp.add_figure("anchor/coefficient_trajectory", fig, global_step=step)
 
     def _anchor_grad(self, trainer: Trainer, pl_module: LightningModule, params: dict) -> Optional[dict[str, torch.Tensor]]:
-        assert self._anchor is not None
         devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
         try:
             with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -276,8 +276,9 @@ class AnchorProjectionCallback(Callback):
         return out
 
     def _merge(self, params: dict) -> tuple[float, float]:
-        assert self.m_anchor is not None
         disagree, count = 0.0, 0.0
+        if self.m_anchor is None:
+            return disagree, count
         for n, p in params.items():
             if p.grad is None or n not in self.m_anchor:
                 continue

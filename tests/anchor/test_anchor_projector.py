@@ -126,9 +126,11 @@ def test_random_walk_gate_stays_mostly_off():
         rep = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=cad, delay_K=K,
                      projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global"))
         fr += [r.gated_on_fraction for r in rep.readings if r.projected]
+        # ungated, extrapolating a walk is worse than the stale snapshot (the gate is needed) ...
+        assert rep.median_ratio > 1.0
+        # ... and gated, the anchor falls back to the stale snapshot: no worse than doing nothing
+        assert rep.median_ratio_gated <= 1.0 + 1e-12 and rep.decision == "stale"
     assert np.mean(fr) < 0.2
-    # and the gated anchor is then the stale snapshot: no worse than doing nothing
-    assert rep.median_ratio_gated == pytest.approx(1.0, abs=0.05) or rep.median_ratio_gated < 1.0
 
 
 def test_projected_merger_at_full_confidence_is_signed_ema_bit_for_bit():
