@@ -51,18 +51,31 @@ def block_of(name: str, pool: str) -> str:
     raise ValueError(f"`pool` must be one of 'global', 'layer', 'tensor', got {pool!r}.")
 
 
-def trust(evr1: float, evr1_null: float, r2: float, r2_min: float, fire_cos: float, sign_agree: float) -> float:
-    r"""Trust ``τ ∈ [0, 1]`` in a block's projection.
+def trust(
+    evr1: float,
+    evr1_null: float,
+    r2: float,
+    r2_min: float,
+    fire_cos: float,
+    sign_agree: float,
+    coef_pred_error: float = float("nan"),
+    retro_gate: bool = False,
+) -> float:
+    r"""Trust ``τ ∈ [0, 1]`` in a block's projection: the geometric mean of its factors.
 
-    ``τ = (e·r·f·s)^{1/4}`` with ``e = clip((EVR1 − q_null)/(1 − q_null))`` (coherence beyond the random-walk
-    null), ``r = clip((R² − r2_min)/(1 − r2_min))`` (the coefficient is on a line), ``f = clip(fire_cos)``
-    (the direction held between fires) and ``s = clip(2·sign_agree − 1)`` (``sign(M_anchor)`` agrees with
-    Resolution B's ``sign(−a·v1)`` beyond chance). A factor that cannot be read yet (``nan``: first fire,
-    no ``M_anchor``) counts 1. Gate ON ⇔ ``τ > 0``.
+    ``e = clip((EVR1 − q_null)/(1 − q_null))`` (coherence beyond the random-walk null),
+    ``r = clip((R² − r2_min)/(1 − r2_min))`` (the coefficient is on a line), ``f = clip(fire_cos)`` (the
+    direction held between fires) and ``s = clip(2·sign_agree − 1)`` (``sign(M_anchor)`` agrees with
+    Resolution B's ``sign(−a·v1)`` beyond chance); a factor that cannot be read yet (``nan``: first fit,
+    no ``M_anchor``) counts 1. With ``retro_gate`` a fifth factor ``k = clip(1 − coef_pred_error)`` requires
+    the previous fit to have predicted this snapshot's coefficient better than holding the old one (``nan``
+    counts 0 here: no projection before one such check). Gate ON ⇔ ``τ > 0``.
 
     Example:
         >>> trust(0.99, 0.84, 0.97, 0.7, 0.9, 0.8) > 0, trust(0.80, 0.84, 0.99, 0.7, 1.0, 1.0)
         (True, 0.0)
+        >>> trust(0.99, 0.84, 0.97, 0.7, 0.9, 0.8, coef_pred_error=1.5, retro_gate=True)
+        0.0
     """
 
     def clip(x: float) -> float:
@@ -70,12 +83,16 @@ def trust(evr1: float, evr1_null: float, r2: float, r2_min: float, fire_cos: flo
 
     if not (math.isfinite(evr1) and math.isfinite(r2)):
         return 0.0
-    e = clip((evr1 - evr1_null) / (1.0 - evr1_null)) if evr1_null < 1.0 else 0.0
-    r = clip((r2 - r2_min) / (1.0 - r2_min)) if r2_min < 1.0 else float(r2 >= 1.0)
-    f = clip(fire_cos) if math.isfinite(fire_cos) else 1.0
-    s = clip(2.0 * sign_agree - 1.0) if math.isfinite(sign_agree) else 1.0
-    prod = e * r * f * s
-    return prod ** 0.25 if prod > 0.0 else 0.0
+    factors = [
+        clip((evr1 - evr1_null) / (1.0 - evr1_null)) if evr1_null < 1.0 else 0.0,
+        clip((r2 - r2_min) / (1.0 - r2_min)) if r2_min < 1.0 else float(r2 >= 1.0),
+        clip(fire_cos) if math.isfinite(fire_cos) else 1.0,
+        clip(2.0 * sign_agree - 1.0) if math.isfinite(sign_agree) else 1.0,
+    ]
+    if retro_gate:
+        factors.append(clip(1.0 - coef_pred_error) if math.isfinite(coef_pred_error) else 0.0)
+    prod = math.prod(factors)
+    return prod ** (1.0 / len(factors)) if prod > 0.0 else 0.0
 
 
 _NAN = float("nan")
@@ -177,6 +194,9 @@ class Rank1TrajProjector:
         null_samples, seed: the null's Monte-Carlo size and seed (deterministic, cached).
         null_dim: dimension of the isotropic walk the null assumes (``None``: the block's parameter count).
             Real updates are anisotropic; a smaller effective dimension widens the null (stricter gate).
+        retro_gate: add the retrospective factor ``clip(1 − coef_pred_error)`` to the trust (see :func:`trust`):
+            a block projects only after its line has predicted a snapshot better than holding. ``False``
+            keeps the four factors of the spec (first projection at ``n0``).
 
     Example:
         >>> p = Rank1TrajProjector(n0=4)
@@ -198,6 +218,7 @@ class Rank1TrajProjector:
         null_samples: int = 2000,
         seed: int = 0,
         null_dim: Optional[int] = None,
+        retro_gate: bool = True,
     ) -> None:
         if not isinstance(n0, int) or isinstance(n0, bool) or n0 < 3:
             raise ValueError(f"`n0` must be an int ≥ 3 (a line plus a residual), got {n0!r}; the spec uses 4.")
@@ -215,12 +236,14 @@ class Rank1TrajProjector:
         if null_dim is not None and (isinstance(null_dim, bool) or not isinstance(null_dim, int) or null_dim < 1):
             raise ValueError(f"`null_dim` must be a positive int or None, got {null_dim!r}.")
         self.null_dim = null_dim
+        self.retro_gate = bool(retro_gate)
         self.ring = GrowingWeightTrajRing(w_cap)
         self.prev_fit: dict[str, Rank1Fit] = {}  # "" = pooled over all tensors, else block name
         self.comm_bytes = 0.0
         self.last_reading: Optional[AnchorReading] = None
         self.n_fires = 0
         self._retro: tuple[float, float] = (_NAN, _NAN)
+        self._retro_blocks: dict[str, tuple[float, float]] = {}
         self._fire_cos: dict[str, float] = {}
 
     # -- blocks --------------------------------------------------------------------------------
@@ -246,16 +269,18 @@ class Rank1TrajProjector:
         ids_full = ring.delta_ids()
         D_full = {g: ring.consecutive_gram(ns) for g, ns in groups.items()}  # before any drop
 
-        # Retrospective: the previous pooled fit predicted this snapshot's coefficient before seeing it.
-        self._retro = (_NAN, _NAN)
-        prev = self.prev_fit.get("")
-        if prev is not None and prev.sigma1 > 0.0 and ring.ticks[0] == prev.ticks[0]:
-            B = prefix_gram(D_full[""])  # [n, n] on the base the previous fit used
-            u = torch.tensor(prev.u1, dtype=torch.float64)
-            c_true = float(B[: len(prev.u1), -1] @ u) / prev.sigma1
-            c_pred = prev.predict(tick)
-            hold = abs(c_true - prev.c[-1])
-            self._retro = (abs(c_pred - c_true) / hold if hold > 0 else _NAN, abs(c_pred - c_true) / prev.sigma1)
+        # Retrospective: each previous fit predicted this snapshot's coefficient before seeing it.
+        self._retro_blocks = {}
+        for g in groups:
+            prev = self.prev_fit.get(g)
+            if prev is not None and prev.sigma1 > 0.0 and ring.ticks[0] == prev.ticks[0]:
+                B = prefix_gram(D_full[g])  # [n, n] on the base the previous fit used
+                u = torch.tensor(prev.u1, dtype=torch.float64)
+                c_true = float(B[: len(prev.u1), -1] @ u) / prev.sigma1
+                err = abs(prev.predict(tick) - c_true)
+                hold = abs(c_true - prev.c[-1])
+                self._retro_blocks[g] = (err / hold if hold > 0 else _NAN, err / prev.sigma1)
+        self._retro = self._retro_blocks.get("", (_NAN, _NAN))
 
         if ring.over_cap:
             ring.drop_oldest_and_rebase()
@@ -357,7 +382,8 @@ class Rank1TrajProjector:
             else:
                 null = evr1_null_quantile(fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed)
                 fc = self._fire_cos.get(b if self.pool != "global" else "", _NAN)
-                tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree)
+                retro = self._retro_blocks.get(b if self.pool != "global" else "", (_NAN, _NAN))[0]
+                tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree, retro, self.retro_gate)
             block_info[b] = {"tau": tb, "evr1_null": null, "sign_agree": sign_agree,
                              "evr1": fb.evr1 if fb else _NAN, "r2": fb.r2 if fb else _NAN}
             for n in ns:
@@ -427,6 +453,7 @@ class Rank1TrajProjector:
             "comm_bytes": self.comm_bytes,
             "n_fires": self.n_fires,
             "retro": list(self._retro),
+            "retro_blocks": {k: list(v) for k, v in self._retro_blocks.items()},
             "fire_cos": dict(self._fire_cos),
         }
 
@@ -437,6 +464,7 @@ class Rank1TrajProjector:
         self.comm_bytes = float(state["comm_bytes"])
         self.n_fires = int(state["n_fires"])
         self._retro = tuple(state["retro"])  # type: ignore[assignment]
+        self._retro_blocks = {k: tuple(v) for k, v in state.get("retro_blocks", {}).items()}  # type: ignore[misc]
         self._fire_cos = dict(state["fire_cos"])
 
 

@@ -73,6 +73,8 @@ class AnchorProjectionCallback(Callback):
         r2_min: ``R²`` at which the line starts to earn trust.
         null_quantile: quantile of the random-walk EVR1 null a block must beat.
         null_dim: dimension of the isotropic random walk behind the null (``None``: the block's size).
+        retro_gate: also require the block's line to have predicted the newest snapshot's coefficient better
+            than holding the old one (``trust``'s fifth factor); ``False``: the spec's four factors.
         dtype: dtype of the anchor's forward (``"native"`` = the parameters' own).
         log_readings: log ``anchor/...`` scalars through ``pl_module.log_dict``.
         figure_every_n_fires: every that many projected fires, add a TensorBoard figure of the pooled
@@ -96,6 +98,7 @@ class AnchorProjectionCallback(Callback):
         r2_min: float = 0.7,
         null_quantile: float = 0.95,
         null_dim: Optional[int] = None,
+        retro_gate: bool = True,
         dtype: str = "native",
         log_readings: bool = True,
         figure_every_n_fires: int = 0,
@@ -126,13 +129,15 @@ class AnchorProjectionCallback(Callback):
         self.r2_min = float(r2_min)
         self.null_quantile = float(null_quantile)
         self.null_dim = null_dim
+        self.retro_gate = bool(retro_gate)
         resolve_dtype(dtype)
         self.dtype = dtype
         self.log_readings = bool(log_readings)
         self.figure_every_n_fires = _int("figure_every_n_fires", figure_every_n_fires, 0)
         # Rank1TrajProjector validates the fit arguments once more, with its own names.
         Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                           r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim)
+                           r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,
+                                  retro_gate=self.retro_gate)
         self._reset()
 
     def _reset(self) -> None:
@@ -170,7 +175,8 @@ class AnchorProjectionCallback(Callback):
 
     def _new_projector(self) -> Rank1TrajProjector:
         return Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                                  r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim)
+                                  r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,
+                                  retro_gate=self.retro_gate)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode == "off":

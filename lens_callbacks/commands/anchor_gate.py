@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--r2-min", type=float, default=0.7, help="R² where the line starts to earn trust (default 0.7)")
     ap.add_argument("--null-quantile", type=float, default=0.95, help="random-walk EVR1 quantile to beat (default 0.95)")
     ap.add_argument("--null-dim", type=int, default=None, help="dimension of the random walk behind the null (default: block size)")
+    ap.add_argument("--no-retro-gate", action="store_true", help="trust from the spec's four factors only")
     ap.add_argument("--prefix", default="", help="only tensors whose name starts with this")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary and every fire's readings here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -48,7 +49,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         weights = load_checkpoints(args.directory, args.prefix)
         projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
-                                       r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim)
+                                       r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim,
+                                       retro_gate=not args.no_retro_gate)
         progress = None
         if not args.no_progress:
             try:
