@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lens_callbacks.anchor import Rank1TrajProjector, confidence_weights, projected_merge, replay, signed_ema
 
@@ -162,3 +164,18 @@ def test_mergers_against_a_per_coordinate_loop():
         signed = wi * abs(gi) * sg + (1 - wi) * gi
         assert float(out[i]) == pytest.approx(ae * gi + (1 - ae) * signed, rel=1e-12, abs=1e-15)
         assert float(se[i]) == pytest.approx(alpha * gi + (1 - alpha) * abs(gi) * sg, rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 64), seed=st.integers(0, 2**31 - 1), alpha=st.floats(0.0, 1.0),
+       zeros=st.floats(0.0, 0.5), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_full_confidence_is_signed_ema_bit_for_bit_on_any_tensor(n, seed, alpha, zeros, dtype):
+    g_ = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=g_).to(dtype)
+    m = torch.randn(n, generator=g_).to(dtype)
+    g[torch.rand(n, generator=g_) < zeros] = 0.0
+    m[torch.rand(n, generator=g_) < zeros] = 0.0
+    a = signed_ema(g, m, alpha)
+    b = projected_merge(g, m, alpha, 1.0, torch.ones(n, dtype=dtype))
+    bits = torch.int16 if dtype == torch.bfloat16 else (torch.int32 if dtype == torch.float32 else torch.int64)
+    assert torch.equal(a.view(bits), b.view(bits))
