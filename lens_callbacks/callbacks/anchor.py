@@ -257,6 +257,7 @@ class AnchorProjectionCallback(Callback):
 
     def _anchor_grad(self, trainer: Trainer, pl_module: LightningModule, params: dict) -> Optional[dict[str, torch.Tensor]]:
         devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
+        error: Optional[BaseException] = None
         try:
             with torch.random.fork_rng(devices=devices), torch.enable_grad():
                 terms, names, leaves, _ = evaluate_terms(pl_module, self._batch, self.dtype, params=self._anchor)
@@ -265,13 +266,20 @@ class AnchorProjectionCallback(Callback):
                     raise ValueError("the anchor's terms carry no graph to the parameters.")
                 gs = torch.autograd.grad(loss, leaves, allow_unused=True)
         except Exception as e:  # a reading that cannot be made never stops the user's run
+            error = e
+        world = getattr(trainer, "world_size", 1)
+        if world > 1:
+            # Every rank must agree before the collective below, or one failing rank would hang the others.
+            ok = trainer.strategy.reduce_boolean_decision(error is None, all=True)
+            if not ok and error is None:
+                error = RuntimeError("the anchor's gradient failed on another rank.")
+        if error is not None:
             self.last_refusal = Refusal(
-                "anchor_gradient", f"the anchor's gradient could not be evaluated: {type(e).__name__}: {e}",
+                "anchor_gradient", f"the anchor's gradient could not be evaluated: {type(error).__name__}: {error}",
                 numbers={"step": trainer.global_step}, remedy="check `credit_terms` on the trained batch; .grad was left as it was",
             )
             return None
         out = {}
-        world = getattr(trainer, "world_size", 1)
         for n, leaf, g in zip(names, leaves, gs):
             g = torch.zeros_like(leaf) if g is None else g.detach()
             g = g.to(params[n].dtype)
