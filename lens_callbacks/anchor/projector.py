@@ -344,9 +344,10 @@ class Rank1TrajProjector:
                 snap_comb = (1.0 - math.fsum(gam)) * base_t  # θ̂ as an affine combination of raw snapshots
                 for i, Di in enumerate(ring.displacements(n)):
                     v1.add_(Di, alpha=f.u1[i] / f.sigma1)
-                    snap_comb.add_(base_t + Di, alpha=gam[i])
+                    snap_comb.add_(base_t, alpha=gam[i]).add_(Di, alpha=gam[i])  # += γ_i·θ_i, θ_i = θ_base + Δ_i
                 x = base_t + c_hat * v1  # θ̂ = θ_base + ĉ·v1
-                rel = float(torch.linalg.vector_norm(snap_comb - x)) / max(float(torch.linalg.vector_norm(x)), 1e-300)
+                rel = float(torch.dist(snap_comb, x)) / max(float(torch.linalg.vector_norm(x)), 1e-300)
+                del snap_comb
                 span_res = max(span_res, rel)
             theta_hat[n] = x.to(theta_dtype)
             if m_anchor is not None and n in m_anchor and f is not None:
@@ -359,12 +360,10 @@ class Rank1TrajProjector:
             if truth is not None:
                 tr = truth[n].detach().reshape(-1).double().to(x.device)
                 W_t = ring.prev[n].double()
-                vel = W_t + (h_eff / gap) * ring.deltas[-1][n].double()
-                newest = W_t + (c_hat - c_W) * v1
-                sq["hat"] += float(torch.sum((x - tr) ** 2))
-                sq["stale"] += float(torch.sum((W_t - tr) ** 2))
-                sq["vel"] += float(torch.sum((vel - tr) ** 2))
-                sq["newest"] += float(torch.sum((newest - tr) ** 2))
+                sq["hat"] += float(torch.dist(x, tr)) ** 2
+                sq["stale"] += float(torch.dist(W_t, tr)) ** 2
+                sq["vel"] += float(torch.dist(W_t.add(ring.deltas[-1][n], alpha=h_eff / gap), tr)) ** 2
+                sq["newest"] += float(torch.dist(W_t.add_(v1, alpha=c_hat - c_W), tr)) ** 2
             del v1
 
         span_ok = span_res <= SPAN_TOL

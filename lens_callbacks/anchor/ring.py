@@ -183,10 +183,10 @@ class GrowingWeightTrajRing:
         return x
 
     def displacements(self, name: str) -> Iterable[torch.Tensor]:
-        """Stream ``Δ_1 … Δ_{W−1}`` of one tensor as float64 prefix sums of the stored deltas."""
+        """Stream ``Δ_1 … Δ_{W−1}`` of one tensor as float64 prefix sums of the stored deltas (one buffer, reused)."""
         acc = torch.zeros_like(self.base[name], dtype=torch.float64)
         for dk in self.deltas:
-            acc = acc + dk[name].double()
+            acc.add_(dk[name])  # in place: each Δ_i is valid until the next one is drawn
             yield acc
 
     # -- persistence ---------------------------------------------------------------------------
