@@ -69,3 +69,31 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "`cadence` must be a positive int" in capsys.readouterr().err
     assert main([str(tmp_path), "--cadence", "10", "--delay-K", "0", "--n0", "8", "--w-cap", "5"]) == 2
     assert "`w_cap` must be" in capsys.readouterr().err
+
+
+def test_replays_checkpoints_that_lightning_wrote(tmp_path):
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    sys.path.insert(0, str(ROOT / "tests" / "callbacks"))
+    from test_anchor_callback import Tiny
+
+    seed_everything(0, verbose=False)
+    model = Tiny()
+    ck = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_weights_only=False)
+    live = {}
+
+    from lightning.pytorch import Callback
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *a):
+            live[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    Trainer(max_steps=24, callbacks=[Record(), ck], logger=False, enable_progress_bar=False,
+            enable_model_summary=False, accelerator="cpu").fit(model)
+    got = load_checkpoints(tmp_path)
+    assert sorted(got) == list(range(2, 25, 2))
+    for t, sd in got.items():  # the step read back is the number of optimizer steps the weights carry
+        assert all(torch.equal(sd[k], live[t][k]) for k in sd)
+    rep = replay(got, cadence=2, delay_K=4, pool="global")
+    assert len(rep.readings) == len(range(2, 21, 2)) and any(r.projected for r in rep.readings)
