@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
@@ -270,3 +272,53 @@ def test_ddp_two_cpu_ranks_stay_identical():
     Trainer(max_steps=14, callbacks=[cb, _SameOnRanks()], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
             strategy="ddp_spawn").fit(_RankTiny())
+
+
+class _AnchorProbe(Callback):
+    """Runs after the anchor callback: records the anchor's weights, trust and gate it used this step."""
+
+    def __init__(self, cb, store):
+        self.cb, self.store = cb, store
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        a = self.cb._anchor
+        self.store.append(None if a is None else (
+            {n: x.clone() for n, x in a.items()}, dict(self.cb._tau), dict(self.cb._gate), self.cb._projected_active))
+
+
+def test_projected_merger_matches_a_reference_at_the_recorded_anchor():
+    alpha, beta, kappa, p = 0.25, 0.5, 1.5, 0.4
+    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="tensor", alpha=alpha,
+                                  beta_anc=beta, kappa=kappa, p=p, null_quantile=0.5, r2_min=0.3, retro_gate=False)
+    store, used = {}, []
+    seed_everything(0, verbose=False)
+    m = Tiny()
+    _trainer(24, [_Probe(store, "before"), cb, _AnchorProbe(cb, used), _Probe(store, "after")]).fit(m)
+    names = [n for n, _ in m.named_parameters()]
+    M, n_gated, snaps = None, 0, {}
+    for (step, params, G), (_, _, merged), rec in zip(store["before"], store["after"], used):
+        if step % 2 == 0:
+            snaps[step] = params
+        if rec is None:
+            continue
+        anchor, tau, gate, active = rec
+        stale = snaps[max(t for t in snaps if t + 2 <= step)]
+        for n in names:  # θ̂ where the gate is ON, else the raw stale snapshot
+            assert torch.equal(anchor[n], stale[n]) != bool(active and gate[n])
+        batch = m.make_batch(step)
+        g_anchor = torch.func.grad(
+            lambda q: torch.func.functional_call(_Wrap(m), {"m." + k: v for k, v in q.items()}, (batch,)).sum()
+        )(anchor)
+        M = {n: g_anchor[n].clone() for n in names} if M is None else {n: beta * M[n] + (1 - beta) * g_anchor[n] for n in names}
+        for n in names:
+            g, mm = G[n].double(), M[n].double()
+            if active and gate[n]:
+                q = np.quantile(mm.abs().numpy().ravel(), p, method="inverted_cdf")
+                w = torch.from_numpy(np.clip(mm.abs().numpy() / (kappa * q), 0, 1))
+                ae = alpha + (1 - alpha) * (1 - tau[n])
+                want = ae * g + (1 - ae) * (w * g.abs() * torch.sign(mm) + (1 - w) * g)
+                n_gated += 1
+            else:
+                want = alpha * g + (1 - alpha) * g.abs() * torch.sign(mm)
+            torch.testing.assert_close(merged[n].double(), want, rtol=1e-5, atol=1e-7)
+    assert n_gated > 0
