@@ -196,7 +196,13 @@ class AnchorProjectionCallback(Callback):
                 self._pending.append((step, {n: p.detach().clone() for n, p in params.items()}))
             while self._pending and self._pending[0][0] + self.delay_K <= step:
                 tick, snap = self._pending.pop(0)
-                self._fire(pl_module, tick, snap, step, params)
+                try:
+                    self._fire(pl_module, tick, snap, step, params)
+                except Exception as e:  # never stop the user's run: keep the previous anchor, say why
+                    self.last_refusal = Refusal(
+                        "anchor_fire", f"the snapshot of step {tick} could not be folded in: {type(e).__name__}: {e}",
+                        numbers={"step": step, "tick": tick}, remedy="the anchor keeps its previous weights",
+                    )
         if self._anchor is None:
             return
         g_anchor = self._anchor_grad(trainer, pl_module, params)
@@ -205,7 +211,12 @@ class AnchorProjectionCallback(Callback):
         with torch.no_grad():
             self.m_anchor = {n: ema_update(None if self.m_anchor is None else self.m_anchor.get(n), g, self.beta_anc)
                              for n, g in g_anchor.items()}
-            disagree, count = self._merge(params)
+            try:
+                disagree, count = self._merge(params)
+            except Exception as e:
+                self.last_refusal = Refusal("anchor_merge", f"the merger failed: {type(e).__name__}: {e}",
+                                            numbers={"step": step}, remedy=".grad was left as it was")
+                return
         if self.log_readings and count > 0:
             pl_module.log("anchor/disagree_fraction", disagree / count, on_step=True, on_epoch=False, batch_size=1)
 
@@ -293,6 +304,7 @@ class AnchorProjectionCallback(Callback):
         disagree, count = 0.0, 0.0
         if self.m_anchor is None:
             return disagree, count
+        merged = []
         for n, p in params.items():
             if p.grad is None or n not in self.m_anchor:
                 continue
@@ -303,6 +315,8 @@ class AnchorProjectionCallback(Callback):
                 new = signed_ema(G, m, self.alpha)
             disagree += float((torch.sign(G) * torch.sign(m) < 0).sum())
             count += G.numel()
+            merged.append((p, new))
+        for p, new in merged:  # all or nothing: a failure above leaves every .grad as it was
             p.grad.copy_(new)
         return disagree, count
 

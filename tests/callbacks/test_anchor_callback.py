@@ -322,3 +322,22 @@ def test_projected_merger_matches_a_reference_at_the_recorded_anchor():
                 want = alpha * g + (1 - alpha) * g.abs() * torch.sign(mm)
             torch.testing.assert_close(merged[n].double(), want, rtol=1e-5, atol=1e-7)
     assert n_gated > 0
+
+
+class _FreezeAt(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, *a):
+        if trainer.global_step == self.step:
+            pl_module.net[0].weight.requires_grad_(False)
+
+
+def test_a_fire_that_cannot_be_made_is_a_refusal_not_a_crash():
+    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2)
+    seed_everything(0, verbose=False)
+    m = Tiny()
+    _trainer(12, [_FreezeAt(5), cb]).fit(m)  # the ring holds net.0.weight; later snapshots lack it
+    assert cb.last_refusal is not None and cb.last_refusal.condition == "anchor_fire"
+    assert "net.0.weight" in cb.last_refusal.reason
+    assert all(torch.isfinite(p).all() for p in m.parameters())
