@@ -1,0 +1,300 @@
+"""A single-turn GRPO LightningModule on a tiny transformers policy, with ``credit_terms`` implemented.
+
+One training step: take ``P`` prompts, sample ``group_size`` completions per prompt inside
+``training_step`` (no re-sampling later), score them with the verifiable reward, normalise the rewards
+within each group into advantages, and train on
+
+.. math::
+
+    L = \\sum_{k,t} \\text{terms}[k, t], \\qquad
+    \\text{terms}[k, t] = -\\frac{A_k \\, \\log\\pi(y_{k,t} \\mid y_{k,<t})}{|y_k| \\, B}\\,\\text{mask}[k, t],
+
+with ``A_k = (R_k - mean_g R) / (std_g R + 1e-4)`` over the ``G`` rollouts of its group. The loss IS
+``credit_terms(None).terms.sum()``, so the terms add up to the loss by construction.
+
+Dropout: a rollout batch carries a ``dropout_seed`` drawn from the global stream when it is built, and
+every evaluation of ``credit_terms`` on that batch runs its forward under ``fork_rng`` seeded with it.
+So an audit that re-runs the forward draws the very dropout masks the training forward drew, and
+neither consumes the training run's random stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+try:
+    from lightning.pytorch import LightningModule
+except ImportError:  # pragma: no cover
+    from pytorch_lightning import LightningModule  # type: ignore
+
+from lens_callbacks.credit.terms import CreditTerms
+
+from .task import EOS, PAD, UNK, build_tokenizer, prompt_text, reward
+
+__all__ = ["GRPOModule", "RolloutBatch", "Rollout"]
+
+_OPTIMIZERS = ("adam", "adamw", "sgd")
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts of one step, as the policy trained on them (rows = rollouts, ``B = P * G``)."""
+
+    input_ids: torch.Tensor  # [B, L] prompt + completion, [PAD] after [EOS]
+    attention_mask: torch.Tensor  # [B, L]
+    completion_mask: torch.Tensor  # [B, L] bool, the trained positions (completion tokens incl. [EOS])
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B]
+    group: torch.Tensor  # [B]
+    rollout: torch.Tensor  # [B]
+    prompt_len: int
+    dropout_seed: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One rollout of a step, for run records: texts, token ids, reward and ids."""
+
+    prompt: str
+    completion: str
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]  # the trained tokens, [EOS] included when sampled
+    reward: float
+    group: int
+    rollout: int
+    prompt_id: str
+    ended: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prompt_ids"] = list(self.prompt_ids)
+        d["completion_ids"] = list(self.completion_ids)
+        return d
+
+
+class GRPOModule(LightningModule):
+    """Single-turn GRPO on ``"a+b="`` with a tiny ``GPT2LMHeadModel`` built offline.
+
+    Args:
+        n_layer, n_embd, n_head: GPT-2 shape (``n_embd`` divisible by ``n_head``).
+        group_size: completions sampled per prompt (``G >= 2``, so a group has a baseline).
+        max_new_tokens: longest completion (the answer has at most 2 digits, plus ``[EOS]``).
+        temperature: sampling temperature (> 0).
+        dropout: GPT-2 residual, embedding and attention dropout.
+        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``.
+        lr, momentum, weight_decay: optimizer settings (``momentum`` is used by SGD only).
+        seed: seeds the policy's initial weights (the global RNG is left alone).
+        dtype: ``"float32"`` or ``"float64"`` policy weights.
+    """
+
+    def __init__(
+        self,
+        n_layer: int = 2,
+        n_embd: int = 32,
+        n_head: int = 2,
+        group_size: int = 4,
+        max_new_tokens: int = 3,
+        temperature: float = 1.0,
+        dropout: float = 0.0,
+        optimizer: str = "adam",
+        lr: float = 3e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        seed: int = 0,
+        dtype: str = "float32",
+    ) -> None:
+        super().__init__()
+        if optimizer not in _OPTIMIZERS:
+            raise ValueError(f"`optimizer` must be one of {list(_OPTIMIZERS)}, got {optimizer!r}.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"`dtype` must be one of {list(_DTYPES)}, got {dtype!r}.")
+        if not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(f"`group_size` must be an int >= 2 (a group needs a baseline), got {group_size!r}.")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be a positive int, got {max_new_tokens!r}.")
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}.")
+        if n_embd % n_head != 0:
+            raise ValueError(f"`n_embd` must be divisible by `n_head`, got n_embd={n_embd!r}, n_head={n_head!r}.")
+        self.save_hyperparameters()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.tokenizer = build_tokenizer()
+        self.pad_id = self.tokenizer.convert_tokens_to_ids(PAD)
+        self.eos_id = self.tokenizer.convert_tokens_to_ids(EOS)
+        self.unk_id = self.tokenizer.convert_tokens_to_ids(UNK)
+        config = GPT2Config(
+            vocab_size=len(self.tokenizer),
+            n_positions=16,
+            n_embd=n_embd,
+            n_layer=n_layer,
+            n_head=n_head,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            bos_token_id=self.eos_id,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+        )
+        config._attn_implementation = "eager"  # math attention: float64 and dropout behave the same everywhere
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.policy = GPT2LMHeadModel(config).to(_DTYPES[dtype])
+        self.group_size = group_size
+        self.max_new_tokens = max_new_tokens
+        self.temperature = float(temperature)
+        self.last_rollout_batch: Optional[RolloutBatch] = None
+        self.last_rollouts: list[Rollout] = []
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sample_rollouts(self, pairs: torch.Tensor) -> tuple[RolloutBatch, list[Rollout]]:
+        """Sample ``group_size`` completions for each prompt ``(a, b)`` of ``pairs`` ``[P, 2]``."""
+        pairs = pairs.long().cpu()
+        P, G = int(pairs.shape[0]), self.group_size
+        texts = [prompt_text(a, b) for a, b in pairs.tolist()]
+        enc = [self.tokenizer(t)["input_ids"] for t in texts]
+        lp = len(enc[0])
+        if any(len(e) != lp for e in enc):
+            raise ValueError("prompts must all have the same length (single-digit operands).")
+        device = self.device
+        prompt_ids = torch.tensor(enc, dtype=torch.long, device=device)  # [P, Lp]
+        ids = prompt_ids.repeat_interleave(G, dim=0)  # [B, Lp]
+        B = P * G
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # [B]
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            for _ in range(self.max_new_tokens):
+                am = (ids != self.pad_id).long()  # [B, L] pads only follow [EOS]
+                logits = self.policy(input_ids=ids, attention_mask=am).logits[:, -1].float() / self.temperature  # [B, V]
+                logits[:, self.pad_id] = float("-inf")
+                logits[:, self.unk_id] = float("-inf")
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)  # [B]
+                nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
+                ids = torch.cat([ids, nxt[:, None]], dim=1)  # [B, L]
+                done |= nxt == self.eos_id
+                if bool(done.all()):
+                    break
+        finally:
+            self.policy.train(was_training)
+        L = ids.shape[1]
+        comp = ids[:, lp:].cpu()  # [B, L - Lp]
+        completion_mask = torch.zeros(B, L, dtype=torch.bool)  # [B, L]
+        rewards = torch.zeros(B, dtype=torch.float64)  # [B]
+        rollouts: list[Rollout] = []
+        for k in range(B):
+            row = comp[k].tolist()
+            n = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            ended = self.eos_id in row
+            completion_mask[k, lp : lp + n] = True
+            text = self.tokenizer.decode(row[: n - 1] if ended else row[:n], skip_special_tokens=True)
+            a, b = pairs[k // G].tolist()
+            rewards[k] = reward(a, b, text, ended)
+            rollouts.append(
+                Rollout(
+                    prompt=texts[k // G],
+                    completion=text,
+                    prompt_ids=tuple(enc[k // G]),
+                    completion_ids=tuple(row[:n]),
+                    reward=float(rewards[k]),
+                    group=k // G,
+                    rollout=k,
+                    prompt_id=f"{a}+{b}",
+                    ended=ended,
+                )
+            )
+        r = rewards.view(P, G)  # [P, G]
+        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)  # [P, G]
+        wdtype = self.policy.dtype
+        batch = RolloutBatch(
+            input_ids=ids,
+            attention_mask=(torch.arange(L)[None, :] < (lp + completion_mask.sum(1))[:, None]).long().to(device),
+            completion_mask=completion_mask.to(device),
+            advantages=adv.reshape(B).to(device=device, dtype=wdtype),
+            rewards=rewards.to(device=device, dtype=wdtype),
+            group=torch.arange(P).repeat_interleave(G).to(device),
+            rollout=torch.arange(B).to(device),
+            prompt_len=lp,
+            # Drawn from the global stream so the run stays seeded; replayed by every credit_terms call.
+            dropout_seed=int(torch.randint(0, 2**62, (1,)).item()),
+        )
+        return batch, rollouts
+
+    # ---- the credit interface -------------------------------------------------------------------
+
+    def credit_terms(self, batch: Any = None) -> CreditTerms:
+        """Per-position GRPO terms of a rollout batch (``batch``, else the one cached by ``training_step``)."""
+        rb = batch if isinstance(batch, RolloutBatch) else self.last_rollout_batch
+        if rb is None:
+            raise RuntimeError(
+                "`credit_terms` needs a rollout batch: pass a RolloutBatch, or call it after `training_step` "
+                "has cached one in `last_rollout_batch`."
+            )
+        B = rb.batch_size
+        with self._replay_dropout(rb):
+            logits = self.policy(input_ids=rb.input_ids, attention_mask=rb.attention_mask).logits  # [B, L, V]
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # [B, L-1, V]
+        logp_tok = logp.gather(-1, rb.input_ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
+        mask = rb.completion_mask[:, 1:]  # [B, L-1]
+        n_tok = rb.completion_mask.sum(dim=1).clamp(min=1).to(logp_tok.dtype)  # [B]
+        adv = rb.advantages.to(logp_tok.dtype)  # [B]
+        per = (-adv / (n_tok * B))[:, None] * logp_tok  # [B, L-1]
+        per = torch.where(mask, per, torch.zeros_like(per))  # untrained positions hold exactly zero
+        terms = torch.cat([torch.zeros_like(per[:, :1]), per], dim=1)  # [B, L]
+        return CreditTerms(
+            terms=terms,
+            trained=rb.completion_mask,
+            rollout=rb.rollout,
+            group=rb.group,
+            rewards=rb.rewards,
+            tokens=rb.input_ids,
+        )
+
+    @contextlib.contextmanager
+    def _replay_dropout(self, rb: RolloutBatch) -> Iterator[None]:
+        dev = rb.input_ids.device
+        devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.default_generator.manual_seed(rb.dropout_seed)
+            if devices:
+                with torch.cuda.device(devices[0]):
+                    torch.cuda.manual_seed(rb.dropout_seed)
+            yield
+
+    # ---- Lightning ------------------------------------------------------------------------------
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        pairs = batch[0] if isinstance(batch, (list, tuple)) else batch  # [P, 2]
+        rb, rollouts = self.sample_rollouts(pairs)
+        self.last_rollout_batch = rb
+        self.last_rollouts = rollouts
+        loss = self.credit_terms(None).terms.sum()
+        P = int(pairs.shape[0])
+        r = rb.rewards.detach().float()
+        correct = torch.tensor([ro.completion == str(sum(map(int, ro.prompt_id.split("+")))) for ro in rollouts])
+        self.log("train/loss", loss.detach(), batch_size=P)
+        self.log("train/reward", r.mean(), prog_bar=True, batch_size=P)
+        self.log("train/accuracy", correct.float().mean(), prog_bar=True, batch_size=P)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        if hp.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
