@@ -341,3 +341,45 @@ def test_a_fire_that_cannot_be_made_is_a_refusal_not_a_crash():
     assert cb.last_refusal is not None and cb.last_refusal.condition == "anchor_fire"
     assert "net.0.weight" in cb.last_refusal.reason
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_grpo_anchor_yaml_wires_projected_mode(monkeypatch):
+    import sys
+
+    from lens_callbacks.cli import cli_main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lens-callbacks"])
+    cli = cli_main(["--config", str(ROOT / "cli_configs" / "grpo_anchor.yaml")], run=False)
+    cbs = [c for c in cli.trainer.callbacks if isinstance(c, AnchorProjectionCallback)]
+    assert len(cbs) == 1 and cbs[0].mode == "projected"
+    # the first projection (n0 snapshots visible) must fall inside the demo's steps
+    first = (cbs[0].n0 - 1) * cbs[0].cadence + cbs[0].delay_K
+    assert first < cli.trainer.max_steps
+
+
+@pytest.mark.slow
+def test_grpo_anchor_demo_projects_and_logs_to_tensorboard(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_anchor.yaml"),
+           "--trainer.max_steps=21", f"--trainer.logger.init_args.save_dir={tmp_path}",
+           "--trainer.enable_progress_bar=false"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ea = EventAccumulator(str(tmp_path / "grpo_anchor" / "version_0"), size_guidance={"scalars": 0, "images": 0})
+    ea.Reload()
+    proj = {e.step: e.value for e in ea.Scalars("anchor/projected")}
+    assert proj[16] == 1.0 and proj[20] == 1.0  # snapshots 0, 4, 8, 12 visible at 16: the first projection
+    for tag in ("anchor/evr1", "anchor/evr1_null", "anchor/r2", "anchor/weight_err_ratio", "anchor/vel_err_ratio",
+                "anchor/coef_pred_error", "anchor/comm_bytes", "anchor/disagree_fraction"):
+        assert tag in ea.Tags()["scalars"], tag
+    assert "anchor/coefficient_trajectory" in ea.Tags()["images"]
