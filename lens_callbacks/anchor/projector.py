@@ -58,7 +58,7 @@ def trust(
     r2_min: float,
     fire_cos: float,
     sign_agree: float,
-    coef_pred_error: float = float("nan"),
+    retro_ratio: float = float("nan"),
     retro_gate: bool = False,
 ) -> float:
     r"""Trust ``τ ∈ [0, 1]`` in a block's projection: the geometric mean of its factors.
@@ -67,14 +67,15 @@ def trust(
     ``r = clip((R² − r2_min)/(1 − r2_min))`` (the coefficient is on a line), ``f = clip(fire_cos)`` (the
     direction held between fires) and ``s = clip(2·sign_agree − 1)`` (``sign(M_anchor)`` agrees with
     Resolution B's ``sign(−a·v1)`` beyond chance); a factor that cannot be read yet (``nan``: first fit,
-    no ``M_anchor``) counts 1. With ``retro_gate`` a fifth factor ``k = clip(1 − coef_pred_error)`` requires
-    the previous fit to have predicted this snapshot's coefficient better than holding the old one (``nan``
-    counts 0 here: no projection before one such check). Gate ON ⇔ ``τ > 0``.
+    no ``M_anchor``) counts 1. With ``retro_gate`` a fifth factor ``k = clip(1 − retro_ratio)`` requires the
+    previous fit's ``θ̂`` to have predicted the newest snapshot better than holding the one before
+    (``retro_weight_ratio < 1``; ``nan`` counts 0 here: no projection before one such check).
+    Gate ON ⇔ ``τ > 0``.
 
     Example:
         >>> trust(0.99, 0.84, 0.97, 0.7, 0.9, 0.8) > 0, trust(0.80, 0.84, 0.99, 0.7, 1.0, 1.0)
         (True, 0.0)
-        >>> trust(0.99, 0.84, 0.97, 0.7, 0.9, 0.8, coef_pred_error=1.5, retro_gate=True)
+        >>> trust(0.99, 0.84, 0.97, 0.7, 0.9, 0.8, retro_ratio=1.5, retro_gate=True)
         0.0
     """
 
@@ -90,7 +91,7 @@ def trust(
         clip(2.0 * sign_agree - 1.0) if math.isfinite(sign_agree) else 1.0,
     ]
     if retro_gate:
-        factors.append(clip(1.0 - coef_pred_error) if math.isfinite(coef_pred_error) else 0.0)
+        factors.append(clip(1.0 - retro_ratio) if math.isfinite(retro_ratio) else 0.0)
     prod = math.prod(factors)
     return prod ** (1.0 / len(factors)) if prod > 0.0 else 0.0
 
@@ -110,6 +111,8 @@ class AnchorReading:
         h_eff, t_tgt: de-stale distance and target tick (``t_tgt ≤ t_fast``).
         coef_pred_error: retrospective ``|ĉ_prev(t_new) − c_true| / |c_true − c_W,prev|`` on the previous fit's
             direction (``< 1``: the line beat holding the old coefficient). coef_pred_abs: the numerator / σ1.
+        retro_weight_ratio: the same retrospective prediction in weight space, from the Gram alone:
+            ``||θ_new − θ̂_prev(t_new)|| / ||θ_new − θ_W,prev||`` (``< 1``: the previous θ̂ beat the stale snapshot).
         fire_cos: ``cos(v1_prev, v1)`` between consecutive fits.
         sign_agree: share of coordinates where ``sign(M_anchor) = sign(−a·v1)`` (Resolution B cross-check).
         gated_on_fraction: share of parameters (by count) whose block's gate is ON. tau_mean: count-weighted τ.
@@ -135,6 +138,7 @@ class AnchorReading:
     t_tgt: float = _NAN
     coef_pred_error: float = _NAN
     coef_pred_abs: float = _NAN
+    retro_weight_ratio: float = _NAN
     fire_cos: float = _NAN
     sign_agree: float = _NAN
     gated_on_fraction: float = 0.0
@@ -194,9 +198,9 @@ class Rank1TrajProjector:
         null_samples, seed: the null's Monte-Carlo size and seed (deterministic, cached).
         null_dim: dimension of the isotropic walk the null assumes (``None``: the block's parameter count).
             Real updates are anisotropic; a smaller effective dimension widens the null (stricter gate).
-        retro_gate: add the retrospective factor ``clip(1 − coef_pred_error)`` to the trust (see :func:`trust`):
-            a block projects only after its line has predicted a snapshot better than holding. ``False``
-            keeps the four factors of the spec (first projection at ``n0``).
+        retro_gate: add the retrospective factor ``clip(1 − retro_weight_ratio)`` to the trust (see :func:`trust`):
+            a block projects only after its previous ``θ̂`` predicted the newest snapshot better than holding
+            the one before. ``False`` keeps the four factors of the spec (first projection at ``n0``).
 
     Example:
         >>> p = Rank1TrajProjector(n0=4)
@@ -242,7 +246,7 @@ class Rank1TrajProjector:
         self.comm_bytes = 0.0
         self.last_reading: Optional[AnchorReading] = None
         self.n_fires = 0
-        self._retro: tuple[float, float] = (_NAN, _NAN)
+        self._retro: tuple[float, float, float] = (_NAN, _NAN, _NAN)
         self._retro_blocks: dict[str, tuple[float, float]] = {}
         self._fire_cos: dict[str, float] = {}
 
@@ -277,10 +281,16 @@ class Rank1TrajProjector:
                 B = prefix_gram(D_full[g])  # [n, n] on the base the previous fit used
                 u = torch.tensor(prev.u1, dtype=torch.float64)
                 c_true = float(B[: len(prev.u1), -1] @ u) / prev.sigma1
-                err = abs(prev.predict(tick) - c_true)
+                c_hat = prev.predict(tick)
+                err = abs(c_hat - c_true)
                 hold = abs(c_true - prev.c[-1])
-                self._retro_blocks[g] = (err / hold if hold > 0 else _NAN, err / prev.sigma1)
-        self._retro = self._retro_blocks.get("", (_NAN, _NAN))
+                # The same prediction in weight space, from the Gram alone: ||θ_new − (θ_base + ĉ·v1)||² =
+                # B[new, new] − 2·ĉ·c_true + ĉ², against holding the previous snapshot, ||d_new||² = D[new, new].
+                w_err2 = max(float(B[-1, -1]) - 2.0 * c_hat * c_true + c_hat * c_hat, 0.0)
+                w_hold2 = float(D_full[g][-1, -1])
+                self._retro_blocks[g] = (err / hold if hold > 0 else _NAN, err / prev.sigma1,
+                                         math.sqrt(w_err2 / w_hold2) if w_hold2 > 0 else _NAN)
+        self._retro = self._retro_blocks.get("", (_NAN, _NAN, _NAN))
 
         if ring.over_cap:
             ring.drop_oldest_and_rebase()
@@ -315,7 +325,7 @@ class Rank1TrajProjector:
         t_W = ring.ticks[-1]
         stale = {n: ring.prev[n].clone() for n in ring.names}
         base = dict(t_fast=int(t_fast), t_W=int(t_W), W=ring.W, comm_bytes=self.comm_bytes,
-                    coef_pred_error=self._retro[0], coef_pred_abs=self._retro[1])
+                    coef_pred_error=self._retro[0], coef_pred_abs=self._retro[1], retro_weight_ratio=self._retro[2])
         if ring.W < self.n0:
             reading = AnchorReading(**base, reason=f"W = {ring.W} < n0 = {self.n0} snapshots: strict no-op.")
             self.last_reading = reading
@@ -381,7 +391,7 @@ class Rank1TrajProjector:
             else:
                 null = evr1_null_quantile(fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed)
                 fc = self._fire_cos.get(b if self.pool != "global" else "", _NAN)
-                retro = self._retro_blocks.get(b if self.pool != "global" else "", (_NAN, _NAN))[0]
+                retro = self._retro_blocks.get(b if self.pool != "global" else "", (_NAN, _NAN, _NAN))[2]
                 tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree, retro, self.retro_gate)
             block_info[b] = {"tau": tb, "evr1_null": null, "sign_agree": sign_agree,
                              "evr1": fb.evr1 if fb else _NAN, "r2": fb.r2 if fb else _NAN}

@@ -53,6 +53,11 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
             c_true = float((snaps[tick].double().numpy() - pbase) @ pv1)
             want = abs(pa * tick + pb - c_true) / abs(c_true - pc[-1])
             assert r.coef_pred_error == pytest.approx(want, rel=1e-4)
+            # and in weight space: the previous θ̂ at this tick against holding the previous newest snapshot
+            new = snaps[tick].double().numpy()
+            pred = pbase + (pa * tick + pb) * pv1
+            want_w = np.linalg.norm(new - pred) / np.linalg.norm(new - snaps[pticks[-1]].double().numpy())
+            assert r.retro_weight_ratio == pytest.approx(want_w, rel=1e-4)
             n_retro += 1
         if len(window) < 4:
             assert not r.projected and r.reason and math.isnan(r.evr1)
