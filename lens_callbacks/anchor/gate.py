@@ -55,9 +55,9 @@ class GateReport:
         }
 
     def render(self) -> str:
-        cols = ("t_fast", "t_W", "W", "evr1", "evr1_null", "r2", "coef_pred_error", "fire_cos",
+        cols = ("t_fast", "t_W", "W", "evr1", "evr1_null", "r2", "coef_pred_error", "retro_weight_ratio", "fire_cos",
                 "gated_on_fraction", "weight_err_ratio", "weight_err_ratio_gated", "vel_err_ratio", "newest_err_ratio")
-        short = ("step", "t_W", "W", "EVR1", "null", "R2", "coef_err", "fire_cos",
+        short = ("step", "t_W", "W", "EVR1", "null", "R2", "coef_err", "retro_w", "fire_cos",
                  "gate_on", "ratio", "ratio_gated", "vel_ratio", "newest")
         lines = [f"anchor gate replay: cadence={self.cadence} delay_K={self.delay_K} ({len(self.readings)} fires)",
                  " ".join(f"{s:>11}" for s in short)]
