@@ -149,6 +149,7 @@ class AnchorProjectionCallback(Callback):
         self._gate: dict[str, bool] = {}
         self.m_anchor: Optional[dict[str, torch.Tensor]] = None
         self._last_step = -1
+        self._restored = False
         self._batch: Any = None
         self.last_reading: Optional[AnchorReading] = None
         self.last_refusal: Optional[Refusal] = None
@@ -191,6 +192,8 @@ class AnchorProjectionCallback(Callback):
             return
         self._last_step = step
         params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
+        if self._restored:
+            self._move_state(params)
         with torch.no_grad():
             if step % self.cadence == 0:
                 self._pending.append((step, {n: p.detach().clone() for n, p in params.items()}))
@@ -354,6 +357,27 @@ class AnchorProjectionCallback(Callback):
         self.weight_error.stale_sq = state_dict["weight_error"]["stale_sq"].clone()
         self.gated_on.on = state_dict["gated_on"]["on"].clone()
         self.gated_on.total = state_dict["gated_on"]["total"].clone()
+        self._restored = True  # a checkpoint may have been loaded onto another device
+
+    def _move_state(self, params: dict) -> None:
+        # Each tensor follows its parameter's device (the ring's Grams stay on the CPU).
+        dev = {n: p.device for n, p in params.items()}
+        if self.projector is not None:
+            ring = self.projector.ring
+            for n in ring.names:
+                d = dev.get(n)
+                if d is None:
+                    continue
+                ring.base[n] = ring.base[n].to(d)
+                ring.prev[n] = ring.prev[n].to(d)
+                for dk in ring.deltas:
+                    dk[n] = dk[n].to(d)
+        self._pending = [(t, {n: x.to(dev.get(n, x.device)) for n, x in snap.items()}) for t, snap in self._pending]
+        for store in (self._anchor, self.m_anchor):
+            if store is not None:
+                for n in list(store):
+                    store[n] = store[n].to(dev.get(n, store[n].device))
+        self._restored = False
 
 
 def coefficient_figure(fit: Any, reading: Optional[AnchorReading] = None) -> Any:
