@@ -45,6 +45,10 @@ class GateReport:
     decision: str
     reason: str
 
+    def decide(self) -> tuple[str, str]:
+        """``(decision, reason)``: ``"project"`` or ``"stale"``, and why."""
+        return self.decision, self.reason
+
     def to_dict(self, prefix: str = "anchor_gate/") -> dict[str, float]:
         return {
             f"{prefix}median_ratio": self.median_ratio,

@@ -120,7 +120,7 @@ def test_linear_drift_beats_stale_and_matches_velocity_extrapolation():
     assert len(proj) >= 15
     assert rep.median_ratio < 0.1
     assert rep.median_ratio <= rep.median_vel_ratio * 1.05
-    assert rep.gated_on_fraction > 0.9 and rep.decision == "project"
+    assert rep.gated_on_fraction > 0.9 and rep.decide()[0] == "project"
     # the line predicts the next snapshot's coefficient far better than holding the old one
     assert np.nanmedian([r.coef_pred_error for r in proj]) < 0.1
 
