@@ -151,11 +151,15 @@ class GRPOToolsModule(LightningModule):
     def warm_start(self) -> list[float]:
         r"""Teacher-forced steps on demonstration episodes; returns the loss of each step.
 
-        Each step draws ``WARM_START_BATCH`` prompts ``a + b =`` (operands ``0..9``) and minimises the
-        mean ``−log π(y_t | y_<t)`` over the assistant tokens of :func:`~examples.grpo_tools.env.demonstration`
-        (``calc a + b`` → tool result → answer), with Adam at ``warm_start_lr``. Only assistant tokens
-        are trained, exactly as in RL. Deterministic: the prompts come from a generator of its own,
-        seeded by ``seed``; dropout is off; the global RNG stream is left as it was.
+        Each step draws ``WARM_START_BATCH`` prompts ``a + b =`` (operands ``0..9``) and takes one Adam
+        step (``warm_start_lr``) on
+
+        ``L = −(1/N) Σ_{k,t} trained[k, t] · log π(y_{k,t} | y_{k,<t})``,  ``N = Σ trained``,
+
+        over the episodes of :func:`~examples.grpo_tools.env.demonstration` (``calc a + b`` → tool
+        result → answer): only assistant tokens are trained, as in RL. Deterministic: the prompts come
+        from a generator of its own, seeded by ``seed``; dropout is off; the global RNG stream is left
+        as it was. Called by ``setup("fit")`` unless it already ran on this module.
         """
         hp = self.hparams
         self._warm_started = True
@@ -170,15 +174,16 @@ class GRPOToolsModule(LightningModule):
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             for _ in range(hp.warm_start_steps):
                 ab = torch.randint(0, 10, (WARM_START_BATCH, 2), generator=gen).tolist()
-                trajs = [
-                    Trajectory(tuple(demonstration(self.tokenizer, a, b, system_prompt=hp.system_prompt, use_tool=hp.max_tool_calls > 0)))
-                    for a, b in ab
+                demos = [
+                    Trajectory(tuple(demonstration(self.tokenizer, x, y, system_prompt=hp.system_prompt, use_tool=hp.max_tool_calls > 0)))
+                    for x, y in ab
                 ]
-                b, _ = batch_from_trajectories(self.tokenizer, trajs, padding_side=hp.padding_side)
-                b = b.to(device)
-                logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
-                logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-                trained = b.trained[:, 1:].to(logp.dtype)  # [B, T-1]
+                batch, _ = batch_from_trajectories(self.tokenizer, demos, padding_side=hp.padding_side)
+                batch = batch.to(device)
+                ids = batch.input_ids  # [B, T]
+                logits = self.policy(input_ids=ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits  # [B, T, V]
+                logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+                trained = batch.trained[:, 1:].to(logp.dtype)  # [B, T-1]
                 loss = -(logp * trained).sum() / trained.sum()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -258,8 +263,10 @@ class GRPOToolsModule(LightningModule):
             {
                 "train/loss": loss.detach().float(),
                 "train/reward": sum(t.reward for t in trajs) / n,
-                "train/turns": sum(len(t.turns) for t in trajs) / n,
+                # the system turn is the same fixed text in every episode: not counted as a turn
+                "train/turns": sum(sum(x.role != "system" for x in t.turns) for t in trajs) / n,
                 "train/tool_calls": sum(t.n_tool_calls for t in trajs) / n,
+                "train/tool_use": sum(t.n_tool_calls > 0 for t in trajs) / n,
             },
             batch_size=n,
         )
