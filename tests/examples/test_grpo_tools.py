@@ -285,3 +285,13 @@ def test_replay_clips_gradients_as_the_trainer_did(tmp_path, algorithm):
     view.manifest["trainer"] = dict(view.manifest["trainer"], gradient_clip_val=None)
     loose = replay_to(view, 3, progress=False)
     assert not all(torch.equal(v, ck[k]) for k, v in loose.state_dict().items())
+
+
+def test_env_doctests():
+    """The calculator's and the demonstration's documented examples."""
+    import doctest
+
+    import examples.grpo_tools.env as env
+
+    res = doctest.testmod(env)
+    assert res.attempted >= 2 and res.failed == 0
