@@ -5,7 +5,8 @@
 Measures, on the tool-using example (tiny GPT-2, 8 episodes a step, single thread):
 - the training step with RunRecordCallback (checkpoint at step 0 only) / without it;
 - one replayed step of the offline audit / one training step (the replay skips sampling);
-- one by_turn audit / one by_rollout audit of the same step (one backward pass per part).
+- one by_turn audit / one by_rollout audit of the same step (one backward pass per part);
+- the supervised warm start (once, before RL) / one training step.
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ from lens_callbacks.io.records import RunRecord  # noqa: E402
 
 def _fit(steps: int, callbacks: list) -> float:
     m = GRPOToolsModule(seed=0)
+    m.warm_start()  # a one-off stage before RL (fit then skips it): not part of a training step
     trainer = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, accelerator="cpu", callbacks=callbacks)
     t0 = time.perf_counter()
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2))
     return (time.perf_counter() - t0) / steps
+
+
+def _warm_start_time() -> float:
+    m = GRPOToolsModule(seed=0)
+    t0 = time.perf_counter()
+    m.warm_start()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -65,6 +74,8 @@ def main() -> None:
     print(f"replayed step / training step:                 {replay / plain:.3f}")
     print(f"by_turn audit ({r_turn.n_parts} parts) / by_rollout audit ({r_roll.n_parts} parts): {t_turn / t_roll:.2f}")
     print(f"record size per step: {size / 1024:.1f} KiB of JSON Lines")
+    n_ws = GRPOToolsModule().hparams.warm_start_steps
+    print(f"warm start ({n_ws} steps, once before RL) / training step: {_warm_start_time() / plain:.2f}")
 
 
 if __name__ == "__main__":

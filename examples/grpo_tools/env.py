@@ -3,7 +3,8 @@
 An episode is ``system → user → assistant (→ tool → assistant)*``. An assistant turn that contains the
 word ``calc`` calls the calculator on the words after it; the result comes back as a ``tool`` turn
 (not trained) and the assistant speaks again, up to ``max_tool_calls`` times. The reward is read from
-the last assistant turn.
+the last assistant turn. :func:`demonstration` writes the episode a teacher would: call the tool on the
+prompt's operands, then answer with its result (the warm start before RL trains on these).
 """
 
 from __future__ import annotations
@@ -115,3 +116,32 @@ def run_episode(
         result = calculator(call.arguments)
         turns.append(Turn("tool", result, tuple(encode_text(tokenizer, result)), False))
     return turns, reward(turns[-1].text, a + b)
+
+
+def demonstration(tokenizer, a: int, b: int, *, system_prompt: str, use_tool: bool = True) -> list[Turn]:
+    """The teacher's episode for ``a + b =``: ``assistant "calc a + b" → tool "a+b" → assistant "a+b"``.
+
+    Assistant turns end with ``<eot>`` as sampled ones do; without ``use_tool`` the assistant answers at once.
+
+    >>> tok = build_tokenizer()
+    >>> [(t.role, t.text) for t in demonstration(tok, 3, 4, system_prompt="")]
+    [('user', '3 + 4 ='), ('assistant', 'calc 3 + 4 <eot>'), ('tool', '7'), ('assistant', '7 <eot>')]
+    """
+    eot_id = tokenizer.convert_tokens_to_ids(EOT)
+    turns: list[Turn] = []
+    if system_prompt:
+        turns.append(Turn("system", system_prompt, tuple(encode_text(tokenizer, system_prompt)), False))
+    user = f"{a} + {b} ="
+    turns.append(Turn("user", user, tuple(encode_text(tokenizer, user)), False))
+
+    def say(text: str, call: Optional[ToolCall] = None) -> Turn:
+        ids = tuple(encode_text(tokenizer, text)) + (eot_id,)
+        return Turn("assistant", tokenizer.decode(list(ids)), ids, True, call)
+
+    if use_tool:
+        args = f"{a} + {b}"
+        result = calculator(args)
+        turns.append(say(f"{TOOL_NAME} {args}", ToolCall(TOOL_NAME, args)))
+        turns.append(Turn("tool", result, tuple(encode_text(tokenizer, result)), False))
+    turns.append(say(str(a + b)))
+    return turns

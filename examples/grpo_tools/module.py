@@ -4,6 +4,11 @@ Each training step samples ``group_size`` episodes per prompt inside ``training_
 later), builds the rollout batch with :func:`~lens_callbacks.credit.trajectories.batch_from_trajectories`
 (each turn tokenised on its own; only assistant turns trained; tool results are ``tool`` turns), caches
 it as ``last_rollout_batch``, and returns exactly ``self.credit_terms(None).terms.sum()`` as the loss.
+
+Before RL, ``setup("fit")`` runs a short supervised warm start (:meth:`GRPOToolsModule.warm_start`) on
+teacher episodes that call the tool, as an SFT stage before RL would; it ends before the Trainer builds
+the optimizer and before a run record writes its step-0 policy, so an offline replay starts from the
+warm-started weights and needs nothing of it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from lens_callbacks.credit.trajectories import (
     turn_segments,
 )
 
-from .env import VOCAB, build_tokenizer, run_episode
+from .env import VOCAB, build_tokenizer, demonstration, run_episode
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _OPTIMIZERS = ("sgd", "adam", "adamw")
 _SEGMENT_BY = ("turn", "role", "turn_index")
+WARM_START_STEPS = 40
+WARM_START_BATCH = 32
+_WARM_START_STREAM = 999_983  # offsets the warm start's generator from every step's sampling stream
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,8 @@ class GRPOToolsModule(LightningModule):
         system_prompt: text of the system turn (``""``: no system turn).
         segment_by: the turn segments ``credit_terms`` reports: ``"turn"``, ``"role"`` or ``"turn_index"``.
         padding_side: ``"right"`` or ``"left"``.
+        warm_start_steps: supervised steps on teacher episodes before RL (0: none); see :meth:`warm_start`.
+        warm_start_lr: the warm start's Adam learning rate.
     """
 
     def __init__(
@@ -90,6 +100,8 @@ class GRPOToolsModule(LightningModule):
         system_prompt: str = "tools : calc",
         segment_by: str = "turn",
         padding_side: str = "right",
+        warm_start_steps: int = WARM_START_STEPS,
+        warm_start_lr: float = 0.01,
     ) -> None:
         super().__init__()
         if optimizer not in _OPTIMIZERS:
@@ -105,6 +117,10 @@ class GRPOToolsModule(LightningModule):
             )
         if temperature <= 0:
             raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
+        if not isinstance(warm_start_steps, int) or warm_start_steps < 0:
+            raise ValueError(f"`warm_start_steps` must be an int >= 0 (0: no warm start), got {warm_start_steps!r}.")
+        if warm_start_lr <= 0:
+            raise ValueError(f"`warm_start_lr` must be > 0, got {warm_start_lr!r}.")
         self.save_hyperparameters()
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -128,6 +144,62 @@ class GRPOToolsModule(LightningModule):
             self.policy = GPT2LMHeadModel(cfg).to(_DTYPES[dtype])
         self.last_rollout_batch: Optional[ToolRolloutBatch] = None
         self.last_trajectories: list[Trajectory] = []
+        self.warm_start_losses: list[float] = []
+        self._warm_started = False
+
+    # -- the supervised warm start ----------------------------------------------------------------
+    def warm_start(self) -> list[float]:
+        r"""Teacher-forced steps on demonstration episodes; returns the loss of each step.
+
+        Each step draws ``WARM_START_BATCH`` prompts ``a + b =`` (operands ``0..9``) and takes one Adam
+        step (``warm_start_lr``) on
+
+        ``L = −(1/N) Σ_{k,t} trained[k, t] · log π(y_{k,t} | y_{k,<t})``,  ``N = Σ trained``,
+
+        over the episodes of :func:`~examples.grpo_tools.env.demonstration` (``calc a + b`` → tool
+        result → answer): only assistant tokens are trained, as in RL. Deterministic: the prompts come
+        from a generator of its own, seeded by ``seed``; dropout is off; the global RNG stream is left
+        as it was. Called by ``setup("fit")`` unless it already ran on this module.
+        """
+        hp = self.hparams
+        self._warm_started = True
+        if hp.warm_start_steps == 0:
+            return []
+        gen = torch.Generator().manual_seed(int(hp.seed) * 1_000_003 + _WARM_START_STREAM)
+        device = next(self.policy.parameters()).device
+        opt = torch.optim.Adam(self.policy.parameters(), lr=hp.warm_start_lr)
+        was_training = self.policy.training
+        self.policy.eval()  # no dropout: nothing random but the prompts, which come from `gen`
+        losses: list[float] = []
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            for _ in range(hp.warm_start_steps):
+                ab = torch.randint(0, 10, (WARM_START_BATCH, 2), generator=gen).tolist()
+                demos = [
+                    Trajectory(tuple(demonstration(self.tokenizer, x, y, system_prompt=hp.system_prompt, use_tool=hp.max_tool_calls > 0)))
+                    for x, y in ab
+                ]
+                batch, _ = batch_from_trajectories(self.tokenizer, demos, padding_side=hp.padding_side)
+                batch = batch.to(device)
+                ids = batch.input_ids  # [B, T]
+                logits = self.policy(input_ids=ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits  # [B, T, V]
+                logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
+                trained = batch.trained[:, 1:].to(logp.dtype)  # [B, T-1]
+                loss = -(logp * trained).sum() / trained.sum()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        for p in self.policy.parameters():  # leave no gradient behind for the RL optimizer to see
+            p.grad = None
+        self.policy.train(was_training)
+        self.warm_start_losses = losses
+        return losses
+
+    def setup(self, stage: str) -> None:
+        # Once per module, before the optimizer exists and before step 0 is recorded; a resumed run
+        # gets its weights from the checkpoint instead.
+        if stage == "fit" and not self._warm_started and self.trainer.ckpt_path is None:
+            self.warm_start()
 
     # -- rollouts -------------------------------------------------------------------------------
     def rollout(self, prompts: Sequence[dict], step: int) -> list[Trajectory]:
@@ -191,8 +263,10 @@ class GRPOToolsModule(LightningModule):
             {
                 "train/loss": loss.detach().float(),
                 "train/reward": sum(t.reward for t in trajs) / n,
-                "train/turns": sum(len(t.turns) for t in trajs) / n,
+                # the system turn is the same fixed text in every episode: not counted as a turn
+                "train/turns": sum(sum(x.role != "system" for x in t.turns) for t in trajs) / n,
                 "train/tool_calls": sum(t.n_tool_calls for t in trajs) / n,
+                "train/tool_use": sum(t.n_tool_calls > 0 for t in trajs) / n,
             },
             batch_size=n,
         )

@@ -152,7 +152,9 @@ def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
 
     torch.manual_seed(0)
     m = GRPOToolsModule(seed=3)
-    fresh = GRPOToolsModule(seed=3).state_dict()  # the same seed builds the same initial policy
+    fresh = GRPOToolsModule(seed=3)  # the same seed builds the same initial policy and warm start
+    fresh.warm_start()
+    fresh = fresh.state_dict()
     cb = RunRecordCallback(str(tmp_path / "rec"), checkpoint_every=2)
     trainer = Trainer(
         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
