@@ -100,6 +100,43 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
     assert n_retro == 11  # every fire after the first fit (fires 5..15)
 
 
+def test_gate_is_pooled_per_layer_and_sign_agree_matches_numpy():
+    # Layer h.0 (two tensors) drifts, layer h.1 does a random walk: one window, two gate decisions.
+    d, cad, K = 300, 10, 10
+    g = torch.Generator().manual_seed(11)
+    drift = _walk(200, 2 * d, 4, drift=0.05, noise=0.01)
+    walk = _walk(200, d, 5, 0, 0, kind="walk")
+    snap = {t: {"h.0.a": drift[t][:d], "h.0.b": drift[t][d:].reshape(3, -1), "h.1.a": walk[t]} for t in range(200)}
+    p = Rank1TrajProjector(n0=4, w_cap=6, pool="layer")
+    # M_anchor: mostly against the drift on h.0 (a descent direction agrees with −a·v1), unrelated on h.1
+    m0 = -(drift[100] - drift[0]) + 0.5 * torch.randn(2 * d, generator=g)
+    m = {"h.0.a": m0[:d], "h.0.b": m0[d:].reshape(3, -1), "h.1.a": torch.randn(d, generator=g)}
+    on = {"h.0": [], "h.1": []}
+    seen = []
+    for tick in range(0, 150, cad):
+        prj = p.fire(snap[tick], tick, tick + K, truth=snap[tick + K], m_anchor=m)
+        seen.append(tick)
+        if not prj.reading.projected:
+            continue
+        window = seen[-6:]
+        for blk, names in (("h.0", ["h.0.a", "h.0.b"]), ("h.1", ["h.1.a"])):
+            X = np.stack([np.concatenate([snap[t][n].double().reshape(-1).numpy() for n in names]) for t in window])
+            S = np.linalg.svd(X[1:] - X[0], compute_uv=False)
+            assert prj.reading.blocks[blk]["evr1"] == pytest.approx(S[0] ** 2 / np.sum(S ** 2), rel=1e-6)
+            on[blk].append(prj.gate[names[0]])
+            assert all(prj.gate[n] == prj.gate[names[0]] for n in names)  # one decision per block
+        # Resolution B's sign cross-check, pooled over all tensors, from per-tensor fits
+        agree = both = 0
+        for n in snap[tick]:
+            X = np.stack([snap[t][n].double().reshape(-1).numpy() for t in window])
+            _, v1, _, a, _, _ = _ref_fit([torch.from_numpy(x) for x in X], window)
+            sb, sm = np.sign(-a * v1), np.sign(m[n].double().reshape(-1).numpy())
+            agree += int(np.sum((sb == sm) & (sb != 0) & (sm != 0)))
+            both += int(np.sum((sb != 0) & (sm != 0)))
+        assert prj.reading.sign_agree == pytest.approx(agree / both, abs=1.5 / both)
+    assert np.mean(on["h.0"]) > 0.8 and np.mean(on["h.1"]) < 0.2
+
+
 def test_below_n0_is_a_strict_no_op():
     snaps = _walk(5, 16, 2, 1.0, 0.0)
     p = Rank1TrajProjector(n0=4)
