@@ -230,6 +230,30 @@ def test_a_failing_anchor_leaves_training_as_without_it():
     assert cb.last_refusal is not None and "no anchor here" in cb.last_refusal.reason
 
 
+def test_a_merger_failing_midway_leaves_every_grad_as_it_was(monkeypatch):
+    import lens_callbacks.callbacks.anchor as anchor_cb
+
+    calls = []
+    real = anchor_cb.signed_ema
+
+    def flaky(g, m, alpha):  # the second tensor of every step fails, after the first was merged
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("merger broke")
+        return real(g, m, alpha)
+
+    monkeypatch.setattr(anchor_cb, "signed_ema", flaky)
+    store = {}
+    cb = AnchorProjectionCallback(mode="signed_ema", cadence=2, delay_K=1)
+    seed_everything(0, verbose=False)
+    m = Tiny()
+    _trainer(6, [_Probe(store, "before"), cb, _Probe(store, "after")]).fit(m)
+    assert calls and cb.last_refusal is not None and cb.last_refusal.condition == "anchor_merge"
+    for (_, p0, g0), (_, p1, g1) in zip(store["before"], store["after"]):
+        assert all(torch.equal(g0[n], g1[n]) and torch.equal(p0[n], p1[n]) for n in g0)
+    assert _same(m, _run(6, None))
+
+
 @pytest.mark.parametrize("kw, word", [
     (dict(cadence=0), "cadence"), (dict(cadence=-3), "cadence"), (dict(delay_K=-1), "delay_K"),
     (dict(alpha=1.5), "alpha"), (dict(alpha=-0.1), "alpha"), (dict(w_cap=3, n0=4), "w_cap"),
