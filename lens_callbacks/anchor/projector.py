@@ -382,7 +382,8 @@ class Rank1TrajProjector:
         block_info: dict[str, dict[str, float]] = {}
         on_numel, tau_sum, total = 0, 0.0, ring.numel()
         for b, ns in blocks.items():
-            fb = self.prev_fit.get(b if self.pool != "global" else "")
+            key = b if self.pool != "global" else ""  # observe() keys the global block's fit as the pooled one
+            fb = self.prev_fit.get(key)
             numel = ring.numel(ns)
             sa = agree.get(b)
             sign_agree = sa[0] / sa[1] if sa and sa[1] > 0 else _NAN
@@ -390,8 +391,8 @@ class Rank1TrajProjector:
                 tb, null = 0.0, _NAN
             else:
                 null = evr1_null_quantile(fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed)
-                fc = self._fire_cos.get(b if self.pool != "global" else "", _NAN)
-                retro = self._retro_blocks.get(b if self.pool != "global" else "", (_NAN, _NAN, _NAN))[2]
+                fc = self._fire_cos.get(key, _NAN)
+                retro = self._retro_blocks.get(key, (_NAN, _NAN, _NAN))[2]
                 tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree, retro, self.retro_gate)
             block_info[b] = {"tau": tb, "evr1_null": null, "sign_agree": sign_agree,
                              "evr1": fb.evr1 if fb else _NAN, "r2": fb.r2 if fb else _NAN}

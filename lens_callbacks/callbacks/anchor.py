@@ -134,10 +134,7 @@ class AnchorProjectionCallback(Callback):
         self.dtype = dtype
         self.log_readings = bool(log_readings)
         self.figure_every_n_fires = _int("figure_every_n_fires", figure_every_n_fires, 0)
-        # Rank1TrajProjector validates the fit arguments once more, with its own names.
-        Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                           r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,
-                                  retro_gate=self.retro_gate)
+        self._new_projector()  # validates the fit arguments (r2_min, null_quantile, null_dim) with their names
         self._reset()
 
     def _reset(self) -> None:

@@ -100,6 +100,43 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
     assert n_retro == 11  # every fire after the first fit (fires 5..15)
 
 
+def test_gate_is_pooled_per_layer_and_sign_agree_matches_numpy():
+    # Layer h.0 (two tensors) drifts, layer h.1 does a random walk: one window, two gate decisions.
+    d, cad, K = 300, 10, 10
+    g = torch.Generator().manual_seed(11)
+    drift = _walk(200, 2 * d, 4, drift=0.05, noise=0.01)
+    walk = _walk(200, d, 5, 0, 0, kind="walk")
+    snap = {t: {"h.0.a": drift[t][:d], "h.0.b": drift[t][d:].reshape(3, -1), "h.1.a": walk[t]} for t in range(200)}
+    p = Rank1TrajProjector(n0=4, w_cap=6, pool="layer")
+    # M_anchor: mostly against the drift on h.0 (a descent direction agrees with −a·v1), unrelated on h.1
+    m0 = -(drift[100] - drift[0]) + 0.5 * torch.randn(2 * d, generator=g)
+    m = {"h.0.a": m0[:d], "h.0.b": m0[d:].reshape(3, -1), "h.1.a": torch.randn(d, generator=g)}
+    on = {"h.0": [], "h.1": []}
+    seen = []
+    for tick in range(0, 150, cad):
+        prj = p.fire(snap[tick], tick, tick + K, truth=snap[tick + K], m_anchor=m)
+        seen.append(tick)
+        if not prj.reading.projected:
+            continue
+        window = seen[-6:]
+        for blk, names in (("h.0", ["h.0.a", "h.0.b"]), ("h.1", ["h.1.a"])):
+            X = np.stack([np.concatenate([snap[t][n].double().reshape(-1).numpy() for n in names]) for t in window])
+            S = np.linalg.svd(X[1:] - X[0], compute_uv=False)
+            assert prj.reading.blocks[blk]["evr1"] == pytest.approx(S[0] ** 2 / np.sum(S ** 2), rel=1e-6)
+            on[blk].append(prj.gate[names[0]])
+            assert all(prj.gate[n] == prj.gate[names[0]] for n in names)  # one decision per block
+        # Resolution B's sign cross-check, pooled over all tensors, from per-tensor fits
+        agree = both = 0
+        for n in snap[tick]:
+            X = np.stack([snap[t][n].double().reshape(-1).numpy() for t in window])
+            _, v1, _, a, _, _ = _ref_fit([torch.from_numpy(x) for x in X], window)
+            sb, sm = np.sign(-a * v1), np.sign(m[n].double().reshape(-1).numpy())
+            agree += int(np.sum((sb == sm) & (sb != 0) & (sm != 0)))
+            both += int(np.sum((sb != 0) & (sm != 0)))
+        assert prj.reading.sign_agree == pytest.approx(agree / both, abs=1.5 / both)
+    assert np.mean(on["h.0"]) > 0.8 and np.mean(on["h.1"]) < 0.2
+
+
 def test_below_n0_is_a_strict_no_op():
     snaps = _walk(5, 16, 2, 1.0, 0.0)
     p = Rank1TrajProjector(n0=4)
@@ -125,13 +162,15 @@ def test_linear_drift_beats_stale_and_matches_velocity_extrapolation():
     assert np.nanmedian([r.coef_pred_error for r in proj]) < 0.1
 
 
-def test_random_walk_gate_stays_mostly_off():
+@pytest.mark.parametrize("retro_gate", [True, False])
+def test_random_walk_gate_stays_mostly_off(retro_gate):
+    # retro_gate=False: the random-walk EVR1 null alone must keep the gate OFF (a fixed 0.6 would not).
     d, cad, K = 500, 10, 10
     fr = []
     for seed in range(3):
         snaps = _walk(200, d, 100 + seed, 0, 0, kind="walk")
         rep = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=cad, delay_K=K,
-                     projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global"))
+                     projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro_gate))
         fr += [r.gated_on_fraction for r in rep.readings if r.projected]
         # ungated, extrapolating a walk is worse than the stale snapshot (the gate is needed) ...
         assert rep.median_ratio > 1.0
@@ -140,9 +179,55 @@ def test_random_walk_gate_stays_mostly_off():
     assert np.mean(fr) < 0.2
 
 
+def _drift_walk(n, d, seed, rate):
+    """θ_t = x0 + rate·t·v + a unit random walk: a drift with an accumulating part off its direction."""
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(d, generator=g)
+    x0 = torch.randn(d, generator=g)
+    walk = torch.cumsum(torch.randn(n, d, generator=g), 0)
+    return [x0 + rate * t * v + walk[t] for t in range(n)]
+
+
+@pytest.mark.parametrize("rate", [0.2, 1.0])
+def test_retro_gate_refuses_a_coherent_but_unextrapolable_trajectory(rate):
+    # A weak drift under a random walk: EVR1, R² and fire_cos all pass (the spec's four factors gate it ON),
+    # yet θ̂ drops the walk's accumulated part off v1 and loses to the stale snapshot. The retrospective
+    # factor sees that before projecting; on a strong drift it lets the projection through.
+    snaps = _drift_walk(200, 500, 7, rate)
+    reps = {}
+    for retro in (False, True):
+        reps[retro] = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=10, delay_K=10,
+                             projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro))
+    proj = [r for r in reps[True].readings if r.projected]
+    assert np.median([r.evr1 - r.evr1_null for r in proj]) > 0.05 and np.median([r.r2 for r in proj]) > 0.95
+    assert reps[False].gated_on_fraction == 1.0
+    if rate < 0.5:
+        assert reps[False].median_ratio_gated > 1.1  # the four factors let a harmful projection through
+        assert np.nanmedian([r.retro_weight_ratio for r in proj]) > 1.0
+        assert reps[True].gated_on_fraction < 0.1 and reps[True].median_ratio_gated <= 1.0 + 1e-12
+    else:
+        assert np.nanmedian([r.retro_weight_ratio for r in proj]) < 1.0
+        assert reps[True].gated_on_fraction > 0.8 and reps[True].median_ratio_gated < 0.6
+
+
+def test_a_failed_span_self_test_leaves_the_anchor_stale(monkeypatch):
+    import lens_callbacks.anchor.projector as projector
+
+    monkeypatch.setattr(projector, "SPAN_TOL", -1.0)  # every residual fails
+    snaps = _walk(60, 32, 3, drift=0.05, noise=0.0)
+    p = Rank1TrajProjector(n0=4, pool="global", retro_gate=False)
+    for t in range(0, 50, 10):
+        prj = p.fire({"w": snaps[t]}, t, t + 10, truth={"w": snaps[t + 10]})
+    r = prj.reading
+    assert not r.projected and "span self-test" in r.reason
+    assert prj.gate == {"w": False} and r.gated_on_fraction == 0.0
+    assert torch.equal(prj.anchor["w"], snaps[40])
+
+
 def test_projected_merger_at_full_confidence_is_signed_ema_bit_for_bit():
-    g = torch.tensor([1.5, -2.0, 0.0, -0.0, 3.0, -1e-30, 4.0])
-    m = torch.tensor([-1.0, -1.0, 2.0, -2.0, 0.0, 5.0, 1e-38])
+    # inf in G: w·signed + (1 − w)·G would turn 0·inf into nan where signed_ema gives ±inf.
+    g = torch.tensor([1.5, -2.0, 0.0, -0.0, 3.0, -1e-30, 4.0, float("inf"), -float("inf")])
+    m = torch.tensor([-1.0, -1.0, 2.0, -2.0, 0.0, 5.0, 1e-38, 1.0, -1.0])
     for alpha in (0.0, 0.25, 0.7, 1.0):
         a = signed_ema(g, m, alpha)
         b = projected_merge(g, m, alpha, 1.0, torch.ones_like(g))

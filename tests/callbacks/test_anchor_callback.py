@@ -67,10 +67,11 @@ def _trainer(steps, callbacks=(), **kw):
                    enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1, **kw)
 
 
-def _run(steps, cb=None, seed=0, model_kw=None, **kw):
+def _run(steps, cb=None, seed=0, model_kw=None, callbacks_around=None, **kw):
     seed_everything(seed, verbose=False)
     m = Tiny(**(model_kw or {}))
-    _trainer(steps, [cb] if cb is not None else [], **kw).fit(m)
+    cbs = list(callbacks_around) if callbacks_around is not None else ([cb] if cb is not None else [])
+    _trainer(steps, cbs, **kw).fit(m)
     return m
 
 
@@ -84,6 +85,24 @@ def test_off_is_bitwise_no_callback_with_dropout():
     assert _same(ref, off)
     on = _run(30, AnchorProjectionCallback(mode="signed_ema", cadence=2, delay_K=2), model_kw={"dropout": 0.3})
     assert not _same(ref, on)  # the comparison can fail
+
+
+class _RngProbe(Callback):
+    def __init__(self, store):
+        self.store = store
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.store.append(torch.get_rng_state())
+
+
+def test_the_anchor_forward_leaves_the_global_rng_stream_alone():
+    # With dropout on, the anchor's forward draws random numbers: they must come from a forked stream.
+    before, after = [], []
+    cb = AnchorProjectionCallback(mode="signed_ema", cadence=2, delay_K=1)
+    _run(8, None, model_kw={"dropout": 0.3}, callbacks_around=(_RngProbe(before), cb, _RngProbe(after)))
+    assert cb.m_anchor is not None and cb.last_refusal is None
+    assert len(before) == len(after) == 8
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
 def test_projected_below_n0_equals_signed_ema_bitwise():
@@ -170,10 +189,15 @@ def _ckpt_run(tmp_path, cb_kw, total, cut):
 
 def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     kw = dict(mode="projected", cadence=2, delay_K=2, w_cap=5, n0=4, pool="global", null_quantile=0.5, r2_min=0.3)
-    full, resumed, full_cb, res_cb = _ckpt_run(tmp_path, kw, total=30, cut=13)
+    # Cut at 17: the fire of step 16 gated θ̂ ON, so step 17 merges with the restored τ, and the fire of
+    # step 18 reads its retrospective factor and fire_cos from the restored previous fit.
+    cut = 17
+    full, resumed, full_cb, res_cb = _ckpt_run(tmp_path, kw, total=30, cut=cut)
     assert _same(full, resumed)
-    assert any(r.projected for r in full_cb.readings)
-    assert any(r.gated_on_fraction > 0 for r in full_cb.readings)  # θ̂ was the anchor at some fires
+    on = {r.t_fast for r in full_cb.readings if r.gated_on_fraction > 0}
+    assert cut - 1 in on and cut + 1 in on  # θ̂ was the anchor on both sides of the cut
+    after = [r.to_dict() for r in full_cb.readings if r.t_fast > cut]
+    assert after and after == [r.to_dict() for r in res_cb.readings]
     torch.testing.assert_close(full_cb.projector.ring.base_gram(), res_cb.projector.ring.base_gram(), rtol=0, atol=0)
     for n in full_cb.m_anchor:
         assert torch.equal(full_cb.m_anchor[n], res_cb.m_anchor[n])
@@ -204,6 +228,30 @@ def test_a_failing_anchor_leaves_training_as_without_it():
     got = _run(12, cb, model_kw={"fail_anchor": True})
     assert _same(ref, got)
     assert cb.last_refusal is not None and "no anchor here" in cb.last_refusal.reason
+
+
+def test_a_merger_failing_midway_leaves_every_grad_as_it_was(monkeypatch):
+    import lens_callbacks.callbacks.anchor as anchor_cb
+
+    calls = []
+    real = anchor_cb.signed_ema
+
+    def flaky(g, m, alpha):  # the second tensor of every step fails, after the first was merged
+        calls.append(1)
+        if len(calls) % 2 == 0:
+            raise RuntimeError("merger broke")
+        return real(g, m, alpha)
+
+    monkeypatch.setattr(anchor_cb, "signed_ema", flaky)
+    store = {}
+    cb = AnchorProjectionCallback(mode="signed_ema", cadence=2, delay_K=1)
+    seed_everything(0, verbose=False)
+    m = Tiny()
+    _trainer(6, [_Probe(store, "before"), cb, _Probe(store, "after")]).fit(m)
+    assert calls and cb.last_refusal is not None and cb.last_refusal.condition == "anchor_merge"
+    for (_, p0, g0), (_, p1, g1) in zip(store["before"], store["after"]):
+        assert all(torch.equal(g0[n], g1[n]) and torch.equal(p0[n], p1[n]) for n in g0)
+    assert _same(m, _run(6, None))
 
 
 @pytest.mark.parametrize("kw, word", [
