@@ -269,15 +269,14 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--no-progress", action="store_true", help="hide the replay progress bar")
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
     a = p.parse_args(list(argv))
-    record = RunRecord(a.run_dir)
-    if not record.steps:
-        print(f"{a.run_dir}: the record holds no steps", file=sys.stderr)
-        return 2
-    step = record.steps[-1] if a.step is None else a.step
-    try:
+    try:  # a bad directory, step, partition or dtype is a message and exit status 2, not a traceback
+        record = RunRecord(a.run_dir)
+        if not record.steps:
+            raise ValueError(f"{a.run_dir}: the record holds no steps; record at least one training step.")
+        step = record.steps[-1] if a.step is None else a.step
         report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:
+        print(f"lens-callbacks audit: {err}", file=sys.stderr)
         return 2
     if isinstance(report, Refusal):
         print(report.render())
