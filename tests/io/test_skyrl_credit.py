@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,21 +18,9 @@ from lens_callbacks.io.skyrl_credit import (
     skyrl_credit_batch,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from skyrl_fixtures import CURRENT, FIX, LEGACY  # noqa: E402
 
-
-def _fixture_dir() -> Path:
-    for base in [ROOT.parent, *ROOT.parents[1:]]:
-        if (base / "shared" / "fixtures" / "skyrl").is_dir():
-            return base / "shared" / "fixtures" / "skyrl"
-    return ROOT.parent / "shared" / "fixtures" / "skyrl"
-
-
-FIX = _fixture_dir()
-DUMPS = {
-    "current": FIX / "current" / "dumped_data" / "global_step_3_training_input.pkl",
-    "legacy": FIX / "legacy" / "dumped_data" / "global_step_1_training_input.pkl",
-}
+DUMPS = {"current": CURRENT, "legacy": LEGACY}
 pytestmark = pytest.mark.skipif(not FIX.is_dir(), reason=f"SkyRL fixtures not found at {FIX}")
 
 
