@@ -36,7 +36,17 @@ from lens_callbacks.credit.terms import CreditTerms
 from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .task import EOS, PAD, UNK, build_tokenizer, prompt_text, reward
 
-__all__ = ["GRPOModule", "RolloutBatch", "Rollout"]
+__all__ = ["GRPOModule", "RolloutBatch", "Rollout", "grpo_advantages"]
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``A_k = (R_k − mean_g R) / (std_g R + 1e-4)`` over each group of ``group_size`` consecutive rows.
+
+    >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64), 2).tolist()
+    [0.7070067953266834, -0.7070067953266834, 0.0, 0.0]
+    """
+    r = rewards.view(-1, group_size)  # [P, G]
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).reshape(-1)  # [B]
 
 
 @dataclass
@@ -194,14 +204,13 @@ class GRPOModule(LightningModule):
                     ended=ended,
                 )
             )
-        r = rewards.view(P, G)  # [P, G]
-        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)  # [P, G]
+        adv = grpo_advantages(rewards, G)  # [B]
         wdtype = self.policy.dtype
         batch = RolloutBatch(
             input_ids=ids,
             attention_mask=(torch.arange(L)[None, :] < (lp + completion_mask.sum(1))[:, None]).long().to(device),
             completion_mask=completion_mask.to(device),
-            advantages=adv.reshape(B).to(device=device, dtype=wdtype),
+            advantages=adv.to(device=device, dtype=wdtype),
             rewards=rewards.to(device=device, dtype=wdtype),
             group=torch.arange(P).repeat_interleave(G).to(device),
             rollout=torch.arange(B).to(device),
