@@ -33,12 +33,20 @@ except ImportError:  # pragma: no cover
 
 from lens_callbacks.credit.terms import CreditTerms
 
+from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .task import EOS, PAD, UNK, build_tokenizer, prompt_text, reward
 
-__all__ = ["GRPOModule", "RolloutBatch", "Rollout"]
+__all__ = ["GRPOModule", "RolloutBatch", "Rollout", "grpo_advantages"]
 
-_OPTIMIZERS = ("adam", "adamw", "sgd")
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``A_k = (R_k − mean_g R) / (std_g R + 1e-4)`` over each group of ``group_size`` consecutive rows.
+
+    >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64), 2).tolist()
+    [0.7070067953266834, -0.7070067953266834, 0.0, 0.0]
+    """
+    r = rewards.view(-1, group_size)  # [P, G]
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).reshape(-1)  # [B]
 
 
 @dataclass
@@ -113,10 +121,7 @@ class GRPOModule(LightningModule):
         dtype: str = "float32",
     ) -> None:
         super().__init__()
-        if optimizer not in _OPTIMIZERS:
-            raise ValueError(f"`optimizer` must be one of {list(_OPTIMIZERS)}, got {optimizer!r}.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"`dtype` must be one of {list(_DTYPES)}, got {dtype!r}.")
+        check_policy_args(optimizer, dtype, n_embd, n_head)
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"`group_size` must be an int >= 2 (a group needs a baseline), got {group_size!r}.")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -125,32 +130,15 @@ class GRPOModule(LightningModule):
             raise ValueError(f"`temperature` must be > 0, got {temperature!r}.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1), got {dropout!r}.")
-        if n_embd % n_head != 0:
-            raise ValueError(f"`n_embd` must be divisible by `n_head`, got n_embd={n_embd!r}, n_head={n_head!r}.")
         self.save_hyperparameters()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
         self.tokenizer = build_tokenizer()
         self.pad_id = self.tokenizer.convert_tokens_to_ids(PAD)
         self.eos_id = self.tokenizer.convert_tokens_to_ids(EOS)
         self.unk_id = self.tokenizer.convert_tokens_to_ids(UNK)
-        config = GPT2Config(
-            vocab_size=len(self.tokenizer),
-            n_positions=16,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            bos_token_id=self.eos_id,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
+        self.policy = tiny_gpt2(
+            vocab_size=len(self.tokenizer), n_positions=16, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+            dropout=dropout, eos_id=self.eos_id, pad_id=self.pad_id, seed=seed, dtype=dtype,
         )
-        config._attn_implementation = "eager"  # math attention: float64 and dropout behave the same everywhere
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.policy = GPT2LMHeadModel(config).to(_DTYPES[dtype])
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
         self.temperature = float(temperature)
@@ -216,14 +204,13 @@ class GRPOModule(LightningModule):
                     ended=ended,
                 )
             )
-        r = rewards.view(P, G)  # [P, G]
-        adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)  # [P, G]
+        adv = grpo_advantages(rewards, G)  # [B]
         wdtype = self.policy.dtype
         batch = RolloutBatch(
             input_ids=ids,
             attention_mask=(torch.arange(L)[None, :] < (lp + completion_mask.sum(1))[:, None]).long().to(device),
             completion_mask=completion_mask.to(device),
-            advantages=adv.reshape(B).to(device=device, dtype=wdtype),
+            advantages=adv.to(device=device, dtype=wdtype),
             rewards=rewards.to(device=device, dtype=wdtype),
             group=torch.arange(P).repeat_interleave(G).to(device),
             rollout=torch.arange(B).to(device),
@@ -292,9 +279,4 @@ class GRPOModule(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        if hp.optimizer == "adam":
-            return torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
-        if hp.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
-        return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        return make_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)

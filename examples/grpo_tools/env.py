@@ -80,6 +80,18 @@ def sample_turn(policy, context: list[int], max_new_tokens: int, temperature: fl
     return out
 
 
+def _untrained(tokenizer, role: str, text: str) -> Turn:
+    """A turn the policy is given, not one it samples: tokenised on its own, not trained."""
+    return Turn(role, text, tuple(encode_text(tokenizer, text)), False)
+
+
+def _opening(tokenizer, a: int, b: int, system_prompt: str) -> list[Turn]:
+    """The turns an episode starts from: the system turn (unless ``system_prompt`` is empty), then ``a + b =``."""
+    turns = [_untrained(tokenizer, "system", system_prompt)] if system_prompt else []
+    turns.append(_untrained(tokenizer, "user", f"{a} + {b} ="))
+    return turns
+
+
 def run_episode(
     policy,
     tokenizer,
@@ -94,11 +106,7 @@ def run_episode(
 ) -> tuple[list[Turn], float]:
     """One trajectory for the prompt ``a + b =``: its turns (with token ids) and its outcome reward."""
     eot_id = tokenizer.convert_tokens_to_ids(EOT)
-    turns: list[Turn] = []
-    if system_prompt:
-        turns.append(Turn("system", system_prompt, tuple(encode_text(tokenizer, system_prompt)), False))
-    user = f"{a} + {b} ="
-    turns.append(Turn("user", user, tuple(encode_text(tokenizer, user)), False))
+    turns = _opening(tokenizer, a, b, system_prompt)
     calls = 0
     while True:
         context = [i for t in turns for i in t.token_ids]
@@ -114,7 +122,7 @@ def run_episode(
             break
         calls += 1
         result = calculator(call.arguments)
-        turns.append(Turn("tool", result, tuple(encode_text(tokenizer, result)), False))
+        turns.append(_untrained(tokenizer, "tool", result))
     return turns, reward(turns[-1].text, a + b)
 
 
@@ -128,11 +136,7 @@ def demonstration(tokenizer, a: int, b: int, *, system_prompt: str, use_tool: bo
     [('user', '3 + 4 ='), ('assistant', 'calc 3 + 4 <eot>'), ('tool', '7'), ('assistant', '7 <eot>')]
     """
     eot_id = tokenizer.convert_tokens_to_ids(EOT)
-    turns: list[Turn] = []
-    if system_prompt:
-        turns.append(Turn("system", system_prompt, tuple(encode_text(tokenizer, system_prompt)), False))
-    user = f"{a} + {b} ="
-    turns.append(Turn("user", user, tuple(encode_text(tokenizer, user)), False))
+    turns = _opening(tokenizer, a, b, system_prompt)
 
     def say(text: str, call: Optional[ToolCall] = None) -> Turn:
         ids = tuple(encode_text(tokenizer, text)) + (eot_id,)
@@ -142,6 +146,6 @@ def demonstration(tokenizer, a: int, b: int, *, system_prompt: str, use_tool: bo
         args = f"{a} + {b}"
         result = calculator(args)
         turns.append(say(f"{TOOL_NAME} {args}", ToolCall(TOOL_NAME, args)))
-        turns.append(Turn("tool", result, tuple(encode_text(tokenizer, result)), False))
+        turns.append(_untrained(tokenizer, "tool", result))
     turns.append(say(str(a + b)))
     return turns

@@ -30,10 +30,9 @@ from lens_callbacks.credit.trajectories import (
     turn_segments,
 )
 
+from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .env import VOCAB, build_tokenizer, demonstration, run_episode
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-_OPTIMIZERS = ("sgd", "adam", "adamw")
 _SEGMENT_BY = ("turn", "role", "turn_index")
 WARM_START_STEPS = 40
 WARM_START_BATCH = 32
@@ -104,10 +103,7 @@ class GRPOToolsModule(LightningModule):
         warm_start_lr: float = 0.01,
     ) -> None:
         super().__init__()
-        if optimizer not in _OPTIMIZERS:
-            raise ValueError(f"`optimizer` must be one of {_OPTIMIZERS}, got {optimizer!r}.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"`dtype` must be one of {tuple(_DTYPES)}, got {dtype!r}.")
+        check_policy_args(optimizer, dtype, n_embd, n_head)
         if segment_by not in _SEGMENT_BY:
             raise ValueError(f"`segment_by` must be one of {_SEGMENT_BY}, got {segment_by!r}.")
         if group_size < 1 or max_new_tokens < 1 or max_tool_calls < 0:
@@ -122,26 +118,11 @@ class GRPOToolsModule(LightningModule):
         if warm_start_lr <= 0:
             raise ValueError(f"`warm_start_lr` must be > 0, got {warm_start_lr!r}.")
         self.save_hyperparameters()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
         self.tokenizer = build_tokenizer()
-        cfg = GPT2Config(
-            vocab_size=len(VOCAB),
-            n_positions=128,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=n_head,
-            resid_pdrop=dropout,
-            embd_pdrop=dropout,
-            attn_pdrop=dropout,
-            bos_token_id=self.tokenizer.eos_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
+        self.policy = tiny_gpt2(
+            vocab_size=len(VOCAB), n_positions=128, n_layer=n_layer, n_embd=n_embd, n_head=n_head, dropout=dropout,
+            eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, seed=seed, dtype=dtype,
         )
-        cfg._attn_implementation = "eager"  # math attention: same numbers in every dtype, forward AD works
-        with torch.random.fork_rng():
-            torch.manual_seed(seed)
-            self.policy = GPT2LMHeadModel(cfg).to(_DTYPES[dtype])
         self.last_rollout_batch: Optional[ToolRolloutBatch] = None
         self.last_trajectories: list[Trajectory] = []
         self.warm_start_losses: list[float] = []
@@ -272,13 +253,9 @@ class GRPOToolsModule(LightningModule):
         )
         return loss
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        if hp.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        return torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        return make_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
 
 
 def _collate(items: list[dict]) -> list[dict]:

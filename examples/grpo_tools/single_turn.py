@@ -21,7 +21,7 @@ __all__ = ["grpo_rollout_batch"]
 
 def grpo_rollout_batch(module: Any, trajectories: Sequence[Trajectory], meta: Mapping[str, Any]) -> Any:
     """``examples.grpo.RolloutBatch`` of recorded two-turn trajectories (rows in record order)."""
-    from examples.grpo import RolloutBatch
+    from examples.grpo.module import RolloutBatch, grpo_advantages
 
     if not trajectories:
         raise ValueError("`trajectories` must hold the rollouts of one step, got none.")
@@ -40,7 +40,6 @@ def grpo_rollout_batch(module: Any, trajectories: Sequence[Trajectory], meta: Ma
     G = int(module.hparams.group_size)
     if B % G:
         raise ValueError(f"the step holds {B} rollouts, not a multiple of group_size={G}.")
-    P = B // G
     L = lp + max(len(c) for c in comps)  # sampling stops once the longest completion has ended
     pad = int(module.pad_id)
     ids = torch.full((B, L), pad, dtype=torch.long)  # [B, L]
@@ -50,15 +49,14 @@ def grpo_rollout_batch(module: Any, trajectories: Sequence[Trajectory], meta: Ma
         mask[k, lp : lp + len(c)] = True
     lengths = torch.tensor([lp + len(c) for c in comps])  # [B]
     rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)  # [B]
-    r = rewards.view(P, G)  # [P, G]
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)  # [P, G]
+    adv = grpo_advantages(rewards, G)  # [B], as the module computed them when it sampled
     wdtype = module.policy.dtype
     device = module.device
     return RolloutBatch(
         input_ids=ids.to(device),
         attention_mask=(torch.arange(L)[None, :] < lengths[:, None]).long().to(device),
         completion_mask=mask.to(device),
-        advantages=adv.reshape(B).to(device=device, dtype=wdtype),
+        advantages=adv.to(device=device, dtype=wdtype),
         rewards=rewards.to(device=device, dtype=wdtype),
         group=torch.tensor([t.group for t in trajectories], dtype=torch.long).to(device),
         rollout=torch.tensor([t.rollout for t in trajectories], dtype=torch.long).to(device),

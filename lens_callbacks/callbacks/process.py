@@ -156,7 +156,9 @@ class ProcessRewardCallback(Callback):
 
     def _audit(self, pl_module: LightningModule, batch: Any, step: int) -> Optional[ProcessAudit]:
         """The step's audit, or None with ``last_refusal`` set: a reading that fails never stops training."""
-        devices = [pl_module.device.index or 0] if pl_module.device.type == "cuda" else []
+        dev = pl_module.device
+        # `index or 0` would fork GPU 0 for a module on "cuda" (no index) while it runs on another GPU.
+        devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 terms = pl_module.credit_terms(batch)

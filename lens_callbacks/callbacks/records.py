@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 
 from ..credit.trajectories import Trajectory, Turn
 from ..io.records import RunRecordWriter
@@ -121,6 +122,7 @@ class RunRecordCallback(Callback):
         self.writer: Optional[RunRecordWriter] = None
         self.steps_written = 0
         self._lrs: Optional[list[float]] = None
+        self._warned_empty = False
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -168,6 +170,13 @@ class RunRecordCallback(Callback):
             gathered: list[Any] = [None] * trainer.world_size
             torch.distributed.all_gather_object(gathered, trajs or [])
             trajs = _merge_ranks(gathered)
+        if not trajs and not self._warned_empty:
+            self._warned_empty = True
+            rank_zero_warn(
+                f"RunRecordCallback: step {step} of {type(pl_module).__name__} left neither `last_trajectories` nor "
+                "`last_rollouts`, so it is not recorded; set one of them in `training_step` to the rollouts it "
+                "trained on (see docs/record_schema.md)."
+            )
         if self.writer is None or not trajs:
             return
         meta: dict[str, Any] = {}

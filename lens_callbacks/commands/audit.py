@@ -106,11 +106,13 @@ def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[R
         cls = recorded[0].get("class", "")
         mine = f"{type(opt).__module__}.{type(opt).__qualname__}"
         if cls != mine:
-            return Refusal("optimizer", f"the record's optimizer is {cls!r}, the rebuilt module's is {mine!r}.")
+            return Refusal("optimizer", f"the record's optimizer is {cls!r}, the rebuilt module's is {mine!r}.",
+                           remedy="audit with the module code the run was trained with, or at a checkpoint")
         for i, (rg, g) in enumerate(zip(recorded[0].get("param_groups", []), opt.param_groups)):
             for k in ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps"):
                 if k in rg and k in g and _plain_value(g[k]) != rg[k]:
-                    return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.")
+                    return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.",
+                                   remedy="audit with the module code the run was trained with, or at a checkpoint")
     return None
 
 
@@ -159,19 +161,22 @@ def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusa
     return None
 
 
+def _with_policy(record: RunRecord, step: int, module: Optional[torch.nn.Module]) -> torch.nn.Module:
+    """``module`` (rebuilt from the record when None) holding the policy of checkpoint ``step``."""
+    if module is None:
+        return load_module(record, step)
+    module.load_state_dict(record.load_policy(step))
+    return module
+
+
 def replay_to(
     record: RunRecord, step: int, module: Optional[torch.nn.Module] = None, progress: bool = True
 ) -> Union[torch.nn.Module, Refusal]:
     """The recorded module with the weights it had at ``step`` (loaded, or replayed from a checkpoint)."""
     if step in record.checkpoints:
-        m = load_module(record, step) if module is None else module
-        if module is not None:
-            m.load_state_dict(record.load_policy(step))
-        return m
+        return _with_policy(record, step, module)
     start = record.nearest_checkpoint(step)
-    m = load_module(record, start) if module is None else module
-    if module is not None:
-        m.load_state_dict(record.load_policy(start))
+    m = _with_policy(record, start, module)
     opt = _make_optimizer(m)
     blocker = _replay_blocker(record, opt)
     if blocker is not None:
@@ -182,12 +187,14 @@ def replay_to(
     missing = [s for s in range(start, step) if s not in set(record.steps)]
     if missing:
         return Refusal("missing_steps", f"steps {missing[:5]} between checkpoint {start} and step {step} are not recorded.",
-                       {"start": start, "step": step, "n_missing": len(missing)})
+                       {"start": start, "step": step, "n_missing": len(missing)},
+                       remedy="record every step (RunRecordCallback on the whole run), or audit at a checkpoint")
     blocker = _dropout_blocker(record, range(start, step))
     if blocker is not None:
         return blocker
     if not record.manifest.get("batch_builder") and not hasattr(m, "make_rollout_batch"):
-        return Refusal("make_rollout_batch", f"{type(m).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`.")
+        return Refusal("make_rollout_batch", f"{type(m).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`.",
+                       remedy="give the module make_rollout_batch, or record with RunRecordCallback(batch_builder='pkg.mod.fn')")
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -269,15 +276,14 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--no-progress", action="store_true", help="hide the replay progress bar")
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
     a = p.parse_args(list(argv))
-    record = RunRecord(a.run_dir)
-    if not record.steps:
-        print(f"{a.run_dir}: the record holds no steps", file=sys.stderr)
-        return 2
-    step = record.steps[-1] if a.step is None else a.step
-    try:
+    try:  # a bad directory, step, partition or dtype is a message and exit status 2, not a traceback
+        record = RunRecord(a.run_dir)
+        if not record.steps:
+            raise ValueError(f"{a.run_dir}: the record holds no steps; record at least one training step.")
+        step = record.steps[-1] if a.step is None else a.step
         report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (OSError, ValueError) as err:
+        print(f"lens-callbacks audit: {err}", file=sys.stderr)
         return 2
     if isinstance(report, Refusal):
         print(report.render())

@@ -197,6 +197,7 @@ def test_metric_matches_functional_and_sums_states():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a collective reached by some ranks only would hang, not fail
 def test_ddp_two_ranks_sum_the_groups(tmp_path):
     """Every rank audits its own groups; the logged counts are summed over ranks, without a deadlock."""
     seed_everything(7, workers=True)

@@ -200,10 +200,13 @@ def test_rollout_batch_is_recognised_and_none_uses_the_cached_one():
     assert torch.equal(m.credit_terms({"not": "a rollout batch"}).terms, m.credit_terms(rb).terms)
 
 
-def test_task_doctests():
+def test_task_and_module_doctests():
     import doctest
 
+    import examples.grpo.module as module
     import examples.grpo.task as task
 
     res = doctest.testmod(task)
     assert res.attempted >= 2 and res.failed == 0
+    res = doctest.testmod(module)  # grpo_advantages, against a hand value
+    assert res.attempted >= 1 and res.failed == 0

@@ -263,6 +263,11 @@ def test_audit_console_script_prints_the_report(run, capsys, monkeypatch):
     shares = {k: v for k, v in d.items() if k.startswith("credit/projected_share/")}
     assert shares and all(v == 0.0 for k, v in shares.items() if not k.endswith(":assistant"))
     assert main(["audit", str(rec.run_dir), "--step", "99", "--no-progress"]) == 2
+    assert "`step` must be a recorded step" in capsys.readouterr().err
+    # not a record at all: the message names the directory and how to write one, no traceback
+    assert main(["audit", str(ROOT / "docs"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lens-callbacks audit: ") and "RunRecordCallback" in err
 
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])

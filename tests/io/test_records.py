@@ -191,6 +191,34 @@ def test_callback_reads_single_turn_rollouts():
     assert (t.group, t.rollout, t.step, t.reward) == (2, 5, 7, 1.0)
 
 
+def test_callback_warns_once_when_the_module_exposes_no_rollouts(tmp_path):
+    from lightning.pytorch import LightningModule, Trainer
+
+    from lens_callbacks.callbacks.records import RunRecordCallback
+
+    class Plain(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch, batch_idx):
+            return (self.w - 1.0).pow(2).sum()
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.zeros(4, 1), batch_size=1)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = RunRecordCallback(str(tmp_path / "rec"))
+    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu", callbacks=[cb], default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="neither `last_trajectories` nor `last_rollouts`") as caught:
+        trainer.fit(Plain())
+    assert sum("last_trajectories" in str(w.message) for w in caught) == 1  # once, not every step
+    assert trainer.global_step == 3 and cb.steps_written == 0 and RunRecord(tmp_path / "rec").steps == []
+
+
 def test_callback_refuses_gradient_accumulation():
     from lightning.pytorch import Trainer
 
@@ -218,6 +246,7 @@ def _ddp_fit(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a collective reached by some ranks only would hang, not fail
 def test_callback_under_ddp_gathers_every_rank(tmp_path):
     pytest.importorskip("transformers")
     _ddp_fit(tmp_path)

@@ -17,24 +17,7 @@ import torch
 from lens_callbacks.io import SkyRLDump, read_skyrl_dump
 from lens_callbacks.io.skyrl import ForbiddenGlobalError, SkyRLDumpError
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fixture_dir() -> Path:
-    # repo_root/../shared; a git worktree may sit one level deeper, so the ancestors are tried next.
-    for base in [ROOT.parent, *ROOT.parents[1:]]:
-        if (base / "shared" / "fixtures" / "skyrl").is_dir():
-            return base / "shared" / "fixtures" / "skyrl"
-    return ROOT.parent / "shared" / "fixtures" / "skyrl"
-
-
-FIX = _fixture_dir()
-CURRENT = FIX / "current" / "dumped_data" / "global_step_3_training_input.pkl"
-LEGACY = FIX / "legacy" / "dumped_data" / "global_step_1_training_input.pkl"
-HOSTILE = FIX / "hostile" / "global_step_0_training_input.pkl"
-TRUNCATED = FIX / "hostile" / "truncated.pkl"
-
-needs_fixtures = pytest.mark.skipif(not FIX.is_dir(), reason=f"SkyRL fixtures not found at {FIX}")
+from skyrl_fixtures import CURRENT, FIX, HOSTILE, LEGACY, ROOT, TRUNCATED, needs_fixtures  # noqa: E402
 
 KEYS_CURRENT = [
     "sequences", "attention_mask", "response_mask", "loss_mask", "rollout_logprobs", "rollout_expert_indices",
@@ -281,6 +264,41 @@ def test_allowed_module_with_another_attribute_is_refused(tmp_path, module, name
     with pytest.raises(ForbiddenGlobalError, match=rf"{module}\.{name}"):
         read_skyrl_dump(p)
     assert not [m for m in sys.modules if m.split(".")[0] in ("skyrl", "skyrl_train")]
+
+
+class _Touch:
+    """Pickles as ``pathlib.Path.touch(path)``: a visible side effect if anything ever unpickles it for real."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+class _LoadFromBytes:
+    """Pickles as ``torch.storage._load_from_bytes(payload)``, as the legacy layout's raw tensor items do."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def __reduce__(self):
+        return (torch.storage._load_from_bytes, (self.payload,))
+
+
+def test_legacy_load_from_bytes_never_runs_the_real_function(tmp_path):
+    """The real ``_load_from_bytes`` is ``torch.load(weights_only=False)``: it would run the embedded pickle."""
+    marker = tmp_path / "executed"
+    inner = io.BytesIO()
+    torch.save(_Touch(marker), inner, _use_new_zipfile_serialization=False)  # a legacy torch.save stream
+    torch.storage._load_from_bytes(inner.getvalue())  # the real function does execute it ...
+    assert marker.exists()
+    marker.unlink()
+    p = tmp_path / "global_step_0_training_input.pkl"
+    p.write_bytes(pickle.dumps({"advantages": _LoadFromBytes(inner.getvalue())}, protocol=4))
+    with pytest.raises(SkyRLDumpError):  # ... the reader's stand-in does not, and the file is no batch
+        read_skyrl_dump(p)
+    assert not marker.exists()
 
 
 def _np_entry(a: np.ndarray) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,31 +18,20 @@ from lens_callbacks.io.skyrl_credit import (
     skyrl_credit_batch,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from skyrl_fixtures import CURRENT, FIX, LEGACY  # noqa: E402
 
-
-def _fixture_dir() -> Path:
-    for base in [ROOT.parent, *ROOT.parents[1:]]:
-        if (base / "shared" / "fixtures" / "skyrl").is_dir():
-            return base / "shared" / "fixtures" / "skyrl"
-    return ROOT.parent / "shared" / "fixtures" / "skyrl"
-
-
-FIX = _fixture_dir()
-DUMPS = {
-    "current": FIX / "current" / "dumped_data" / "global_step_3_training_input.pkl",
-    "legacy": FIX / "legacy" / "dumped_data" / "global_step_1_training_input.pkl",
-}
+DUMPS = {"current": CURRENT, "legacy": LEGACY}
 pytestmark = pytest.mark.skipif(not FIX.is_dir(), reason=f"SkyRL fixtures not found at {FIX}")
 
 
 def _policy(vocab: int) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
     cfg = GPT2Config(
         vocab_size=vocab, n_layer=2, n_embd=16, n_head=2, n_positions=32,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
-    return GPT2LMHeadModel(cfg).eval()
+    with torch.random.fork_rng(devices=[]):  # seeded weights, the suite's random stream left alone
+        torch.default_generator.manual_seed(0)
+        return GPT2LMHeadModel(cfg).eval()
 
 
 @pytest.fixture(scope="module", params=["current", "legacy"])
@@ -80,8 +68,9 @@ def test_terms_equal_an_unpadded_per_row_loop(setup):
     with torch.no_grad():
         terms = source.credit_terms(batch)
         S, R = dump.sequence_width, dump.response_width
-        total, n_trained = [], float(dump.batch["loss_mask"].sum())
+        per_row, n_trained = [], float(dump.batch["loss_mask"].sum())
         for k in range(dump.n_rows):
+            row = []
             att = dump.batch["attention_mask"][k]
             cols = [c for c in range(S) if att[c] == 1]  # real columns, in order
             ids = torch.tensor([[vocab[int(dump.batch["sequences"][k, c])] for c in cols]])
@@ -91,8 +80,10 @@ def test_terms_equal_an_unpadded_per_row_loop(setup):
                 if dump.batch["loss_mask"][k, j] == 1:
                     i = cols.index(S - R + j)  # the response token's place among the real tokens
                     a = float(dump.batch["advantages"][k, j])
-                    total.append(-a * float(lp[i - 1, ids[0, i]]) / n_trained)
-    assert float(terms.terms.sum()) == pytest.approx(math.fsum(total), abs=1e-12)
+                    row.append(-a * float(lp[i - 1, ids[0, i]]) / n_trained)
+            per_row.append(math.fsum(row))
+    # row by row, so a term moved to another row (a misaligned response window) cannot cancel out
+    assert terms.terms.sum(dim=1).tolist() == pytest.approx(per_row, abs=1e-12)
     assert terms.trained.sum() == int(n_trained)
     assert torch.equal(terms.tokens, dump.response_tokens())
     assert torch.equal(terms.rewards, dump.advantages_per_row())
