@@ -361,3 +361,12 @@ def test_random_partitions_match_naive_loop(B, T, m, seed):
         assert abs(r.share_sum - 1) <= 1e-10
         assert r.conservation_error <= 1e-14
         assert r.cancellation >= 1 - 1e-12
+
+
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.engine", "lens_callbacks.credit.report", "lens_callbacks.refusal"])
+def test_doctests(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name))
+    assert res.attempted > 0 and res.failed == 0
