@@ -306,6 +306,20 @@ def test_unknown_partition_name_and_dtype_raise():
         disintegrate(nn.Linear(2, 2), batch)
 
 
+def test_wrong_return_types_name_what_to_return():
+    module, batch, t = _terms()
+    with pytest.raises(TypeError, match=r"must return a Partition, got Tensor; return Partition\(ids, names\)"):
+        disintegrate(module, batch, lambda terms: terms.trained)
+    with pytest.raises(TypeError, match=r"must return a CreditTerms, got tuple; return CreditTerms\("):
+        disintegrate(module, batch, terms_fn=lambda b: (module.credit_terms(b).terms,))
+    with pytest.raises(ValueError, match=r"got dtype torch.bool; use `ids.long\(\)`"):
+        Partition(t.trained, ("a",))
+    # an empty batch is a valid partition object; covering a non-empty step with it is not
+    empty = Partition(torch.zeros(0, 6, dtype=torch.long), ("a",))
+    with pytest.raises(ValueError, match=r"shape of `trained` \[3, 6\], got \[0, 6\]"):
+        disintegrate(module, batch, empty)
+
+
 def test_segment_partition_needs_segments():
     module, batch, t = _terms()
     t.segment = None
