@@ -384,3 +384,25 @@ def test_doctests(name):
 
     res = doctest.testmod(importlib.import_module(name))
     assert res.attempted > 0 and res.failed == 0
+
+
+CANNOT_DO = (
+    "The conservation identity is a claim about the optimizer, so step_conservation refuses to assert it for any "
+    "optimizer outside the exact set.",
+    "The disintegration is a statement about this gradient at these parameters, so it says where the step went and "
+    "not what any part of the trajectory contributed to the run as a whole.",
+    "And every number here is first-order: removing a turn does not remove its share, because removing it changes "
+    "every downstream position.",
+)
+
+
+def test_what_this_cannot_do_is_in_the_module_header_and_the_docs():
+    from pathlib import Path
+
+    import lens_callbacks.credit.engine as engine
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "readings.md"
+    for text in (engine.__doc__, docs.read_text()):
+        flat_text = " ".join(text.split())
+        for sentence in CANNOT_DO:
+            assert sentence in flat_text, sentence
