@@ -272,7 +272,8 @@ def test_unimportable_partition_path_is_an_error_at_setup_before_any_step():
 
 @pytest.mark.parametrize(
     "kw,needle",
-    [({"every_n_steps": 0}, "`every_n_steps`.*0"), ({"dtype": "float8"}, "'float8'"), ({"max_logged_parts": -1}, "`max_logged_parts`")],
+    [({"every_n_steps": 0}, "`every_n_steps`.*0"), ({"dtype": "float8"}, "'float8'"), ({"max_logged_parts": -1}, "`max_logged_parts`"),
+     ({"partition": 3}, r"`partition` must be one of .*by_rollout.*, got 3\.")],
 )
 def test_config_errors_at_init(kw, needle):
     with pytest.raises(ValueError, match=needle):
