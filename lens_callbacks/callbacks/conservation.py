@@ -308,7 +308,12 @@ class ConservationCheckCallback(Callback):
                         add_text(f"{self.prefix}refusal", "```\n" + text + "\n```", global_step=step)
         else:
             values = reading.to_dict(self.prefix)
-        pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        # Straight to the loggers at the step read, not through LightningModule.log: its results collection
+        # re-logs a key's last value on every later step of the epoch, so steps that every_n_steps skips
+        # would show the previous reading (or a stale refusal flag).
+        if trainer.global_rank == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=step)
 
 
 def _is_credit_audit(cb: Any) -> bool:

@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
-from lens_callbacks.credit.partition import PARTITIONS, Partition, resolve_partition
+from lens_callbacks.credit.partition import resolve_partition
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
 from lens_callbacks.metrics.credit import CreditMetric
@@ -83,14 +83,9 @@ class CreditAuditCallback(Callback):
         prefix: str = "credit/",
     ) -> None:
         super().__init__()
-        if isinstance(partition, str):
-            if partition not in PARTITIONS and "." not in partition:
-                raise ValueError(
-                    f"`partition` must be one of {sorted(PARTITIONS)} or an import path 'module.function', "
-                    f"got {partition!r}."
-                )
-        elif not (callable(partition) or isinstance(partition, Partition)):
-            raise ValueError(f"`partition` must be a name, an import path or a callable, got {partition!r}.")
+        if not (isinstance(partition, str) and "." in partition):
+            resolve_partition(partition)  # an unknown name raises here, naming the valid ones
+        # An import path is resolved in setup: the error still comes before any step runs.
         for name, value, low in (
             ("every_n_steps", every_n_steps, 1),
             ("log_table_every_n_steps", log_table_every_n_steps, 0),

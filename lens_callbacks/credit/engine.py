@@ -126,7 +126,10 @@ def evaluate_terms(
     with torch.enable_grad():
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
     if not isinstance(terms, CreditTerms):
-        raise TypeError(f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}.")
+        raise TypeError(
+            f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
+            "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
+        )
     return terms, names, leaves, used
 
 
@@ -227,7 +230,10 @@ def disintegrate(
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
         part = spec if isinstance(spec, Partition) else spec(terms)
         if not isinstance(part, Partition):
-            raise TypeError(f"`partition` callable must return a Partition, got {type(part).__name__}.")
+            raise TypeError(
+                f"`partition` callable must return a Partition, got {type(part).__name__}; return "
+                "Partition(ids, names) or Partition.from_masks(masks, names)."
+            )
         part.check_covers(terms.trained)
         ids = part.ids.to(terms.terms.device)
 

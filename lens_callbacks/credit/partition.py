@@ -49,13 +49,15 @@ class Partition:
         if not isinstance(self.ids, torch.Tensor) or self.ids.dim() != 2:
             raise ValueError(f"`ids` must be a [B, T] integer tensor, got {_desc(self.ids)}.")
         if self.ids.is_floating_point() or self.ids.dtype == torch.bool:
-            raise ValueError(f"`ids` must be an integer tensor, got dtype {self.ids.dtype}.")
+            raise ValueError(f"`ids` must be an integer tensor, got dtype {self.ids.dtype}; use `ids.long()`.")
         object.__setattr__(self, "names", tuple(str(n) for n in self.names))
         if len(self.names) == 0:
             raise ValueError("`names` must name at least one part, got an empty partition.")
         if len(set(self.names)) != len(self.names):
             dup = sorted({n for n in self.names if self.names.count(n) > 1})
             raise ValueError(f"`names` must be unique, got duplicates {dup!r}.")
+        if self.ids.numel() == 0:
+            return  # an empty batch: nothing to bound (check_covers still checks the shape)
         lo, hi = int(self.ids.min()), int(self.ids.max())
         if lo < -1 or hi >= len(self.names):
             raise ValueError(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 
@@ -273,10 +274,37 @@ def test_manual_optimization_gives_one_reading_per_step(steps_per_batch):
     assert all(isinstance(r, ConservationReading) and r.relative_error < 1e-12 for r in cb.seen)
 
 
-def test_every_n_steps():
-    cb = Recording(every_n_steps=2)
-    _fit(LitPolicy(), [cb], max_steps=4)
-    assert [r.step for r in cb.seen] == [0, 2]
+class _Capture(Logger):
+    """An in-memory logger: every (step, name, value) the loggers receive."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name = "capture"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.extend((step, k, float(v)) for k, v in metrics.items())
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_every_n_steps_logs_the_checked_steps_only(opt):
+    cb, log = Recording(every_n_steps=2), _Capture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Adam is refused with a warning
+        _fit(LitPolicy(optimizer=opt), [cb], max_steps=4, logger=log, log_every_n_steps=1)
+    assert len(cb.seen) == 2
+    # no value on the skipped steps: not the previous reading, not a stale refusal flag
+    refused = [(s, v) for s, k, v in log.rows if k == "conservation/refused"]
+    assert refused == [(0, float(opt == "adam")), (2, float(opt == "adam"))]
+    if opt == "sgd":
+        assert [r.step for r in cb.seen] == [0, 2]
+        errors = [(s, v) for s, k, v in log.rows if k == "conservation/error"]
+        assert errors == [(r.step, r.relative_error) for r in cb.seen]
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])

@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.credit import CreditTerms
 from lens_callbacks.refusal import Refusal
 
 torch.set_num_threads(1)
@@ -149,6 +150,48 @@ def test_parameters_are_bitwise_those_of_a_run_without_the_callback_with_dropout
     assert any(not torch.equal(a[n], init[n]) for n in a)
 
 
+class _GlobalDropout(pl.LightningModule):
+    """Dropout straight from the global stream, no replay: only the audit's own RNG fork keeps it neutral."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(7, 6, generator=g))
+        self.out = torch.nn.Parameter(torch.randn(6, 7, generator=g))
+        self.drop = torch.nn.Dropout(0.3)
+
+    def credit_terms(self, batch):
+        tokens, adv = batch  # [B, T+1], [B]
+        logp = torch.log_softmax(self.drop(self.emb[tokens[:, :-1]]) @ self.out, -1)  # [B, T, V]
+        lp = logp.gather(-1, tokens[:, 1:, None])[..., 0]  # [B, T]
+        terms = -adv[:, None] * lp / lp.numel()  # [B, T]
+        B = tokens.shape[0]
+        return CreditTerms(terms, torch.ones_like(terms, dtype=torch.bool), torch.arange(B), torch.arange(B) // 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.credit_terms(batch).terms.sum()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randint(0, 7, (4, 5), generator=g), torch.tensor([1.0, -1.0, 0.5, -0.5])) for _ in range(4)]
+        return torch.utils.data.DataLoader(data, batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def test_audit_leaves_the_global_random_stream_to_training():
+    def run(callbacks):
+        pl.seed_everything(5, verbose=False)
+        m = _GlobalDropout()
+        _trainer(callbacks, steps=3).fit(m)
+        return _params(m), torch.get_rng_state()
+
+    (a, rng_a), (b, rng_b) = run([]), run([CreditAuditCallback(dtype="float64", log_table_every_n_steps=0)])
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(rng_a, rng_b)
+
+
 class _GradSnapshot(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads = {n: (p.grad.clone(), p.grad.data_ptr()) for n, p in pl_module.named_parameters() if p.grad is not None}
@@ -229,7 +272,8 @@ def test_unimportable_partition_path_is_an_error_at_setup_before_any_step():
 
 @pytest.mark.parametrize(
     "kw,needle",
-    [({"every_n_steps": 0}, "`every_n_steps`.*0"), ({"dtype": "float8"}, "'float8'"), ({"max_logged_parts": -1}, "`max_logged_parts`")],
+    [({"every_n_steps": 0}, "`every_n_steps`.*0"), ({"dtype": "float8"}, "'float8'"), ({"max_logged_parts": -1}, "`max_logged_parts`"),
+     ({"partition": 3}, r"`partition` must be one of .*by_rollout.*, got 3\.")],
 )
 def test_config_errors_at_init(kw, needle):
     with pytest.raises(ValueError, match=needle):

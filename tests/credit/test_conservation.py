@@ -298,3 +298,12 @@ def test_cost_benchmark_runs_on_a_small_size():
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "read (step_conservation) / plain step:" in r.stdout and "last reading: error" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.conservation", "lens_callbacks.metrics.conservation"])
+def test_doctests(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name))
+    assert res.attempted > 0 and res.failed == 0

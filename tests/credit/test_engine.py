@@ -306,6 +306,20 @@ def test_unknown_partition_name_and_dtype_raise():
         disintegrate(nn.Linear(2, 2), batch)
 
 
+def test_wrong_return_types_name_what_to_return():
+    module, batch, t = _terms()
+    with pytest.raises(TypeError, match=r"must return a Partition, got Tensor; return Partition\(ids, names\)"):
+        disintegrate(module, batch, lambda terms: terms.trained)
+    with pytest.raises(TypeError, match=r"must return a CreditTerms, got tuple; return CreditTerms\("):
+        disintegrate(module, batch, terms_fn=lambda b: (module.credit_terms(b).terms,))
+    with pytest.raises(ValueError, match=r"got dtype torch.bool; use `ids.long\(\)`"):
+        Partition(t.trained, ("a",))
+    # an empty batch is a valid partition object; covering a non-empty step with it is not
+    empty = Partition(torch.zeros(0, 6, dtype=torch.long), ("a",))
+    with pytest.raises(ValueError, match=r"shape of `trained` \[3, 6\], got \[0, 6\]"):
+        disintegrate(module, batch, empty)
+
+
 def test_segment_partition_needs_segments():
     module, batch, t = _terms()
     t.segment = None
@@ -361,3 +375,34 @@ def test_random_partitions_match_naive_loop(B, T, m, seed):
         assert abs(r.share_sum - 1) <= 1e-10
         assert r.conservation_error <= 1e-14
         assert r.cancellation >= 1 - 1e-12
+
+
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.engine", "lens_callbacks.credit.report", "lens_callbacks.refusal"])
+def test_doctests(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name))
+    assert res.attempted > 0 and res.failed == 0
+
+
+CANNOT_DO = (
+    "The conservation identity is a claim about the optimizer, so step_conservation refuses to assert it for any "
+    "optimizer outside the exact set.",
+    "The disintegration is a statement about this gradient at these parameters, so it says where the step went and "
+    "not what any part of the trajectory contributed to the run as a whole.",
+    "And every number here is first-order: removing a turn does not remove its share, because removing it changes "
+    "every downstream position.",
+)
+
+
+def test_what_this_cannot_do_is_in_the_module_header_and_the_docs():
+    from pathlib import Path
+
+    import lens_callbacks.credit.engine as engine
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "readings.md"
+    for text in (engine.__doc__, docs.read_text()):
+        flat_text = " ".join(text.split())
+        for sentence in CANNOT_DO:
+            assert sentence in flat_text, sentence
