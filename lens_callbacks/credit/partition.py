@@ -143,6 +143,20 @@ def by_group(terms: CreditTerms) -> Partition:
     return Partition(ids.to(terms.trained.device), tuple(f"group_{u}" for u in uniq))
 
 
+def trained_segments(terms: CreditTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segment, trained)`` on the CPU, after checking every trained position has a segment id."""
+    seg = terms.segment.cpu()  # [B, T]
+    trained = terms.trained.cpu()  # [B, T]
+    bad = trained & (seg < 0)
+    if bad.any():
+        pos = [tuple(p) for p in bad.nonzero()[:5].tolist()]
+        raise ValueError(
+            f"`segment` is -1 at {int(bad.sum())} trained position(s), e.g. (row, t) = {pos}; every trained "
+            "position needs a segment id."
+        )
+    return seg, trained
+
+
 def by_segment(terms: CreditTerms) -> Partition:
     """One part per segment id (a turn, pooled over rows): ``terms.segment`` ``[B, T]``.
 
@@ -154,15 +168,7 @@ def by_segment(terms: CreditTerms) -> Partition:
             "`by_segment` needs `CreditTerms.segment` ([B, T] turn ids), got None. Return segment ids from "
             "`credit_terms` (see `turn_segments`) or use partition='by_rollout'."
         )
-    seg = terms.segment.cpu()
-    trained = terms.trained.cpu()
-    bad = trained & (seg < 0)
-    if bad.any():
-        pos = [tuple(p) for p in bad.nonzero()[:5].tolist()]
-        raise ValueError(
-            f"`segment` is -1 at {int(bad.sum())} trained position(s), e.g. (row, t) = {pos}; every trained "
-            "position needs a segment id."
-        )
+    seg, trained = trained_segments(terms)
     vals = seg[trained]
     inv, uniq = _dense_ids(vals)
     if len(uniq) == 0:

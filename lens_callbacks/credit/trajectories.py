@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from ..refusal import Refusal
-from .partition import Partition
+from .partition import Partition, trained_segments
 from .terms import CreditTerms
 
 __all__ = [
@@ -430,12 +430,7 @@ def by_turn(terms: CreditTerms) -> Partition:
             "`by_turn` needs `CreditTerms.segment` and `segment_names`, got None; return them from `credit_terms` "
             "with `segment, names = turn_segments(segments)`."
         )
-    seg = terms.segment.cpu()
-    trained = terms.trained.cpu()
-    bad = trained & (seg < 0)
-    if bad.any():
-        pos = [tuple(p) for p in bad.nonzero()[:5].tolist()]
-        raise ValueError(f"`segment` is -1 at {int(bad.sum())} trained position(s), e.g. (row, t) = {pos}.")
+    seg, trained = trained_segments(terms)
     n = len(terms.segment_names)
     if int(seg.max()) >= n:
         raise ValueError(f"`segment` ids must be < len(segment_names) = {n}, got {int(seg.max())}.")
