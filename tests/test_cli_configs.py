@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,15 +48,11 @@ def test_grpo_credit_yaml_wires_the_callback_and_a_tensorboard_logger(monkeypatc
 
 
 @pytest.mark.slow
-def test_demo_config_runs_end_to_end(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_credit.yaml"),
-        "--trainer.max_steps=3", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-        "--trainer.enable_progress_bar=false",
-    ]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_demo_config_runs_end_to_end(tmp_path, run_cli):
+    r = run_cli(
+        "fit", "--config", ROOT / "cli_configs" / "grpo_credit.yaml", "--trainer.max_steps=3",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false", check=True,
+    )
     version = tmp_path / "runs" / "grpo_credit" / "version_0"
     last = (version / "credit_last.txt").read_text()
     assert last.startswith("step 2\n") and "credit by by_rollout" in last

@@ -26,7 +26,6 @@ from lens_callbacks.credit.trajectories import by_role, by_turn, turn_claim_supp
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 
-torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
 
 LR = 0.5
 STEPS = 3

@@ -410,19 +410,13 @@ def test_grpo_anchor_yaml_wires_projected_mode(monkeypatch):
 
 
 @pytest.mark.slow
-def test_grpo_anchor_demo_projects_and_logs_to_tensorboard(tmp_path):
-    import os
-    import subprocess
-    import sys
-
+def test_grpo_anchor_demo_projects_and_logs_to_tensorboard(tmp_path, run_cli):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_anchor.yaml"),
-           "--trainer.max_steps=21", f"--trainer.logger.init_args.save_dir={tmp_path}",
-           "--trainer.enable_progress_bar=false"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_cli(
+        "fit", "--config", ROOT / "cli_configs" / "grpo_anchor.yaml", "--trainer.max_steps=21",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", check=True,
+    )
     ea = EventAccumulator(str(tmp_path / "grpo_anchor" / "version_0"), size_guidance={"scalars": 0, "images": 0})
     ea.Reload()
     proj = {e.step: e.value for e in ea.Scalars("anchor/projected")}

@@ -22,7 +22,6 @@ from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
 from lens_callbacks.refusal import Refusal
 
-torch.set_num_threads(1)
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 

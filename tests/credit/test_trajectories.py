@@ -23,7 +23,6 @@ from lens_callbacks.credit.trajectories import (
 from lens_callbacks.refusal import Refusal
 
 
-torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
 
 class Chars:
     """Any object with an encode-style call: one id per character."""

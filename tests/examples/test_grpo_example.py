@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 from examples.grpo import AdditionDataModule, GRPOModule, RolloutBatch
 from examples.grpo.task import build_tokenizer, reward
 
-torch.set_num_threads(1)
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 

@@ -6,9 +6,6 @@ by one forward pass per prefix without padding, the offline audit against the li
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,6 @@ from lens_callbacks.commands.audit import audit_record, load_module, replay_to  
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 
-torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,22 +204,16 @@ def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_yaml_run_then_offline_audit_matches_the_live_audit(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    fit = [
-        sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_tools_turns.yaml"),
-        "--trainer.max_steps=3", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-        "--trainer.enable_progress_bar=false",
-    ]
-    r = subprocess.run(fit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_yaml_run_then_offline_audit_matches_the_live_audit(tmp_path, run_cli):
+    run_cli(
+        "fit", "--config", ROOT / "cli_configs" / "grpo_tools_turns.yaml", "--trainer.max_steps=3",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false", check=True,
+    )
     version = tmp_path / "runs" / "grpo_tools" / "version_0"
     live = (version / "credit_last.txt").read_text()
     assert live.startswith("step 2\n")
-    audit = [sys.executable, "-m", "lens_callbacks", "audit", str(version / "record"), "--step", "2",
-             "--partition", "lens_callbacks.credit.trajectories.by_turn", "--no-progress"]
-    a = subprocess.run(audit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    # by name, as a user types it (the registered partition is the same function as the import path)
+    a = run_cli("audit", version / "record", "--step", "2", "--partition", "by_turn", "--no-progress", check=True)
     # the per-part rows of the offline table are the live ones: same weights (replayed), same batch (recorded)
     rows = lambda text: [ln for ln in text.splitlines() if ln.startswith("turn_")]  # noqa: E731
     assert rows(a.stdout) and rows(a.stdout) == rows(live)

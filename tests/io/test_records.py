@@ -21,7 +21,6 @@ from lens_callbacks.io.records import (
 from lens_callbacks.refusal import Refusal
 
 
-torch.set_num_threads(1)  # tiny models: thread start-up costs more than it saves on shared cores
 
 class Chars:
     pad_token_id = 0
