@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ._logging import log_figure
 from ..anchor import Rank1TrajProjector, confidence_weights, ema_update, projected_merge, signed_ema
 from ..anchor.projector import AnchorReading, block_of
 from ..credit.engine import evaluate_terms, resolve_dtype
@@ -255,16 +256,14 @@ class AnchorProjectionCallback(Callback):
             self._log_figure(pl_module, step)
 
     def _log_figure(self, pl_module: LightningModule, step: int) -> None:
-        logger = getattr(pl_module, "logger", None)
-        exp = getattr(logger, "experiment", None)
         fit = self.projector.prev_fit.get("") if self.projector is not None else None
-        if fit is None or not hasattr(exp, "add_figure") or getattr(pl_module, "global_rank", 0) != 0:
+        if fit is None or getattr(pl_module, "global_rank", 0) != 0:
             return
         try:
             fig = coefficient_figure(fit, self.last_reading)
         except ImportError:  # matplotlib is an optional extra
             return
-        exp.add_figure("anchor/coefficient_trajectory", fig, global_step=step)
+        log_figure(pl_module.trainer, "anchor/coefficient_trajectory", fig, step)
 
     def _anchor_grad(self, trainer: Trainer, pl_module: LightningModule, params: dict) -> Optional[dict[str, torch.Tensor]]:
         devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})

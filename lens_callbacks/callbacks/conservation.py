@@ -8,10 +8,10 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from ._logging import log_figure, log_scalars, log_text
 from ..credit.conservation import ConservationReading, exact_optimizer_precondition, step_conservation
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
@@ -140,12 +140,7 @@ class ConservationCheckCallback(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.log_figure or not self._history or trainer.global_rank != 0:
             return
-        tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        if tb is None:
-            return
-        fig = self.figure()
-        if fig is not None:
-            tb.experiment.add_figure(f"{self.prefix}error_vs_floor", fig, self._history[-1][0], close=True)
+        log_figure(trainer, f"{self.prefix}error_vs_floor", self.figure(), self._history[-1][0])
 
     def figure(self):
         """Error and precision floor per checked step (log scale); refused steps as marks on the axis.
@@ -302,18 +297,10 @@ class ConservationCheckCallback(Callback):
                 self._refusals_logged.add(key)
                 text = reading.render()
                 rank_zero_warn(f"ConservationCheckCallback: {text}")
-                for logger in trainer.loggers:
-                    add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
-                    if callable(add_text):
-                        add_text(f"{self.prefix}refusal", "```\n" + text + "\n```", global_step=step)
+                log_text(trainer, f"{self.prefix}refusal", text, step)
         else:
             values = reading.to_dict(self.prefix)
-        # Straight to the loggers at the step read, not through LightningModule.log: its results collection
-        # re-logs a key's last value on every later step of the epoch, so steps that every_n_steps skips
-        # would show the previous reading (or a stale refusal flag).
-        if trainer.global_rank == 0:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=step)
+        log_scalars(trainer, values, step)
 
 
 def _is_credit_audit(cb: Any) -> bool:

@@ -22,13 +22,13 @@ from typing import Any, Optional, Union
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.partition import resolve_partition
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
+from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.refusal import Refusal
 
@@ -163,7 +163,7 @@ class CreditAuditCallback(Callback):
             self.metric.update_report(None)
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
             text = reading.render()
-            self._add_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
+            log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
             self.last_report, self.last_report_step = reading, step
             values = self.metric_values(reading)
@@ -174,7 +174,7 @@ class CreditAuditCallback(Callback):
                 self._last_defined = (step, text)
         self._last_text = (step, text)
         self.last_values = values
-        self._log_values(trainer, values, step)
+        log_scalars(trainer, values, step)
         if self.log_table_every_n_steps and (
             self._last_table_step is None or step - self._last_table_step >= self.log_table_every_n_steps
         ):
@@ -208,16 +208,6 @@ class CreditAuditCallback(Callback):
         )
         extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0}
         return self._flatten(out, report.part_names, extra=extra)
-
-    @staticmethod
-    def _log_values(trainer: Trainer, values: dict[str, float], step: int) -> None:
-        # Straight to the loggers, at the step audited. Not through ``LightningModule.log``: its results
-        # collection re-logs a key's last value on every later step of the epoch, which would put stale
-        # readings on the steps ``every_n_steps`` skips and keep a refusal flag raised.
-        if trainer.global_rank != 0:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(values, step=step)
 
     def _flatten(self, out: dict[str, torch.Tensor], names: tuple[str, ...], extra: Optional[dict] = None, prefix: Optional[str] = None) -> dict[str, float]:
         p = self.prefix if prefix is None else prefix
@@ -254,7 +244,7 @@ class CreditAuditCallback(Callback):
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
         self.metric.reset()
         self.last_epoch_values = values
-        self._log_values(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
+        log_scalars(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_text is None:
@@ -266,36 +256,26 @@ class CreditAuditCallback(Callback):
 
     @rank_zero_only
     def _write_last(self, trainer: Trainer, step: int, text: str) -> None:
-        log_dir = _log_dir(trainer)
+        directory = log_dir(trainer)
         body = f"step {step}\n{text}\n"
         if self._last_defined is not None and self._last_defined[0] != step:
             # The last step's shares were undefined (e.g. every group had equal rewards): show the latest that was.
             body += f"\nlast defined reading, step {self._last_defined[0]}\n{self._last_defined[1]}\n"
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            with open(os.path.join(log_dir, LAST_REPORT_FILE), "w") as fh:
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, LAST_REPORT_FILE), "w") as fh:
                 fh.write(body)
         if self.print_last_report:
             print(f"credit audit, {body}", end="")
-            tb = _tensorboard(trainer)
+            tb = tensorboard_dir(trainer)
             if tb is not None:
-                print(f"view it: tensorboard --logdir {tb.log_dir}")
-
-    def _add_text(self, trainer: Trainer, tag: str, text: str, step: int) -> None:
-        tb = _tensorboard(trainer)
-        if tb is not None and trainer.global_rank == 0:
-            tb.experiment.add_text(tag, "```\n" + text + "\n```", step)
+                print(f"view it: tensorboard --logdir {tb}")
 
     def _log_table(self, trainer: Trainer, step: int, text: str) -> None:
         self._last_table_step = step
-        self._add_text(trainer, f"{self.prefix}table", text, step)
-        tb = _tensorboard(trainer)
-        if tb is None or trainer.global_rank != 0:
-            return
-        if self.log_figure and len(self._history) > 0:
-            fig = self._heatmap()
-            if fig is not None:
-                tb.experiment.add_figure(f"{self.prefix}heatmap", fig, step, close=True)
+        log_text(trainer, f"{self.prefix}table", text, step)
+        if self.log_figure and self._history and trainer.global_rank == 0:
+            log_figure(trainer, f"{self.prefix}heatmap", self._heatmap(), step)
 
     def _heatmap(self):
         """Projected share per part (rows) over audited steps (columns), first ``max_logged_parts`` parts."""
@@ -345,22 +325,3 @@ class CreditAuditCallback(Callback):
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
                 setattr(self.metric, name, value.to(cur.device, cur.dtype))
-
-
-def _log_dir(trainer: Trainer) -> Optional[str]:
-    """The first logger's directory; None without a logger (never write into the cwd).
-
-    Not ``trainer.log_dir``: that is a broadcast, a collective that deadlocks when only rank 0 asks.
-    """
-    for logger in trainer.loggers:
-        d = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-        if d:
-            return str(d)
-    return None
-
-
-def _tensorboard(trainer: Trainer) -> Optional[TensorBoardLogger]:
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            return logger
-    return None

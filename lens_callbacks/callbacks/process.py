@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from ._logging import log_figure, log_text
 from ..metrics.process import ProcessRewardMetric, readings_to_tensors
 from ..process.instrument import ProcessAudit, audit_groups
 from ..process.sources import groups_from_terms
@@ -179,13 +179,7 @@ class ProcessRewardCallback(Callback):
 
     @staticmethod
     def _log_text(trainer: Trainer, text: str, step: int) -> None:
-        for logger in trainer.loggers:
-            exp = getattr(logger, "experiment", None)
-            add_text = getattr(exp, "add_text", None)
-            if trainer.is_global_zero and callable(add_text):
-                with contextlib.suppress(Exception):  # a logging failure never stops training
-                    # Indented lines render as preformatted text in TensorBoard's markdown.
-                    add_text("process/verdict", "\n".join("    " + line for line in text.splitlines()), global_step=step)
+        log_text(trainer, "process/verdict", text, step)
 
     @staticmethod
     def _log_figure(trainer: Trainer, audit: ProcessAudit, step: int) -> None:
@@ -195,11 +189,7 @@ class ProcessRewardCallback(Callback):
             fig = process_reward_figure(audit)
         except ImportError:
             return
-        for logger in trainer.loggers:
-            add_figure = getattr(getattr(logger, "experiment", None), "add_figure", None)
-            if callable(add_figure):
-                with contextlib.suppress(Exception):
-                    add_figure("process/process_rewards", fig, global_step=step, close=False)
+        log_figure(trainer, "process/process_rewards", fig, step)
 
     def state_dict(self) -> dict[str, Any]:
         return {
