@@ -120,6 +120,9 @@ def derive_shares(
         if j >= 0:
             acc[j].append(float(s))
     shares = tuple(math.fsum(a) for a in acc)
+    if not all(math.isfinite(float(x)) for x in projected_share):
+        # An undefined reading (g_full zero or not finite) is undefined for every part, empty ones too.
+        shares = tuple(float("nan") for _ in acc)
     return PartitionShares(name, coarse.names, shares, None, None if n_rows is None else tuple(int(x) for x in n_rows))
 
 

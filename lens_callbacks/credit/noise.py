@@ -95,7 +95,8 @@ class NoiseScaleEMA:
     """Exponential moving averages of ``|G|²`` and ``tr(Σ)`` and their ratio, bias-corrected.
 
     ``ema_x ← β·ema_x + (1 − β)·x`` with the Adam-style correction ``1 − β^n`` so the first readings
-    are not pulled toward 0. ``b_simple = ema_trace / ema_grad_sq``. Non-finite readings are skipped.
+    are not pulled toward 0. ``b_simple = ema_trace / ema_grad_sq``, NaN while ``ema_grad_sq <= 0``
+    (the noise swamps the signal at this batch size). Non-finite readings are skipped.
 
     Example:
         >>> e = NoiseScaleEMA(beta=0.5)
@@ -122,8 +123,9 @@ class NoiseScaleEMA:
 
     @property
     def b_simple(self) -> float:
-        # The bias corrections of numerator and denominator are equal and cancel in the ratio.
-        return self.trace_sigma / self.grad_sq if self.n and self.grad_sq != 0 else float("nan")
+        # The bias corrections of numerator and denominator are equal and cancel in the ratio. A
+        # smoothed |G|² at or below 0 means the noise swamps the signal: no finite reading.
+        return self.trace_sigma / self.grad_sq if self.n and self.grad_sq > 0 else float("nan")
 
     def to_dict(self, prefix: str = "credit/noise/") -> dict[str, float]:
         c = 1.0 - self.beta ** self.n if self.n else float("nan")

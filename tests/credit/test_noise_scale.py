@@ -82,6 +82,9 @@ def test_edges():
     ema.update(NoiseScale(2, 2.0, 4.0, 2.0))
     d = ema.to_dict()
     assert d["credit/noise/grad_sq_ema"] == 2.0 and d["credit/noise/trace_sigma_ema"] == 4.0  # bias-corrected
+    ema.update(NoiseScale(2, -10.0, 4.0, -0.4))  # smoothed |G|² turns negative: no finite reading
+    assert ema.grad_sq < 0 and math.isnan(ema.b_simple)
+    d = ema.to_dict()
     other = NoiseScaleEMA()
     other.load_state_dict(ema.state_dict())
     assert other.to_dict() == d

@@ -133,6 +133,13 @@ def test_missing_labels_and_bad_inputs_are_clear_errors():
         reward_levels(edges=[1.0, 0.5])
 
 
+def test_an_undefined_reading_is_undefined_for_every_derived_part():
+    terms = LabelledPolicy().credit_terms(labelled_batch(seed=1))
+    part = by_advantage_sign(terms)
+    got = derive_shares([float("nan")] * 8, coarsening(by_rollout(terms), part), part, "by_advantage_sign")
+    assert all(v != v for v in got.projected_share)  # NaN, not 0.0 for an empty part
+
+
 def test_coarsening_detects_a_partition_that_is_not_a_union():
     ids = torch.tensor([[0, 0, 1], [1, 1, -1]])
     fine = Partition(torch.tensor([[0, 0, 0], [1, 1, -1]]), ("r0", "r1"))
