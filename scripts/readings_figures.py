@@ -59,7 +59,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", type=Path, help="a finished run of the demo config (default: train one now)")
     ap.add_argument("--max-steps", type=int, default=None, help="override the config's max_steps")
+    ap.add_argument("--out", type=Path, default=OUT, help=f"where the PNG files go (default {OUT})")
     args = ap.parse_args()
+    out = args.out
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = args.run_dir or run_demo(Path(tmp), args.max_steps)
         acc = load(run_dir)
-        OUT.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
 
         # 1. concentration
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
@@ -84,7 +86,7 @@ def main() -> None:
             s, y = series(acc, f"credit/concentration/{tag}")
             a2.plot(s, smooth(y), lw=1.4, label=label)
         a2.set_xlabel("step"); a2.legend(fontsize=7); a2.set_title("smoothed (EMA 0.9)")
-        fig.tight_layout(); fig.savefig(OUT / "concentration.png", dpi=110); plt.close(fig)
+        fig.tight_layout(); fig.savefig(out / "concentration.png", dpi=110); plt.close(fig)
 
         # 2. advantage split
         fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -95,7 +97,7 @@ def main() -> None:
         ax.axhline(0.5, color="k", lw=0.6, ls=":")
         ax.set_xlabel("step"); ax.set_ylabel("projected share"); ax.legend(fontsize=7)
         ax.set_title("how much of the step rewards good rollouts vs pushes away from bad ones")
-        fig.tight_layout(); fig.savefig(OUT / "advantage_split.png", dpi=110); plt.close(fig)
+        fig.tight_layout(); fig.savefig(out / "advantage_split.png", dpi=110); plt.close(fig)
 
         # 3. noise scale
         fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -109,7 +111,7 @@ def main() -> None:
         ax.set_yscale("symlog", linthresh=1.0)
         ax.set_xlabel("step"); ax.set_ylabel("rollouts"); ax.legend(fontsize=7)
         ax.set_title("gradient noise scale against the batch")
-        fig.tight_layout(); fig.savefig(OUT / "noise_scale.png", dpi=110); plt.close(fig)
+        fig.tight_layout(); fig.savefig(out / "noise_scale.png", dpi=110); plt.close(fig)
 
         # 4. ledger (stacked cumulative shares)
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
@@ -127,12 +129,12 @@ def main() -> None:
             ax.axhline(0.0, color="k", lw=0.6)
             ax.set_xlabel("step"); ax.set_ylabel("cumulative share"); ax.legend(fontsize=7, loc="upper left")
             ax.set_title(f"run ledger, {part}")
-        fig.tight_layout(); fig.savefig(OUT / "ledger.png", dpi=110); plt.close(fig)
+        fig.tight_layout(); fig.savefig(out / "ledger.png", dpi=110); plt.close(fig)
 
         # 5. the Lorenz curve the callback logged last, as TensorBoard shows it
         if "credit/concentration/lorenz" in acc.Tags()["images"]:
-            (OUT / "lorenz.png").write_bytes(acc.Images("credit/concentration/lorenz")[-1].encoded_image_string)
-    print(f"wrote {sorted(p.name for p in OUT.glob('*.png'))} to {OUT}")
+            (out / "lorenz.png").write_bytes(acc.Images("credit/concentration/lorenz")[-1].encoded_image_string)
+    print(f"wrote {sorted(p.name for p in out.glob('*.png'))} to {out}")
 
 
 if __name__ == "__main__":

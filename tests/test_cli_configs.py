@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +77,16 @@ def test_demo_config_runs_end_to_end(tmp_path, run_cli):
         assert tag in scalars, (tag, sorted(scalars))
     images = set(acc.Tags()["images"])
     assert {"credit/concentration/lorenz", "credit/ledger/gradient/by_source"} <= images, sorted(images)
+    # The docs' figures are drawn from such a run by one script.
+    figs = tmp_path / "figures"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "readings_figures.py"), "--run-dir", str(version), "--out", str(figs)],
+                   check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
+    assert {p.name for p in figs.iterdir()} == {"concentration.png", "advantage_split.png", "noise_scale.png", "ledger.png", "lorenz.png"}
+
+
+def test_every_picture_in_the_docs_exists():
+    import re
+
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            assert (page.parent / link).is_file(), (page.name, link)
