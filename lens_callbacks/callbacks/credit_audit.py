@@ -87,7 +87,7 @@ class CreditAuditCallback(Callback):
 
     def __init__(
         self,
-        partition: str = "by_rollout",
+        partition: Union[str, list[str]] = "by_rollout",
         every_n_steps: int = 1,
         dtype: str = "float32",
         log_table_every_n_steps: int = 10,
@@ -179,6 +179,7 @@ class CreditAuditCallback(Callback):
         reading = self.audit(pl_module, self._batch)
         self.n_audits += 1
         if isinstance(reading, Refusal):
+            self._drop_recorded()
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
             warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
@@ -391,6 +392,10 @@ class CreditAuditCallback(Callback):
         values = self._drop_positional(values)
         values.update(self.readings.read(report, partition, terms, step, run_engine))
         return values
+
+    def _drop_recorded(self) -> None:
+        if self._recorder is not None:
+            self._recorder.take()  # a refused step's terms are not read; do not hold them
 
     def _drop_positional(self, values: dict[str, float]) -> dict[str, float]:
         if self.log_positional_parts or _name_of(self.partition) not in POSITIONAL_PARTITIONS:

@@ -146,3 +146,21 @@ def test_ledger_sums_the_per_step_readings_and_resumes_bitwise(tmp_path):
                     want = want + v
             assert value == want  # bit for bit
     assert resumed.readings.noise_ema.n >= first.readings.noise_ema.n
+
+
+def test_yaml_takes_a_list_of_partitions(tmp_path, monkeypatch):
+    import sys
+
+    from lens_callbacks.cli import cli_main
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lens_callbacks.callbacks.CreditAuditCallback\n"
+        "      init_args:\n        partition: [by_rollout, by_advantage_sign]\n        extra_partitions: [by_source]\n"
+    )
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(sys, "argv", ["lens-callbacks"])
+    cli = cli_main(["--config", str(root / "cli_configs" / "grpo_credit.yaml"), "--config", str(extra)], run=False)
+    (audit,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, CreditAuditCallback)]
+    assert audit.partition == "by_rollout" and audit.extra_partitions == ["by_advantage_sign", "by_source"]
