@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,6 +45,8 @@ def test_grpo_credit_yaml_wires_the_callback_and_a_tensorboard_logger(monkeypatc
     cli = cli_main(["--config", str(ROOT / "cli_configs" / "grpo_credit.yaml")], run=False)
     audits = [cb for cb in cli.trainer.callbacks if isinstance(cb, CreditAuditCallback)]
     assert len(audits) == 1 and audits[0].partition == "by_rollout"
+    assert audits[0].extra_partitions == ["by_advantage_sign", "by_reward", "by_source"]
+    assert not audits[0].log_positional_parts
     assert any(isinstance(lg, TensorBoardLogger) for lg in cli.trainer.loggers)
     assert type(cli.model).__name__ == "GRPOModule" and cli.model.hparams.optimizer == "adam"
 
@@ -58,3 +62,31 @@ def test_demo_config_runs_end_to_end(tmp_path, run_cli):
     assert last.startswith("step 2\n") and "credit by by_rollout" in last
     assert "credit audit, step 2\n" in r.stdout and f"tensorboard --logdir {version}" in r.stdout
     assert any(p.name.startswith("events.out.tfevents") for p in version.iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(version), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    # By default no positional per-rollout scalar: rollout_k is another rollout at every step.
+    assert not [t for t in scalars if "/rollout_" in t], sorted(t for t in scalars if "/rollout_" in t)
+    for tag in ("credit/concentration/effective_parts_norm", "credit/concentration/top1_share",
+                "credit/concentration/negative_fraction", "credit/concentration/gini_norm",
+                "credit/noise/b_simple_ema", "credit/by_advantage_sign/projected_share/positive",
+                "credit/by_advantage_sign/projected_share/negative", "credit/by_source/projected_share/carry",
+                "credit/ledger/gradient/by_advantage_sign/positive", "credit/ledger/gradient/by_source/no_carry"):
+        assert tag in scalars, (tag, sorted(scalars))
+    images = set(acc.Tags()["images"])
+    assert {"credit/concentration/lorenz", "credit/ledger/gradient/by_source"} <= images, sorted(images)
+    # The docs' figures are drawn from such a run by one script.
+    figs = tmp_path / "figures"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "readings_figures.py"), "--run-dir", str(version), "--out", str(figs)],
+                   check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
+    assert {p.name for p in figs.iterdir()} == {"concentration.png", "advantage_split.png", "noise_scale.png", "ledger.png", "lorenz.png"}
+
+
+def test_every_picture_in_the_docs_exists():
+    import re
+
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()):
+            assert (page.parent / link).is_file(), (page.name, link)

@@ -36,7 +36,10 @@ from lens_callbacks.credit.terms import CreditTerms
 from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .task import EOS, PAD, UNK, build_tokenizer, prompt_text, reward
 
-__all__ = ["GRPOModule", "RolloutBatch", "Rollout", "grpo_advantages"]
+__all__ = ["GRPOModule", "RolloutBatch", "Rollout", "grpo_advantages", "SOURCE_NAMES"]
+
+# The task type of a prompt, for `by_source`: a one-digit answer, or a two-digit one that needs a carry.
+SOURCE_NAMES = ("no_carry", "carry")
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -62,6 +65,7 @@ class RolloutBatch:
     rollout: torch.Tensor  # [B]
     prompt_len: int
     dropout_seed: int
+    source: Optional[torch.Tensor] = None  # [B] index into SOURCE_NAMES: does the sum carry?
 
     @property
     def batch_size(self) -> int:
@@ -217,6 +221,7 @@ class GRPOModule(LightningModule):
             prompt_len=lp,
             # Drawn from the global stream so the run stays seeded; replayed by every credit_terms call.
             dropout_seed=int(torch.randint(0, 2**62, (1,)).item()),
+            source=(pairs.sum(1) >= 10).long().repeat_interleave(G).to(device),
         )
         return batch, rollouts
 
@@ -248,6 +253,9 @@ class GRPOModule(LightningModule):
             group=rb.group,
             rewards=rb.rewards,
             tokens=rb.input_ids,
+            advantages=rb.advantages,
+            source=rb.source,
+            source_names=SOURCE_NAMES if rb.source is not None else None,
         )
 
     @contextlib.contextmanager

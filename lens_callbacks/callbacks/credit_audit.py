@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -25,7 +25,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
-from lens_callbacks.credit.partition import resolve_partition
+from lens_callbacks.credit.partition import POSITIONAL_PARTITIONS, resolve_partition
+from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
@@ -58,6 +59,20 @@ class CreditAuditCallback(Callback):
         log_figure: log the heatmap figure when matplotlib is importable.
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
+        extra_partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign",
+            "by_source"]``): a partition whose parts are unions of the primary parts (rows) gets its
+            shares by summing, with no backward pass; any other one costs one more disintegration.
+            ``partition`` may also be a list, whose first entry is the primary partition.
+        log_positional_parts: log ``projected_share/<part>`` and ``norm_share/<part>`` for positional
+            partitions (``by_rollout``, ``by_group``), whose part names are batch positions that mean
+            another rollout at every step. Off by default; the per-part table stays in the text view.
+        concentration_top_k: ``credit/concentration/topk_share`` adds this many largest shares.
+        noise_ema: smoothing factor of ``credit/noise/*_ema`` (exponential moving average).
+
+    Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
+    primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
+    per extra partition, and ``credit/ledger/<book>/<partition>/<part>`` for every stable-name
+    partition; figures ``credit/concentration/lorenz`` and ``credit/ledger/<book>/<partition>``.
 
     Attributes:
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
@@ -72,7 +87,7 @@ class CreditAuditCallback(Callback):
 
     def __init__(
         self,
-        partition: str = "by_rollout",
+        partition: Union[str, list[str]] = "by_rollout",
         every_n_steps: int = 1,
         dtype: str = "float32",
         log_table_every_n_steps: int = 10,
@@ -81,8 +96,13 @@ class CreditAuditCallback(Callback):
         log_figure: bool = True,
         print_last_report: bool = False,
         prefix: str = "credit/",
+        extra_partitions: Optional[Sequence[str]] = None,
+        log_positional_parts: bool = False,
+        concentration_top_k: int = 3,
+        noise_ema: float = 0.9,
     ) -> None:
         super().__init__()
+        partition, extra_partitions = _split_partitions(partition, extra_partitions)
         if not (isinstance(partition, str) and "." in partition):
             resolve_partition(partition)  # an unknown name raises here, naming the valid ones
         # An import path is resolved in setup: the error still comes before any step runs.
@@ -119,6 +139,7 @@ class CreditAuditCallback(Callback):
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
+        self._init_readings(extra_partitions, log_positional_parts, concentration_top_k, noise_ema)
 
     @property
     def state_key(self) -> str:
@@ -136,6 +157,7 @@ class CreditAuditCallback(Callback):
                 "Implement it, or remove the callback."
             )
         self._partition_fn = resolve_partition(self.partition)
+        self._setup_readings()
         self.metric = self.metric.to(pl_module.device)
         self._reference = "grad"
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
@@ -157,6 +179,7 @@ class CreditAuditCallback(Callback):
         reading = self.audit(pl_module, self._batch)
         self.n_audits += 1
         if isinstance(reading, Refusal):
+            self._drop_recorded()
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
             warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
@@ -167,6 +190,7 @@ class CreditAuditCallback(Callback):
         else:
             self.last_report, self.last_report_step = reading, step
             values = self.metric_values(reading)
+            values = self._with_readings(pl_module, reading, values, step)
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
             text = reading.render()
@@ -242,6 +266,7 @@ class CreditAuditCallback(Callback):
         )
         # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
+        values = self._drop_positional(values)
         self.metric.reset()
         self.last_epoch_values = values
         log_scalars(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
@@ -276,6 +301,7 @@ class CreditAuditCallback(Callback):
         log_text(trainer, f"{self.prefix}table", text, step)
         if self.log_figure and self._history and trainer.global_rank == 0:
             log_figure(trainer, f"{self.prefix}heatmap", self._heatmap(), step)
+        self._log_reading_views(trainer, step)
 
     def _heatmap(self):
         """Projected share per part (rows) over audited steps (columns), first ``max_logged_parts`` parts."""
@@ -314,6 +340,7 @@ class CreditAuditCallback(Callback):
             "last_report_step": self.last_report_step,
             "last_table_step": self._last_table_step,
             "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
+            "readings": self.readings.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -321,7 +348,88 @@ class CreditAuditCallback(Callback):
         self.n_refusals = int(state_dict.get("n_refusals", 0))
         self.last_report_step = int(state_dict.get("last_report_step", -1))
         self._last_table_step = state_dict.get("last_table_step")
+        self.readings.load_state_dict(state_dict.get("readings", {}))
         for name, value in state_dict.get("metric", {}).items():
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
                 setattr(self.metric, name, value.to(cur.device, cur.dtype))
+
+    # ---- readings a person acts on: extra partitions, concentration, noise scale, ledger -------------
+
+    def _init_readings(self, extra: Sequence[str], log_positional_parts: bool, top_k: int, noise_ema: float) -> None:
+        for spec in extra:
+            if not (isinstance(spec, str) and "." in spec):
+                resolve_partition(spec)  # an unknown name raises here, naming the valid ones
+        names = [spec if isinstance(spec, str) else getattr(spec, "__name__", "custom") for spec in extra]
+        if len(set(names)) != len(names) or str(self.partition) in names:
+            raise ValueError(f"`extra_partitions` must name each partition once, apart from `partition`, got {names!r}.")
+        if not 0.0 <= noise_ema < 1.0:
+            raise ValueError(f"`noise_ema` must be in [0, 1), got {noise_ema!r}.")
+        self.extra_partitions = list(extra)
+        self._extra_names = names
+        self.log_positional_parts = bool(log_positional_parts)
+        self.readings = StepReadings(
+            _name_of(self.partition), [(n, s) for n, s in zip(names, extra)], top_k, noise_ema, self.prefix
+        )
+        self._recorder: Optional[RecordingPartition] = None
+
+    def _setup_readings(self) -> None:
+        self.readings.extra = [(n, resolve_partition(s)) for n, s in zip(self._extra_names, self.extra_partitions)]
+        # The engine hands the partition the terms it evaluated: keep them for the extra readings.
+        self._recorder = RecordingPartition(self._partition_fn, _name_of(self.partition))
+        self._partition_fn = self._recorder
+
+    def _with_readings(self, pl_module: LightningModule, report: CreditReport, values: dict, step: int) -> dict:
+        terms, partition = self._recorder.take() if self._recorder is not None else (None, None)
+
+        def run_engine(name: str, fn: Any):
+            try:
+                with torch.enable_grad():
+                    return disintegrate(pl_module, self._batch, fn, dtype=self.dtype)
+            except Exception as err:  # a user-data failure must not end the training run
+                return Refusal("credit_audit", f"{name}: {type(err).__name__}: {err}", numbers={"step": step})
+
+        values = self._drop_positional(values)
+        values.update(self.readings.read(report, partition, terms, step, run_engine))
+        return values
+
+    def _drop_recorded(self) -> None:
+        if self._recorder is not None:
+            self._recorder.take()  # a refused step's terms are not read; do not hold them
+
+    def _drop_positional(self, values: dict[str, float]) -> dict[str, float]:
+        if self.log_positional_parts or _name_of(self.partition) not in POSITIONAL_PARTITIONS:
+            return values
+        p = self.prefix
+        heads = tuple(f"{p}{e}{k}/" for e in ("", "epoch/") for k in ("projected_share", "norm_share"))
+        return {k: v for k, v in values.items() if not k.startswith(heads)}
+
+    def record_ledger(self, book: str, partition: str, values: dict[str, float], step: int) -> bool:
+        """Add a per-part reading to the run ledger (e.g. ``book="update"`` for applied-update shares)."""
+        return self.readings.add_to_ledger(book, partition, values, step)
+
+    def _log_reading_views(self, trainer: Trainer, step: int) -> None:
+        text = self.readings.render()
+        if text:
+            log_text(trainer, f"{self.prefix}readings", text, step)
+        if not self.log_figure or trainer.global_rank != 0:
+            return
+        log_figure(trainer, f"{self.prefix}concentration/lorenz", self.readings.lorenz_figure(), step)
+        for book, part in self.readings.ledger.books():
+            log_figure(trainer, f"{self.prefix}ledger/{book}/{part}", self.readings.ledger.figure(book, part), step)
+
+
+def _name_of(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", "custom")
+
+
+def _split_partitions(partition: Any, extra: Optional[Sequence[str]]) -> tuple[Any, list]:
+    """``partition`` may be a list (primary first); ``extra_partitions`` adds to its tail."""
+    extra_list = [] if extra is None else list(extra) if isinstance(extra, (list, tuple)) else None
+    if extra_list is None:
+        raise ValueError(f"`extra_partitions` must be a list of partition names, got {extra!r}.")
+    if isinstance(partition, (list, tuple)):
+        if not partition:
+            raise ValueError("`partition` must name at least one partition, got an empty list.")
+        return partition[0], list(partition[1:]) + extra_list
+    return partition, extra_list

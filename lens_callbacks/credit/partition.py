@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -28,7 +28,13 @@ __all__ = [
     "by_rollout",
     "by_group",
     "by_segment",
+    "by_advantage_sign",
+    "by_reward",
+    "by_source",
+    "reward_levels",
+    "row_partition",
     "PARTITIONS",
+    "POSITIONAL_PARTITIONS",
     "resolve_partition",
 ]
 
@@ -183,11 +189,126 @@ def by_segment(terms: CreditTerms) -> Partition:
     return Partition(ids.to(terms.trained.device), tuple(label))
 
 
+def row_partition(terms: CreditTerms, row_part: torch.Tensor, names: Sequence[str]) -> Partition:
+    """Every trained position of row ``k`` in part ``row_part[k]`` (``[B]`` ids into ``names``)."""
+    ids = row_part.cpu().long().view(-1, 1).expand_as(terms.trained).clone()  # [B, T]
+    ids[~terms.trained.cpu()] = -1
+    return Partition(ids.to(terms.trained.device), tuple(names))
+
+
+ADVANTAGE_SIGN_NAMES = ("positive", "negative", "zero")
+
+
+def by_advantage_sign(terms: CreditTerms) -> Partition:
+    """Rows by the sign of their advantage: ``positive``, ``negative``, ``zero`` (always all three).
+
+    The positive part is the credit that pulls toward rollouts that beat their group's baseline, the
+    negative part the credit that pushes away from those that fell short. Names never change, so
+    the three time series mean the same thing at every step (a part with no rows reads 0).
+    """
+    if terms.advantages is None:
+        raise ValueError(
+            "`by_advantage_sign` needs `CreditTerms.advantages` ([B] float, one advantage per row), got None. "
+            "Return the advantages from `credit_terms`."
+        )
+    a = terms.advantages.detach().cpu()  # [B]
+    row = torch.full(a.shape, 2, dtype=torch.long)  # [B] zero unless signed
+    row[a > 0] = 0
+    row[a < 0] = 1
+    return row_partition(terms, row, ADVANTAGE_SIGN_NAMES)
+
+
+def _level_name(v: float) -> str:
+    return f"reward={v:g}"
+
+
+def reward_levels(edges: Optional[Sequence[float]] = None, max_levels: int = 8, n_bins: int = 4) -> PartitionFn:
+    """A partition of rows by outcome reward (``CreditTerms.rewards``).
+
+    Args:
+        edges: fixed bin edges ``e_0 < … < e_n``; a row lands in ``reward[e_i,e_{i+1})`` (the first
+            and last bins are open: ``reward<e_0`` …, ``reward>=e_n``). Stable names across steps.
+        max_levels: without ``edges``, a step whose rewards take at most this many distinct values
+            gets one part per value (``reward=1.1``): verifiable rewards are discrete.
+        n_bins: without ``edges``, continuous rewards are binned by rank within the step into this
+            many equal-count bins (``reward_q1`` = lowest … ``reward_q<n_bins>`` = highest).
+
+    Example:
+        >>> from lens_callbacks.credit.terms import CreditTerms
+        >>> t = CreditTerms(torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.bool), torch.arange(3),
+        ...                 torch.zeros(3, dtype=torch.long), rewards=torch.tensor([1.0, 0.0, 1.0]))
+        >>> reward_levels()(t).names, reward_levels(edges=[0.5])(t).names
+        (('reward=0', 'reward=1'), ('reward<0.5', 'reward>=0.5'))
+    """
+    if edges is not None:
+        e = [float(x) for x in edges]
+        if not e or any(b <= a for a, b in zip(e, e[1:])):
+            raise ValueError(f"`edges` must be a non-empty increasing sequence of floats, got {edges!r}.")
+    if not isinstance(max_levels, int) or max_levels < 1:
+        raise ValueError(f"`max_levels` must be an int >= 1, got {max_levels!r}.")
+    if not isinstance(n_bins, int) or n_bins < 1:
+        raise ValueError(f"`n_bins` must be an int >= 1, got {n_bins!r}.")
+
+    def by_reward(terms: CreditTerms) -> Partition:
+        if terms.rewards is None:
+            raise ValueError(
+                "`by_reward` needs `CreditTerms.rewards` ([B] float outcome reward per row), got None. "
+                "Return the rewards from `credit_terms`."
+            )
+        r = terms.rewards.detach().cpu().double()  # [B]
+        if edges is not None:
+            row = torch.bucketize(r, torch.tensor(e, dtype=torch.float64), right=True)  # [B] in 0 .. len(e)
+            names = [f"reward<{e[0]:g}"] + [f"reward[{a:g},{b:g})" for a, b in zip(e, e[1:])] + [f"reward>={e[-1]:g}"]
+            return row_partition(terms, row, names)
+        levels = torch.unique(r, sorted=True)  # [L]
+        if levels.numel() <= max_levels:
+            row = torch.searchsorted(levels, r)  # [B]
+            return row_partition(terms, row, [_level_name(float(v)) for v in levels])
+        # Equal-count bins by rank (ties broken by row order): the top quarter is the top quarter at every step.
+        rank = torch.empty(r.numel(), dtype=torch.long)
+        rank[torch.argsort(r, stable=True)] = torch.arange(r.numel())
+        row = rank * n_bins // r.numel()  # [B]
+        return row_partition(terms, row, [f"reward_q{i + 1}" for i in range(n_bins)])
+
+    by_reward.__name__ = "by_reward"
+    return by_reward
+
+
+by_reward = reward_levels()
+
+
+def by_source(terms: CreditTerms) -> Partition:
+    """Rows by the label the module supplies (``CreditTerms.source``: dataset, task type, difficulty).
+
+    With ``source_names`` every name is a part at every step (a source absent from the batch reads
+    0), so the time series are stable; without them, one part ``source_<id>`` per id present.
+    """
+    if terms.source is None:
+        raise ValueError(
+            "`by_source` needs `CreditTerms.source` ([B] int label per row, names in `source_names`), got None. "
+            "Return a per-row source label from `credit_terms`."
+        )
+    src = terms.source.detach().cpu().long()  # [B]
+    if terms.source_names is not None:
+        return row_partition(terms, src, terms.source_names)
+    inv, uniq = _dense_ids(src)
+    if len(uniq) == 0:
+        raise ValueError("`by_source` needs at least one row, got an empty batch.")
+    return row_partition(terms, inv, [f"source_{u}" for u in uniq])
+
+
 PARTITIONS: dict[str, PartitionFn] = {
     "by_rollout": by_rollout,
     "by_group": by_group,
     "by_segment": by_segment,
+    "by_advantage_sign": by_advantage_sign,
+    "by_reward": by_reward,
+    "by_source": by_source,
 }
+
+# Partitions whose part names are batch positions (``rollout_7`` is another rollout at every step):
+# their per-part time series mean nothing over steps, so the callback logs them only on request.
+POSITIONAL_PARTITIONS = frozenset({"by_rollout", "by_group"})
 
 
 def resolve_partition(spec: Union[str, PartitionFn, Partition]) -> Union[PartitionFn, Partition]:

@@ -36,6 +36,10 @@ class CreditTerms:
         segment_names: optional names of the segment ids (e.g. ``("user", "assistant")``).
         rewards: optional ``[B]`` float outcome reward per row (used by the process instrument).
         tokens: optional ``[B, T]`` int token id at each position (used by the process instrument).
+        advantages: optional ``[B]`` float advantage of each row (used by ``by_advantage_sign``).
+        source: optional ``[B]`` int label of each row: dataset, task type, difficulty (used by
+            ``by_source``); ids index ``source_names`` when given.
+        source_names: optional names of the source ids (e.g. ``("easy", "hard")``).
     """
 
     terms: torch.Tensor  # [B, T]
@@ -46,6 +50,9 @@ class CreditTerms:
     segment_names: Optional[tuple[str, ...]] = None
     rewards: Optional[torch.Tensor] = None  # [B]
     tokens: Optional[torch.Tensor] = None  # [B, T]
+    advantages: Optional[torch.Tensor] = None  # [B]
+    source: Optional[torch.Tensor] = None  # [B]
+    source_names: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +100,25 @@ class CreditTerms:
             raise ValueError(f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
         if self.tokens is not None and (not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)):
             raise ValueError(f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
+        self._validate_row_labels(B)
+
+    def _validate_row_labels(self, B: int) -> None:
+        """Check the optional per-row labels that the stable-name partitions read."""
+        a = self.advantages
+        if a is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != (B,) or not a.is_floating_point()):
+            raise ValueError(f"`advantages` must be a [B] = [{B}] float tensor or None, got {_describe(a)}.")
+        s = self.source
+        if s is not None:
+            if not isinstance(s, torch.Tensor) or tuple(s.shape) != (B,) or s.is_floating_point() or s.dtype == torch.bool:
+                raise ValueError(f"`source` must be a [B] = [{B}] int tensor or None, got {_describe(s)}.")
+            if s.numel() and int(s.min()) < 0:
+                raise ValueError(f"`source` ids must be >= 0, got a minimum of {int(s.min())}.")
+            n = self.source_names
+            if n is not None and s.numel() and int(s.max()) >= len(n):
+                raise ValueError(
+                    f"`source` ids must index `source_names` ({len(n)} names), got an id of {int(s.max())}; "
+                    "add the missing names or pass source_names=None."
+                )
 
     def detached(self) -> "CreditTerms":
         """A copy without the autograd graph (for records and logging)."""

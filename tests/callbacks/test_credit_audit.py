@@ -99,7 +99,7 @@ def test_readings_match_a_naive_per_rollout_loop_float64():
 def test_tensorboard_holds_credit_scalars_text_and_figure(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    audit = CreditAuditCallback(log_table_every_n_steps=2, max_logged_parts=3)
+    audit = CreditAuditCallback(log_table_every_n_steps=2, max_logged_parts=3, log_positional_parts=True)
     ref = _Reference(audit)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
     _fit([audit, ref], steps=4, seed=1, logger=logger)
@@ -449,7 +449,7 @@ def test_without_a_logger_nothing_is_written(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("cap", [0, 1])
 def test_small_part_caps(cap):
-    audit = CreditAuditCallback(max_logged_parts=cap, dtype="float64")
+    audit = CreditAuditCallback(max_logged_parts=cap, dtype="float64", log_positional_parts=True)
     _fit([audit], steps=2, seed=1, module_kw={"dtype": "float64"})
     logged = {k for k in audit.last_values if k.startswith("credit/projected_share/")}
     assert logged == ({"credit/projected_share/rollout_0"} if cap else set())

@@ -1,0 +1,16 @@
+"""The docstring examples of the reading modules run and print the exact values they show."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["lens_callbacks.credit.summaries", "lens_callbacks.credit.noise", "lens_callbacks.credit.ledger",
+           "lens_callbacks.credit.derived", "lens_callbacks.credit.partition"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name):
+    mod = importlib.import_module(name)
+    res = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
