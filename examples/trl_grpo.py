@@ -3,10 +3,10 @@
 Everything is built in code: a tiny Qwen2 policy, a word-level tokenizer over a few dozen symbols, an
 in-memory prompt set and a reward function. Nothing is downloaded. Run it with::
 
-    python -m examples.trl_grpo --steps 4 --loss-type dapo --lora
+    python -m examples.trl_grpo --steps 4 --loss-type dapo --lora --output-dir /tmp/trl_grpo --tensorboard
 
 and read the readings it prints (they are also in ``trainer.state.log_history`` and, with
-``--tensorboard DIR``, in TensorBoard under ``credit/...`` and ``conservation/...``).
+``--tensorboard``, in TensorBoard under ``train/credit/...`` and ``train/conservation/...``).
 
 Needs the ``trl`` extra: ``pip install 'lens-callbacks[trl]'``.
 """
@@ -141,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     p.add_argument("--loss-type", default="grpo")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (needs peft)")
     p.add_argument("--output-dir", default=None, help="where TRL may write (default: a temporary directory)")
-    p.add_argument("--tensorboard", default=None, help="log to TensorBoard under this directory")
+    p.add_argument("--tensorboard", action="store_true", help="log to TensorBoard (under OUTPUT_DIR/runs/)")
     args = p.parse_args(argv)
 
     import tempfile
@@ -158,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     if args.loss_type == "luspo":
         extra["importance_sampling_level"] = "sequence"
     if args.tensorboard:
-        extra.update(report_to=["tensorboard"], logging_dir=args.tensorboard)
+        extra["report_to"] = ["tensorboard"]
     tok = tiny_tokenizer()
     policy = save_policy(f"{out}/policy")
     peft_config = None

@@ -284,14 +284,6 @@ class LensGRPOMixin:
         """A :class:`Refusal` for a step whose inputs the audit cannot read; None if it can."""
         if not micro:
             return Refusal("no_micro_batches", "no micro-batch of this step was captured, so there is nothing to audit.")
-        accum = int(self.current_gradient_accumulation_steps)
-        if len(micro) != accum:
-            return Refusal(
-                "micro_batches",
-                f"the step accumulated {accum} micro-batches but {len(micro)} were captured; the audit would not "
-                "see the gradient the optimizer receives.",
-                numbers={"captured": len(micro), "accumulation": accum},
-            )
         for i, mb in enumerate(micro):
             present = [k for k in _MULTIMODAL_KEYS if mb.inputs.get(k) is not None]
             if present:
@@ -312,6 +304,14 @@ class LensGRPOMixin:
                     f"micro-batch {i} was generated without rollout ids (the mixin must wrap the trainer that generated it).",
                     numbers={"micro_batch": i},
                 )
+        accum = int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+        if len(micro) != accum:
+            return Refusal(
+                "micro_batches",
+                f"the step accumulated {accum} micro-batches but {len(micro)} were captured; the audit would not "
+                "see the gradient the optimizer receives.",
+                numbers={"captured": len(micro), "accumulation": accum},
+            )
         return None
 
     # --- the terms -----------------------------------------------------------------------------------
@@ -485,6 +485,9 @@ def trl_step_precondition(
     )
 
 
+_CONTROL_FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
+
+
 @dataclass
 class _Pending:
     step: int
@@ -632,11 +635,19 @@ class LensTRLCallback(TrainerCallback):
         entry, self._log = self._log, None
         if entry is None or not entry.values or self.trainer is None:
             return
+        # The log event clears `should_log` (and a callback may touch the other flags): keep the trainer's own
+        # decisions for this step, so its loss is still logged right after.
+        controls = {id(c): c for c in (control, getattr(self.trainer, "control", None)) if c is not None}
+        saved = {k: [getattr(c, f) for f in _CONTROL_FLAGS] for k, c in controls.items()}
         try:
             # Trainer.log, not GRPOTrainer.log: TRL's override would flush its own running metrics early.
             Trainer.log(self.trainer, {k: float(v) for k, v in entry.values.items()})
         except Exception as e:  # a logging failure never stops training
             log.warning("LensTRLCallback: logging failed: %s", e)
+        finally:
+            for k, c in controls.items():
+                for f, v in zip(_CONTROL_FLAGS, saved[k]):
+                    setattr(c, f, v)
 
     # --- the readings --------------------------------------------------------------------------------
 
