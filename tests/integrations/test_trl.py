@@ -210,3 +210,15 @@ def test_the_example_runs_offline_with_the_audit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "credit by by_rollout" in out and "step conservation" in out
     assert trainer.state.global_step == 2
+
+
+def test_bf16_audit_repeats_the_training_arithmetic_and_reads_at_the_bf16_floor(policy_dir, tmp_path):
+    # bf16=True: accelerate wraps the model's forward in autocast, so the audit's forward is the training one.
+    cb = LensTRLCallback(conservation=False)
+    _train(policy_dir, tmp_path, callbacks=[cb], lora=False, bf16=True, max_steps=1, **HARD)
+    (_, report), = cb.history
+    assert isinstance(report, CreditReport)
+    assert report.grad_match <= 1e-6, report.grad_match
+    # Each part's backward runs through bf16 matmuls: the parts add up to g_full only to bf16's resolution
+    # (unit roundoff 2^-8 ≈ 3.9e-3), far above fp32's ~1e-7.
+    assert 1e-5 < report.conservation_error < 2.0**-8, report.conservation_error
