@@ -603,7 +603,13 @@ class LensTRLCallback(TrainerCallback):
             self._log.values.update(report.to_dict(self.prefix))
             log.warning("LensTRLCallback step %d: %s", step, report.render())
         else:
-            self._log.values.update(report.to_dict(self.prefix, max_parts=self.max_parts))
+            values = report.to_dict(self.prefix, max_parts=self.max_parts)
+            # The per-step names CreditAuditCallback logs beside the report's own.
+            values[f"{self.prefix}cancelled_fraction"] = report.cancelled_fraction
+            values[f"{self.prefix}conservation_error_max"] = report.conservation_error
+            values[f"{self.prefix}undefined_fraction"] = 0.0 if report.ok else 1.0
+            values[f"{self.prefix}refused"] = 0.0
+            self._log.values.update(values)
         if self.conservation:
             optimizer = kwargs.get("optimizer") or tr.optimizer
             self._pending = self._snapshot(tr, optimizer, step, report)
