@@ -222,3 +222,45 @@ def test_bf16_audit_repeats_the_training_arithmetic_and_reads_at_the_bf16_floor(
     # Each part's backward runs through bf16 matmuls: the parts add up to g_full only to bf16's resolution
     # (unit roundoff 2^-8 ≈ 3.9e-3), far above fp32's ~1e-7.
     assert 1e-5 < report.conservation_error < 2.0**-8, report.conservation_error
+
+
+def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path):
+    # high-entropy token mask, off-policy sequence mask, two-sided delta clip, bias-corrected KL and
+    # adaptive entropy control (its coefficient moves after each step's last micro-batch).
+    cb = LensTRLCallback()
+    trainer = _train(
+        policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=4, top_entropy_quantile=0.5,
+        off_policy_mask_threshold=1e-4, delta=1.05, use_bias_correction_kl=True, use_adaptive_entropy=True,
+        entropy_target=10.0, entropy_coef_delta=0.05, **HARD,
+    )
+    assert trainer.entropy_coef > trainer.args.entropy_coef  # the controller did move it
+    for (step, report), (_, reading) in zip(cb.history, cb.conservation_history):
+        assert isinstance(report, CreditReport), report.render()
+        assert report.grad_match <= 1e-6, (step, report.grad_match)
+        assert report.conservation_error <= 1e-6 and abs(report.share_sum - 1) <= 1e-6
+        assert isinstance(reading, ConservationReading) and reading.relative_error <= 1e-6, reading
+
+
+def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path):
+    # steps_per_generation = accumulation: each step trains one whole shuffled generation batch.
+    cb = LensTRLCallback(partition="by_group")
+    trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, num_iterations=1, **HARD)
+    (_, report), = cb.history
+    assert isinstance(report, CreditReport) and report.grad_match <= 1e-6
+    assert report.n_parts == 2, report.part_names  # 8 rows = 2 prompts x 4 generations
+    micro = trainer._lens_micro
+    assert len(micro) == 2
+    rows = {k: torch.cat([mb.inputs[k] for mb in micro]) for k in ("lens_rollout", "lens_group", "lens_reward", "advantages")}
+    completions = torch.cat([mb.inputs["completion_ids"] for mb in micro])
+    prompts = torch.cat([mb.inputs["prompt_ids"] for mb in micro])
+    assert sorted(rows["lens_rollout"].tolist()) == list(range(8))
+    tok = tiny_tokenizer()
+    texts = tok.batch_decode(completions, skip_special_tokens=True)
+    # the reward each row carries is the reward function on that row's own completion
+    expected = torch.tensor(digit_reward(texts)) * 1000.0
+    torch.testing.assert_close(rows["lens_reward"], expected, rtol=1e-6, atol=1e-4)
+    for g in rows["lens_group"].unique():
+        sel = rows["lens_group"] == g
+        # one prompt per group, and TRL's advantage is the reward minus the group's mean (scale_rewards="none")
+        assert len({tuple(p.tolist()) for p in prompts[sel]}) == 1
+        torch.testing.assert_close(rows["advantages"][sel], rows["lens_reward"][sel] - rows["lens_reward"][sel].mean())
