@@ -177,10 +177,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
         callbacks=[audit],
     )
     trainer.train()
-    if audit.last_report is not None:
-        print(audit.last_report.render(max_rows=8))
-    if audit.last_conservation is not None:
-        print(audit.last_conservation.render())
+    for reading in (audit.last_report, audit.last_conservation):
+        if reading is not None:
+            print(reading.render())
     return trainer
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
