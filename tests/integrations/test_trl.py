@@ -264,3 +264,43 @@ def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path):
         # one prompt per group, and TRL's advantage is the reward minus the group's mean (scale_rewards="none")
         assert len({tuple(p.tolist()) for p in prompts[sel]}) == 1
         torch.testing.assert_close(rows["advantages"][sel], rows["lens_reward"][sel] - rows["lens_reward"][sel].mean())
+
+
+def test_a_refused_audit_is_logged_and_training_goes_on(policy_dir, tmp_path):
+    # A loss type the adapter does not know: the audit is refused at every step, the run completes, and
+    # the conservation check falls back to holding the update against .grad (clipped, as the optimizer got it).
+    cls = type("UnknownLoss", (AuditedGRPO,), {"lens_loss_type": "not_a_loss"})
+    cb = LensTRLCallback()
+    trainer = _train(policy_dir, tmp_path, cls=cls, callbacks=[cb], max_steps=2, **HARD)
+    assert trainer.state.global_step == 2
+    assert [r.condition for _, r in cb.history] == ["loss_type", "loss_type"]
+    for _, reading in cb.conservation_history:
+        assert isinstance(reading, ConservationReading) and reading.source == "grad"
+        assert reading.relative_error <= 1e-6, reading.render()
+    logged = [h for h in trainer.state.log_history if "credit/refused" in h]
+    assert [h["credit/refused"] for h in logged] == [1.0, 1.0]
+    assert all(h["conservation/refused"] == 0.0 for h in logged)
+
+
+def test_engine_is_passed_only_to_a_disintegrate_that_takes_it(policy_dir, tmp_path, monkeypatch, caplog):
+    import lens_callbacks.integrations.trl as adapter
+
+    real = adapter.disintegrate
+    seen = []
+
+    def with_engine(module, batch, partition="by_rollout", *, engine="reference", **kw):
+        seen.append(engine)
+        return real(module, batch, partition, **kw)  # the reference engine, whatever was asked
+
+    import inspect
+
+    if "engine" not in inspect.signature(real).parameters:
+        # a disintegrate without engines: the reference engine runs and the request is noted once
+        cb_old = LensTRLCallback(engine="ghost", conservation=False)
+        _train(policy_dir, tmp_path / "a", callbacks=[cb_old], max_steps=1, **HARD)
+        assert isinstance(cb_old.history[0][1], CreditReport)
+        assert any("engine='ghost' ignored" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(adapter, "disintegrate", with_engine)
+    cb_new = LensTRLCallback(engine="auto", conservation=False)
+    _train(policy_dir, tmp_path / "b", callbacks=[cb_new], max_steps=1, **HARD)
+    assert seen == ["auto"] and cb_new.history[0][1].grad_match <= 1e-6
