@@ -119,12 +119,21 @@ class ForgetsAccumulation(AuditedGRPO):
         return super()._lens_micro_terms(dataclasses.replace(mb, accumulation=1))
 
 
-@pytest.mark.parametrize("wrong", ["luspo_normaliser", "no_accumulation_scaling"])
+class IgnoresClipping(AuditedGRPO):
+    """Compares with the clipped .grad as if nothing had been clipped."""
+
+    def lens_clip_coefficient(self):
+        return 1.0
+
+
+@pytest.mark.parametrize("wrong", ["luspo_normaliser", "no_accumulation_scaling", "clip_ignored"])
 def test_a_wrong_normaliser_is_caught_by_grad_match(policy_dir, tmp_path, wrong):
     cb = LensTRLCallback(conservation=False)
     if wrong == "luspo_normaliser":
         # grpo takes each row's token mean; luspo's per-row sum is a wrong normaliser for it.
         cls = type("WrongNormaliser", (AuditedGRPO,), {"lens_loss_type": "luspo"})
+    elif wrong == "clip_ignored":
+        cls = IgnoresClipping
     else:
         cls = ForgetsAccumulation
     _train(policy_dir, tmp_path, cls=cls, callbacks=[cb], loss_type="grpo", max_steps=1, **HARD)
