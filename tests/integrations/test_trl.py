@@ -180,7 +180,6 @@ def test_unsupported_configurations_are_named_refusals(policy_dir, tmp_path):
     )
     assert trainer.lens_setup_refusal() is None
     cases = {
-        "moe_aux_loss": ("aux_loss_enabled", True),
         "vllm": ("use_vllm", True),
         "loss_type": ("lens_loss_type", "ppo"),
     }
@@ -313,3 +312,28 @@ def test_engine_is_passed_only_to_a_disintegrate_that_takes_it(policy_dir, tmp_p
     cb_new = LensTRLCallback(engine="auto", conservation=False)
     _train(policy_dir, tmp_path / "b", callbacks=[cb_new], max_steps=1, **HARD)
     assert seen == ["auto"] and cb_new.history[0][1].grad_match <= 1e-6
+
+
+def test_a_moe_policy_with_an_aux_loss_is_refused_and_trains_on(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = tiny_tokenizer()
+    config = Qwen2MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
+        max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    path = str(tmp_path / "moe")
+    Qwen2MoeForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    cb = LensTRLCallback()
+    trainer = _train(path, tmp_path, callbacks=[cb], lora=False, max_steps=1)
+    assert trainer.state.global_step == 1
+    (_, refusal), = cb.history
+    assert isinstance(refusal, Refusal) and refusal.condition == "moe_aux_loss"
+    assert refusal.numbers["router_aux_loss_coef"] == 0.01
+    (_, reading), = cb.conservation_history  # held against .grad, which carries the aux loss
+    assert isinstance(reading, ConservationReading) and reading.source == "grad"
