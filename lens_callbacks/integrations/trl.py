@@ -681,8 +681,9 @@ class LensTRLCallback(TrainerCallback):
         reference: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
             if p.requires_grad and p.grad is not None:
-                g = p.grad.detach().double()
-                reference[name] = g / coef.double() if isinstance(coef, torch.Tensor) else g
+                g = p.grad.detach()
+                # one rounding in the gradient's dtype; no copy at all when nothing was clipped
+                reference[name] = g / coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g
         kwargs: dict[str, Any] = dict(
             dtype=self.dtype,
             reference_grads=reference,
@@ -717,11 +718,12 @@ class LensTRLCallback(TrainerCallback):
         grads = getattr(report, "grads", None) if isinstance(report, CreditReport) and report.ok else None
         if grads is not None and coef is not None:
             by_name = dict(zip(grads.names, grads.parts_sum))
-            c = coef.double() if isinstance(coef, torch.Tensor) else float(coef)
             held = []
             for p, n in zip(params, names):
                 if n is not None and n in by_name:
-                    held.append(by_name[n].double() * c)
+                    g = by_name[n]
+                    # scaled as clip_grad_norm_ scales .grad, in the gradient's dtype (the report keeps Σ g_S)
+                    held.append(g * coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g)
                 elif p.grad is None:
                     held.append(None)
                 else:
