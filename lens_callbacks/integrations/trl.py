@@ -522,7 +522,8 @@ class LensTRLCallback(TrainerCallback):
             engine runs (and a value other than None/``"reference"`` is reported once in the log).
         conservation: also run the step-conservation check (refused unless the optimizer is plain SGD).
         tolerance: conservation tolerance for ``conservation/violated``.
-        max_parts: log per-part shares for at most this many parts (None: all).
+        max_parts: log per-part shares for the first this-many parts (None: all; the Lightning callback's
+            ``max_logged_parts`` default is the same 16). The report keeps every part.
         prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
     """
 
@@ -535,7 +536,7 @@ class LensTRLCallback(TrainerCallback):
         engine: Optional[str] = None,
         conservation: bool = True,
         tolerance: float = 1e-4,
-        max_parts: Optional[int] = 64,
+        max_parts: Optional[int] = 16,
         prefix: str = "credit/",
         conservation_prefix: str = "conservation/",
     ) -> None:
