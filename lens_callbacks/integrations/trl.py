@@ -1,0 +1,740 @@
+r"""The credit audit and step conservation for TRL's ``GRPOTrainer``.
+
+Two pieces, used together::
+
+    from trl import GRPOTrainer
+    from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
+
+    class AuditedGRPO(LensGRPOMixin, GRPOTrainer):
+        pass
+
+    trainer = AuditedGRPO(model=..., reward_funcs=..., args=..., train_dataset=...,
+                          callbacks=[LensTRLCallback()])
+    trainer.train()
+
+:class:`LensGRPOMixin` captures what a ``TrainerCallback`` cannot see: the micro-batches of each
+optimizer step as the loss saw them (after TRL's shuffle and split), a run-wide unique rollout id, the
+prompt group and the outcome reward of every row (attached while generating and scoring, before the
+shuffle, as extra ``[B]`` tensors that travel through the split), the entropy coefficient each
+micro-batch applied, and the pre-clip gradient norm (transformers clips *before*
+``on_pre_optimizer_step``). It exposes ``credit_terms``: TRL's per-token loss re-derived for the
+configured ``loss_type`` with TRL's own ``_get_per_token_logps_and_entropies`` (so the forward, its
+autocast and its fused LM head are TRL's), divided by that loss type's own normaliser, the
+accumulation count included, plus the KL and entropy-bonus terms at the positions they come from.
+Summed over the step's micro-batches, the terms' gradient is the gradient the optimizer receives before
+clipping.
+
+:class:`LensTRLCallback` runs :func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step``
+(``grad_match`` against ``.grad`` with the clip coefficient divided out) and the step-conservation
+check at ``on_optimizer_step`` (the update held against the clip coefficient times ``Σ_S g_S``), and
+logs both through ``Trainer.log`` — so every ``report_to`` integration, TensorBoard included, gets
+them — under the names the Lightning callbacks use (``credit/...``, ``conservation/...``).
+
+Configurations the adapter cannot read exactly are refused by name (:class:`~lens_callbacks.refusal.
+Refusal`), never audited into a wrong number: a MoE auxiliary loss (it has no position), vLLM
+generation (its importance-sampling correction is untested here), multimodal inputs, several processes
+(``.grad`` is then the rank average; global readings are not wired here), loss types this version does
+not know.
+
+Supported versions: trl >= 1.16, < 1.17 with transformers >= 5.0 (tested: trl 1.16.0, transformers
+5.24.0, peft 0.21.2, accelerate 1.15.0). Install with ``pip install 'lens-callbacks[trl]'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from ..refusal import Refusal
+
+SUPPORTED_TRL = (">=1.16", "<1.17")
+SUPPORTED_TRANSFORMERS = (">=5.0",)
+_TRL_MIN, _TRL_MAX, _TF_MIN = "1.16", "1.17", "5.0"
+
+
+def _check_versions() -> None:
+    from packaging.version import Version
+
+    try:
+        import transformers
+        import trl
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "lens_callbacks.integrations.trl needs the `trl` extra (trl >= 1.16, < 1.17 and transformers >= 5.0): "
+            f"pip install 'lens-callbacks[trl]'. ({e})"
+        ) from e
+    v = Version(trl.__version__).release
+    if not (Version(_TRL_MIN).release <= v < Version(_TRL_MAX).release):
+        raise ImportError(
+            f"lens_callbacks.integrations.trl supports trl >= {_TRL_MIN}, < {_TRL_MAX}, got trl {trl.__version__}: "
+            "each loss type's normaliser is re-derived from that version's GRPOTrainer. Install "
+            "'lens-callbacks[trl]' (pins the tested range)."
+        )
+    if Version(transformers.__version__).release < Version(_TF_MIN).release:
+        raise ImportError(
+            f"lens_callbacks.integrations.trl supports transformers >= {_TF_MIN}, got transformers "
+            f"{transformers.__version__}. Install 'lens-callbacks[trl]'."
+        )
+
+
+_check_versions()
+
+from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
+
+from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
+from ..credit.conservation import ConservationReading  # noqa: E402
+from ..credit.report import CreditReport  # noqa: E402
+from ..credit.terms import CreditTerms  # noqa: E402
+
+__all__ = [
+    "LensGRPOMixin",
+    "LensTRLCallback",
+    "MicroBatch",
+    "LOSS_TYPES",
+    "trl_step_precondition",
+    "SUPPORTED_TRL",
+    "SUPPORTED_TRANSFORMERS",
+]
+
+log = logging.getLogger(__name__)
+
+#: The loss types of trl 1.16 whose per-token terms and normalisers :meth:`LensGRPOMixin.credit_terms` re-derives.
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo")
+
+# Inputs a multimodal policy's batch carries; their presence means the forward is not the text-only one.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+    "num_images",
+    "num_tiles",
+)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of an optimizer step, as TRL's loss saw it.
+
+    Attributes:
+        inputs: the dict ``compute_loss`` received (tensors shared with TRL's buffer, not copied), with
+            ``lens_rollout``/``lens_group``/``lens_reward`` ``[B]`` attached at generation.
+        accumulation: ``current_gradient_accumulation_steps`` when the loss was taken (TRL divides by it).
+        entropy_coef: the entropy-bonus coefficient this micro-batch applied (0 when the bonus is off;
+            adaptive control may change it after the step's last micro-batch).
+    """
+
+    inputs: dict[str, Any]
+    accumulation: int
+    entropy_coef: float
+
+
+class LensGRPOMixin:
+    """Mix into ``GRPOTrainer`` (``class AuditedGRPO(LensGRPOMixin, GRPOTrainer)``) to make its steps auditable.
+
+    Training is unchanged: every override calls TRL's method and only records what it saw (extra
+    ``[B]`` tensors in the generation batch are ignored by TRL's loss). ``lens_loss_type`` (default: the
+    trainer's ``loss_type``) chooses the normaliser ``credit_terms`` uses; set it to another loss type
+    only to see ``grad_match`` catch the mismatch.
+    """
+
+    lens_loss_type: Optional[str] = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lens_micro: list[MicroBatch] = []
+        self._lens_micro_step: Optional[int] = None
+        self._lens_next_rollout = 0
+        self._lens_rewards_per_func: Optional[torch.Tensor] = None
+        self._lens_clip: Optional[tuple[int, torch.Tensor, float]] = None
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, LensTRLCallback):
+                cb.bind(self)
+
+    def add_callback(self, callback: Any) -> None:
+        super().add_callback(callback)
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, LensTRLCallback) and cb.trainer is None:
+                cb.bind(self)
+
+    # --- capture -------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):  # type: ignore[no-untyped-def]
+        out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._lens_rewards_per_func = out  # [B_global, n_funcs], gathered over processes
+        return out
+
+    def _generate_and_score_completions(self, inputs):  # type: ignore[no-untyped-def]
+        self._lens_rewards_per_func = None
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return out
+        completion_ids = out["completion_ids"]  # [B, T]
+        B, dev = completion_ids.size(0), completion_ids.device
+        W, r = self.accelerator.num_processes, self.accelerator.process_index
+        # Run-wide ids: with num_iterations > 1 the same rollouts train in consecutive steps.
+        start = self._lens_next_rollout + r * B
+        rollout = torch.arange(start, start + B, device=dev)  # [B]
+        self._lens_next_rollout += W * B
+        out["lens_rollout"] = rollout
+        # TRL groups num_generations consecutive rows of the process-ordered generation batch.
+        out["lens_group"] = rollout // int(self.num_generations)  # [B]
+        rpf = self._lens_rewards_per_func
+        if rpf is not None and rpf.dim() == 2 and rpf.size(0) == W * B:
+            w = self.reward_weights.to(rpf.device, rpf.dtype)
+            out["lens_reward"] = (rpf * w.unsqueeze(0)).nansum(dim=1)[r * B : (r + 1) * B].to(dev)  # [B]
+        self._lens_rewards_per_func = None
+        return out
+
+    def _lens_applied_entropy_coef(self) -> float:
+        if not getattr(self, "_entropy_bonus_enabled", False):
+            return 0.0
+        if getattr(self, "use_adaptive_entropy", False):
+            return float(self.entropy_coef) if self._last_world_entropy <= self.args.entropy_target else 0.0
+        return float(self.entropy_coef)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+        if self.model.training:
+            step = int(self.state.global_step)
+            if self._lens_micro_step != step:
+                self._lens_micro, self._lens_micro_step = [], step
+            self._lens_micro.append(
+                MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
+            )
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def _clip_grad_norm(self, model):  # type: ignore[no-untyped-def]
+        total = super()._clip_grad_norm(model)
+        if isinstance(total, torch.Tensor):
+            self._lens_clip = (int(self.state.global_step), total.detach().clone(), float(self.args.max_grad_norm))
+        return total
+
+    # --- what the callback reads ---------------------------------------------------------------------
+
+    def lens_micro_batches(self) -> list[MicroBatch]:
+        """The micro-batches of the step now being taken (empty before the first loss of the step)."""
+        return list(self._lens_micro) if self._lens_micro_step == int(self.state.global_step) else []
+
+    def lens_clip_coefficient(self) -> Union[float, torch.Tensor, None]:
+        r"""The factor clipping multiplied ``.grad`` by this step; 1.0 without clipping; None if not recorded.
+
+        Computed as torch's ``clip_grad_norm_`` does: ``min(max_norm / (‖g‖ + 1e-6), 1)`` in the norm's dtype.
+        """
+        max_norm = float(self.args.max_grad_norm or 0.0)
+        if max_norm <= 0:
+            return 1.0
+        if self._lens_clip is None or self._lens_clip[0] != int(self.state.global_step):
+            return None
+        _, total, max_norm = self._lens_clip
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+    def lens_setup_refusal(self) -> Optional[Refusal]:
+        """A :class:`Refusal` naming the first configuration the audit cannot read exactly; None if it can."""
+        loss_type = self.lens_loss_type or self.loss_type
+        if loss_type not in LOSS_TYPES:
+            return Refusal(
+                "loss_type",
+                f"`loss_type` must be one of {list(LOSS_TYPES)} for the audit, got {loss_type!r}.",
+                numbers={},
+                remedy="use a loss type trl 1.16 ships; the adapter re-derives each one's per-token terms.",
+            )
+        if getattr(self, "aux_loss_enabled", False):
+            return Refusal(
+                "moe_aux_loss",
+                "the MoE load-balancing loss (router_aux_loss_coef != 0) has no position in the completion, so it "
+                "cannot be split into per-token terms; an audit without it would not add up to .grad.",
+                numbers={"router_aux_loss_coef": float(getattr(self, "router_aux_loss_coef", float("nan")))},
+                remedy="audit with router_aux_loss_coef=0 (or output_router_logits=False in the model config).",
+            )
+        if getattr(self, "use_vllm", False):
+            return Refusal(
+                "vllm",
+                "generation with vLLM (use_vllm=True) brings sampler log-probs and an importance-sampling "
+                "correction into the loss, which this adapter has not been tested against.",
+                numbers={"vllm_importance_sampling_correction": int(bool(getattr(self, "vllm_importance_sampling_correction", False)))},
+                remedy="audit a run that generates with transformers (use_vllm=False).",
+            )
+        proc = getattr(self, "processing_class", None)
+        if proc is not None and hasattr(proc, "image_processor"):
+            return Refusal(
+                "multimodal",
+                f"the processing class is a multimodal processor ({type(proc).__name__}); the adapter re-derives the "
+                "text-only forward.",
+                remedy="audit a text-only policy.",
+            )
+        if int(self.accelerator.num_processes) > 1:
+            return Refusal(
+                "distributed",
+                "under several processes .grad is the rank average; the TRL adapter reads one rank's terms only.",
+                numbers={"num_processes": int(self.accelerator.num_processes)},
+                remedy="audit a single-process run (the Lightning callbacks give the global readings).",
+            )
+        return None
+
+    def lens_step_refusal(self, micro: Sequence[MicroBatch]) -> Optional[Refusal]:
+        """A :class:`Refusal` for a step whose inputs the audit cannot read; None if it can."""
+        if not micro:
+            return Refusal("no_micro_batches", "no micro-batch of this step was captured, so there is nothing to audit.")
+        for i, mb in enumerate(micro):
+            present = [k for k in _MULTIMODAL_KEYS if mb.inputs.get(k) is not None]
+            if present:
+                return Refusal(
+                    "multimodal",
+                    f"micro-batch {i} carries multimodal inputs {present}; the adapter re-derives the text-only forward.",
+                    numbers={"micro_batch": i},
+                )
+            if mb.inputs.get("importance_sampling_ratio") is not None:
+                return Refusal(
+                    "vllm_importance_sampling",
+                    f"micro-batch {i} carries a vLLM importance-sampling ratio, which this adapter has not been tested against.",
+                    numbers={"micro_batch": i},
+                )
+            if mb.inputs.get("lens_rollout") is None:
+                return Refusal(
+                    "no_rollout_ids",
+                    f"micro-batch {i} was generated without rollout ids (the mixin must wrap the trainer that generated it).",
+                    numbers={"micro_batch": i},
+                )
+        accum = int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+        if len(micro) != accum:
+            return Refusal(
+                "micro_batches",
+                f"the step accumulated {accum} micro-batches but {len(micro)} were captured; the audit would not "
+                "see the gradient the optimizer receives.",
+                numbers={"captured": len(micro), "accumulation": accum},
+            )
+        return None
+
+    # --- the terms -----------------------------------------------------------------------------------
+
+    def credit_terms(self, batch: Optional[Sequence[MicroBatch]] = None) -> CreditTerms:
+        r"""The step's per-token objective terms: their sum over all micro-batches is the loss TRL backpropagates.
+
+        Each micro-batch is re-scored with TRL's ``_get_per_token_logps_and_entropies`` on ``self.model``
+        (under ``functional_call`` in an audit, so on the audit's parameter copies) and its terms are padded to
+        the step's longest completion; rows are stacked in the order the micro-batches were trained.
+
+        Args:
+            batch: the micro-batches (default: those of the step now being taken).
+        """
+        micro = self.lens_micro_batches() if batch is None else list(batch)
+        if not micro:
+            raise ValueError("`batch` must hold at least one micro-batch, got none; call during a training step.")
+        parts = [self._lens_micro_terms(mb) for mb in micro]
+        T = max(p[0].size(1) for p in parts)
+
+        def pad(x: torch.Tensor, value: Any = 0) -> torch.Tensor:
+            return torch.nn.functional.pad(x, (0, T - x.size(1)), value=value)
+
+        terms = torch.cat([pad(p[0]) for p in parts])  # [B, T]
+        trained = torch.cat([pad(p[1], False) for p in parts])  # [B, T]
+        tokens = torch.cat([pad(p[2]) for p in parts])  # [B, T]
+        rollout = torch.cat([mb.inputs["lens_rollout"] for mb in micro]).long()  # [B]
+        group = torch.cat([mb.inputs["lens_group"] for mb in micro]).long()  # [B]
+        rewards = None
+        if all(mb.inputs.get("lens_reward") is not None for mb in micro):
+            rewards = torch.cat([mb.inputs["lens_reward"] for mb in micro])  # [B]
+        return CreditTerms(terms, trained, rollout, group, rewards=rewards, tokens=tokens)
+
+    def _lens_micro_terms(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(terms [B, T], trained [B, T], completion_ids [B, T])`` for one micro-batch, as ``_compute_loss`` has it."""
+        inputs = mb.inputs
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P + T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B, P + T]
+        logits_to_keep = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [B, T]
+
+        # TRL's own forward, without its profiling wrapper (an audit is not a training forward).
+        fn = type(self)._get_per_token_logps_and_entropies
+        fn = getattr(fn, "__wrapped__", fn)
+        per_token_logps, entropies, _ = fn(
+            self, self.model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, compute_aux_loss=False
+        )  # [B, T], [B, T]
+
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)  # [B, T]
+
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)  # [B, 1]
+        old = inputs.get("old_per_token_logps")
+        old = per_token_logps.detach() if old is None else old  # [B, T]
+
+        if self.off_policy_mask_threshold is not None:
+            sampling = inputs.get("sampling_per_token_logps", old)
+            off_policy_mask = self.get_off_policy_mask(
+                advantages=advantages,
+                per_token_logps=per_token_logps,
+                sampling_per_token_logps=sampling,
+                mask=mask,
+                off_policy_threshold=self.off_policy_mask_threshold,
+            )  # [B, 1]
+
+        log_ratio = per_token_logps - old  # [B, T]
+        if self.importance_sampling_level == "token":
+            log_w = log_ratio
+        elif self.importance_sampling_level == "sequence":
+            log_w = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
+        else:
+            raise ValueError(
+                f"`importance_sampling_level` must be 'token' or 'sequence', got {self.importance_sampling_level!r}."
+            )
+        coef_1 = torch.exp(log_w)
+
+        if self.beta != 0.0:
+            ref = inputs["ref_per_token_logps"]  # [B, T]
+            per_token_kl = torch.exp(ref - per_token_logps) - (ref - per_token_logps) - 1
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * coef_1
+
+        loss_type = self.lens_loss_type or self.loss_type
+        if loss_type == "cispo":
+            per_token_loss = -torch.clamp(coef_1, max=self.epsilon_high).detach() * advantages * per_token_logps
+        elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+            if self.args.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=self.args.delta)
+            per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        elif loss_type == "sapo":
+            temps = torch.where(advantages > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
+            per_token_loss = -(torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * advantages
+        elif loss_type == "vespo":
+            phi = self.get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=log_ratio,
+                mask=mask,
+                importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+                k_pos=self.args.vespo_k_pos,
+                lambda_pos=self.args.vespo_lambda_pos,
+                k_neg=self.args.vespo_k_neg,
+                lambda_neg=self.args.vespo_lambda_neg,
+            )  # [B, 1]
+            per_token_loss = -phi * advantages * per_token_logps
+        else:
+            raise ValueError(f"`loss_type` must be one of {list(LOSS_TYPES)}, got {loss_type!r}.")
+
+        if self.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * off_policy_mask
+        if entropy_mask is not None:
+            per_token_loss = per_token_loss * entropy_mask
+        if self.beta != 0.0:
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        B = completion_ids.size(0)
+        accum = mb.accumulation
+        masked = per_token_loss * mask  # [B, T] (a [B, 1] sequence-level loss broadcasts over the row)
+        if loss_type in ("grpo", "sapo"):
+            # mean over each row's tokens, then over rows
+            terms = masked / mask.sum(-1, keepdim=True).clamp(min=1.0) / B / accum
+        elif loss_type == "bnpo":
+            terms = masked / mask.sum().clamp(min=1.0) / accum
+        elif loss_type == "dr_grpo":
+            terms = masked / (B * self.max_completion_length) / accum
+        elif loss_type in ("cispo", "dapo", "vespo"):
+            # num_items_in_batch spans the generation batch: TRL rescales it to one accumulation window.
+            normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            normaliser = normaliser * accum / self.args.steps_per_generation
+            terms = masked / normaliser
+        else:  # luspo: sum over each row's tokens, then mean over rows
+            terms = masked / B / accum
+
+        if mb.entropy_coef != 0.0:
+            eff = mask if entropy_mask is None else mask * entropy_mask  # [B, T]
+            terms = terms - mb.entropy_coef * (entropies * eff) / eff.sum().clamp(min=1.0) / accum
+        return terms, mask.bool(), completion_ids
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    # accelerate's AcceleratedOptimizer holds the torch optimizer as `.optimizer`
+    # (it subclasses torch.optim.Optimizer itself, so unwrap on the attribute, not on the type).
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    return inner
+
+
+def trl_step_precondition(
+    trainer: Any, optimizer: Any, *, clip_accounted: bool, micro_batches_seen: Optional[int]
+) -> Union[tuple[bool, str], Refusal]:
+    """Whether ``θ_after = θ_before − η·g`` holds for this TRL step, ``g`` being the gradient held against.
+
+    Reads TRL's optimizer (unwrapped from accelerate's) and ``max_grad_norm``. Clipping is no break when the
+    clip coefficient is applied to the held gradient (``clip_accounted``); accumulation is none when the held
+    gradient covers every micro-batch of the step (``micro_batches_seen`` equal to the accumulation count).
+    """
+    max_norm = float(trainer.args.max_grad_norm or 0.0)
+    accum = int(getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps))
+    skipped = bool(getattr(trainer.accelerator, "optimizer_step_was_skipped", False))
+    return exact_optimizer_precondition(
+        _unwrap_optimizer(optimizer),
+        gradient_clip_val=None if clip_accounted else (max_norm or None),
+        accumulate_grad_batches=1 if micro_batches_seen == accum else accum,
+        step_skipped=skipped,
+    )
+
+
+_CONTROL_FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
+
+
+@dataclass
+class _Pending:
+    step: int
+    params: list[torch.Tensor]
+    names: list[Optional[str]]
+    before: list[torch.Tensor]
+    lrs: list[float]
+    group_index: list[int]
+    precondition: Union[tuple[bool, str], Refusal]
+    held: Optional[list[Optional[torch.Tensor]]]  # None: hold against .grad at the optimizer step
+    source: str
+
+
+@dataclass
+class _StepLog:
+    values: dict[str, float] = field(default_factory=dict)
+
+
+class LensTRLCallback(TrainerCallback):
+    """Audit a ``GRPOTrainer`` step at the optimizer step and log the readings through ``Trainer.log``.
+
+    Needs the trainer to mix in :class:`LensGRPOMixin` (the mixin binds this callback to itself). Logged at
+    the step the readings describe (the trainer's ``global_step`` after the update, as TRL's own loss):
+    ``credit/...`` as :meth:`CreditReport.to_dict` writes them, ``conservation/...`` as
+    :meth:`ConservationReading.to_dict` does, and ``credit/refused`` / ``conservation/refused`` = 1 with the
+    refusal's numbers when a reading is declined (the reason goes to the ``lens_callbacks`` logger).
+
+    Args:
+        partition: ``"by_rollout"`` (default), ``"by_group"``, or any partition ``disintegrate`` takes.
+        every_n_steps: audit every n-th optimizer step.
+        dtype: the audit's dtype (``"float32"`` default, ``"float64"``, ``"native"``).
+        engine: passed to ``disintegrate`` when it accepts an ``engine`` argument; otherwise the reference
+            engine runs (and a value other than None/``"reference"`` is reported once in the log).
+        conservation: also run the step-conservation check (refused unless the optimizer is plain SGD).
+        tolerance: conservation tolerance for ``conservation/violated``.
+        max_parts: log per-part shares for the first this-many parts (None: all; the Lightning callback's
+            ``max_logged_parts`` default is the same 16). The report keeps every part.
+        prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
+    """
+
+    def __init__(
+        self,
+        partition: Any = "by_rollout",
+        *,
+        every_n_steps: int = 1,
+        dtype: str = "float32",
+        engine: Optional[str] = None,
+        conservation: bool = True,
+        tolerance: float = 1e-4,
+        max_parts: Optional[int] = 16,
+        prefix: str = "credit/",
+        conservation_prefix: str = "conservation/",
+    ) -> None:
+        if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
+            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step.")
+        if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+            raise ValueError(f"`tolerance` must be a positive number, got {tolerance!r}; e.g. 1e-4.")
+        if max_parts is not None and (not isinstance(max_parts, int) or max_parts < 0):
+            raise ValueError(f"`max_parts` must be a non-negative int or None, got {max_parts!r}.")
+        for name, p in (("prefix", prefix), ("conservation_prefix", conservation_prefix)):
+            if not isinstance(p, str):
+                raise ValueError(f"`{name}` must be a str, got {p!r}; e.g. 'credit/'.")
+        self.partition = partition
+        self.every_n_steps = every_n_steps
+        self.dtype = dtype
+        self.engine = engine
+        self.conservation = bool(conservation)
+        self.tolerance = float(tolerance)
+        self.max_parts = max_parts
+        self.prefix = prefix
+        self.conservation_prefix = conservation_prefix
+        self.trainer: Any = None
+        self.last_report: Union[CreditReport, Refusal, None] = None
+        self.last_conservation: Union[ConservationReading, Refusal, None] = None
+        #: ``(step, CreditReport | Refusal)`` per audited step, in order.
+        self.history: list[tuple[int, Union[CreditReport, Refusal]]] = []
+        #: ``(step, ConservationReading | Refusal)`` per audited step, in order.
+        self.conservation_history: list[tuple[int, Union[ConservationReading, Refusal]]] = []
+        self._pending: Optional[_Pending] = None
+        self._log: Optional[_StepLog] = None
+        self._engine_note_done = False
+        #: The factor clipping multiplied ``.grad`` by at the last audited step (1.0: no clipping).
+        self.last_clip_coef: Optional[float] = None
+
+    def bind(self, trainer: Any) -> None:
+        """Attach to the trainer whose steps to audit (the mixin does this)."""
+        self.trainer = trainer
+
+    # --- events --------------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = self.trainer
+        if tr is None or not isinstance(tr, LensGRPOMixin):
+            log.warning(
+                "LensTRLCallback: the trainer must mix in LensGRPOMixin (class AuditedGRPO(LensGRPOMixin, GRPOTrainer)); "
+                "nothing will be audited."
+            )
+            return
+        ref = tr.lens_setup_refusal()
+        if ref is not None:
+            log.warning("LensTRLCallback: %s", ref.render())
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = self.trainer
+        step = int(state.global_step)
+        self._pending, self._log = None, None
+        if not isinstance(tr, LensGRPOMixin) or step % self.every_n_steps != 0:
+            return
+        self._log = _StepLog()
+        report = self.audit()
+        self.last_report = report
+        self.history.append((step, report))
+        if isinstance(report, Refusal):
+            self._log.values.update(report.to_dict(self.prefix))
+            log.warning("LensTRLCallback step %d: %s", step, report.render())
+        else:
+            values = report.to_dict(self.prefix, max_parts=self.max_parts)
+            # The per-step names CreditAuditCallback logs beside the report's own.
+            values[f"{self.prefix}cancelled_fraction"] = report.cancelled_fraction
+            values[f"{self.prefix}conservation_error_max"] = report.conservation_error
+            values[f"{self.prefix}undefined_fraction"] = 0.0 if report.ok else 1.0
+            values[f"{self.prefix}refused"] = 0.0
+            self._log.values.update(values)
+        if self.conservation:
+            optimizer = kwargs.get("optimizer") or tr.optimizer
+            self._pending = self._snapshot(tr, optimizer, step, report)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        pend, self._pending = self._pending, None
+        if pend is None or self._log is None:
+            return
+        if isinstance(pend.precondition, Refusal):
+            reading: Union[ConservationReading, Refusal] = pend.precondition
+        else:
+            held = pend.held if pend.held is not None else [p.grad for p in pend.params]
+            reading = step_conservation(
+                pend.before,
+                [p.detach() for p in pend.params],
+                pend.lrs,
+                held,
+                group_index=pend.group_index,
+                precondition=pend.precondition,
+                tolerance=self.tolerance,
+                source=pend.source,
+                step=pend.step,
+            )
+        self.last_conservation = reading
+        self.conservation_history.append((pend.step, reading))
+        self._log.values.update(reading.to_dict(self.conservation_prefix))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        entry, self._log = self._log, None
+        if entry is None or not entry.values or self.trainer is None:
+            return
+        # The log event clears `should_log` (and a callback may touch the other flags): keep the trainer's own
+        # decisions for this step, so its loss is still logged right after.
+        controls = {id(c): c for c in (control, getattr(self.trainer, "control", None)) if c is not None}
+        saved = {k: [getattr(c, f) for f in _CONTROL_FLAGS] for k, c in controls.items()}
+        try:
+            # Trainer.log, not GRPOTrainer.log: TRL's override would flush its own running metrics early.
+            Trainer.log(self.trainer, {k: float(v) for k, v in entry.values.items()})
+        except Exception as e:  # a logging failure never stops training
+            log.warning("LensTRLCallback: logging failed: %s", e)
+        finally:
+            for k, c in controls.items():
+                for f, v in zip(_CONTROL_FLAGS, saved[k]):
+                    setattr(c, f, v)
+
+    # --- the readings --------------------------------------------------------------------------------
+
+    def audit(self) -> Union[CreditReport, Refusal]:
+        """Disintegrate the step now being taken (call between the last backward and the optimizer step)."""
+        tr = self.trainer
+        ref = tr.lens_setup_refusal()
+        if ref is not None:
+            return ref
+        micro = tr.lens_micro_batches()
+        ref = tr.lens_step_refusal(micro)
+        if ref is not None:
+            return ref
+        coef = tr.lens_clip_coefficient()
+        if coef is None:
+            return Refusal(
+                "clip_not_recorded",
+                f"max_grad_norm = {tr.args.max_grad_norm} clips .grad before this event, and the clip coefficient "
+                "was not recorded this step, so .grad cannot be compared with the audit.",
+                numbers={"max_grad_norm": float(tr.args.max_grad_norm)},
+            )
+        self.last_clip_coef = float(coef)
+        if self._log is not None:
+            self._log.values[f"{self.prefix}clip_coef"] = self.last_clip_coef
+        model = tr.model
+        reference: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.grad is not None:
+                g = p.grad.detach()
+                # one rounding in the gradient's dtype; no copy at all when nothing was clipped
+                reference[name] = g / coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g
+        kwargs: dict[str, Any] = dict(
+            dtype=self.dtype,
+            reference_grads=reference,
+            terms_fn=lambda batch: tr.credit_terms(batch),
+            keep_grads=self.conservation,
+        )
+        if self.engine is not None:
+            if "engine" in inspect.signature(disintegrate).parameters:
+                kwargs["engine"] = self.engine
+            elif self.engine != "reference" and not self._engine_note_done:
+                self._engine_note_done = True
+                log.warning("LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.", self.engine)
+        try:
+            return disintegrate(model, micro, self.partition, **kwargs)
+        except Exception as e:  # a reading that cannot be made never crashes the training run
+            return Refusal("audit_failed", f"the audit raised {type(e).__name__}: {e}", numbers={})
+
+    def _snapshot(self, tr: Any, optimizer: Any, step: int, report: Union[CreditReport, Refusal]) -> _Pending:
+        opt = _unwrap_optimizer(optimizer)
+        names_of = {id(p): n for n, p in tr.model.named_parameters()}
+        params: list[torch.Tensor] = []
+        group_index: list[int] = []
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                params.append(p)
+                group_index.append(gi)
+        names = [names_of.get(id(p)) for p in params]
+        lrs = [float(g["lr"]) for g in opt.param_groups]
+        held: Optional[list[Optional[torch.Tensor]]] = None
+        source = "grad"
+        coef = tr.lens_clip_coefficient()
+        grads = getattr(report, "grads", None) if isinstance(report, CreditReport) and report.ok else None
+        if grads is not None and coef is not None:
+            by_name = dict(zip(grads.names, grads.parts_sum))
+            held = []
+            for p, n in zip(params, names):
+                if n is not None and n in by_name:
+                    g = by_name[n]
+                    # scaled as clip_grad_norm_ scales .grad, in the gradient's dtype (the report keeps Σ g_S)
+                    held.append(g * coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g)
+                elif p.grad is None:
+                    held.append(None)
+                else:
+                    held, source = None, "grad"
+                    break
+            else:
+                source = "credit_parts"
+        # .grad already holds the clip and the whole accumulation window; the parts do once scaled by c.
+        precondition = trl_step_precondition(
+            tr, optimizer, clip_accounted=True, micro_batches_seen=int(tr.current_gradient_accumulation_steps)
+        )
+        before = [p.detach().clone() for p in params]
+        return _Pending(step, params, names, before, lrs, group_index, precondition, held, source)
