@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -623,7 +623,7 @@ def run_arms(
     python: str = sys.executable,
     cwd: Any = None,
     timeout: Optional[float] = None,
-    progress: Optional[Callable[[int], Any]] = None,
+    progress: Any = True,
     floor: float = REGRESSION_FLOOR,
     grad_factor: float = GRAD_NORM_FACTOR,
     gated_on_tol: float = GATED_ON_TOL,
@@ -644,8 +644,8 @@ def run_arms(
             (compared bitwise with arm ``off``; only when ``off`` is among the arms).
         cwd: working directory of the runs (class paths resolve from it; default: the current one).
         timeout: seconds a run may take before it counts as crashed.
-        progress: a factory ``total -> bar`` with ``update(n)`` and ``close()`` (tqdm's signature);
-            None: no bar.
+        progress: ``True``: a tqdm bar over runs on stderr (when tqdm is installed); ``False``/``None``: none;
+            or a factory ``total -> bar`` with ``update(n)`` and ``close()``.
 
     A run whose ``result.json`` says it finished with the same config, steps and seed is read back, not re-run;
     a crashed one is run again.
@@ -686,7 +686,15 @@ def run_arms(
         cfg = run_config(cfg0, a, run_dir, anchor_args=anchor_args, arm_args=defs.get(a, {}), score=score,
                          val_every=val_every)
         work.append((a, s, cfg, run_dir))
-    bar = progress(len(work)) if progress is not None else None
+    if progress is True:
+        try:
+            from tqdm.auto import tqdm
+
+            def progress(total: int) -> Any:
+                return tqdm(total=total, desc="anchor-arms", unit="run", file=sys.stderr)
+        except ImportError:  # tqdm ships with lightning; without it, no bar
+            progress = None
+    bar = progress(len(work)) if callable(progress) else None
     results: dict[tuple[str, int], RunResult] = {}
     reread: list[tuple[str, int]] = []
     try:

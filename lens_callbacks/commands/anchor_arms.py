@@ -75,19 +75,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if not sep or not name.strip():
                 raise ValueError(f"`--arm` must be NAME=JSON, got {spec!r}.")
             defs[name.strip()] = _json_object(f"--arm {name.strip()}", body)
-        progress = None
-        if not args.no_progress:
-            try:
-                from tqdm.auto import tqdm
-
-                def progress(total):
-                    return tqdm(total=total, desc="anchor-arms", unit="run", file=sys.stderr)
-            except ImportError:  # tqdm ships with lightning; without it, no bar
-                progress = None
         report = run_arms(
             args.config, arms, seeds, args.steps, args.out, score=args.score, anchor_args=anchor_args,
             arm_defs=defs, val_every=args.val_every, jobs=args.jobs, parity=not args.no_parity,
-            timeout=args.timeout, progress=progress, floor=args.floor, grad_factor=args.grad_factor,
+            timeout=args.timeout, progress=not args.no_progress, floor=args.floor, grad_factor=args.grad_factor,
             gated_on_tol=args.gated_on_tol,
         )
     except ValueError as e:
