@@ -446,21 +446,22 @@ def decide(
         rows.append(Row("no regression", a, f"Δ {_g(s.delta_mean, '+.4g')}", f"Δ ≥ −{t:.4g} (max({floor:g}, 2σ))",
                         passed, kind="safety" if a in SAFETY_ARMS else "info", note=note))
     for a in order:
-        if a not in SAFETY_ARMS:
+        if a in ("A", "off"):
             continue
         s = summaries[a]
+        kind = "safety" if a in SAFETY_ARMS else "info"
         if s.n_projected == 0:
             rows.append(Row("gated-ON ≈ 0 where projection does not help", a, "no projected fire",
-                            f"gated-ON ≤ {gated_on_tol:g}", s.n_ok > 0, note="the window never reached n0"))
+                            f"gated-ON ≤ {gated_on_tol:g}", s.n_ok > 0, kind=kind, note="the window never reached n0"))
             continue
         helps = math.isfinite(s.weight_err_ratio) and s.weight_err_ratio < 1.0
         if helps:
             rows.append(Row("gated-ON ≈ 0 where projection does not help", a, f"gated-ON {s.gated_on:.3f}",
-                            "n/a: the projection helps", True,
+                            "n/a: the projection helps", True, kind=kind,
                             note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} < 1"))
         else:
             rows.append(Row("gated-ON ≈ 0 where projection does not help", a, f"gated-ON {s.gated_on:.3f}",
-                            f"≤ {gated_on_tol:g}", s.gated_on <= gated_on_tol,
+                            f"≤ {gated_on_tol:g}", s.gated_on <= gated_on_tol, kind=kind,
                             note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} ≥ 1"))
     for a in order:
         if a in ("A", "off"):

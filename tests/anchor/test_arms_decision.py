@@ -196,3 +196,11 @@ def test_docstring_example():
 
     res = doctest.testmod(mod, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_an_ablation_b_gate_left_on_is_reported_not_a_stop():
+    fires = ({"t_fast": 8, "projected": True, "comm_bytes": COMM, "gated_on_fraction": 0.5, "weight_err_ratio": 2.0},)
+    res = base() + [run("B", s, 0.52, fires=fires) for s in range(3)]
+    rep = decide(res, parity())
+    r = row(rep, "gated-ON ≈ 0 where projection does not help", "B")
+    assert r.passed is False and r.kind == "info" and rep.verdict == "stay on A"
