@@ -204,3 +204,14 @@ def test_an_ablation_b_gate_left_on_is_reported_not_a_stop():
     rep = decide(res, parity())
     r = row(rep, "gated-ON ≈ 0 where projection does not help", "B")
     assert r.passed is False and r.kind == "info" and rep.verdict == "stay on A"
+
+
+def test_figures_are_written_per_run_set(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lens_callbacks.anchor.arms import figures
+
+    rep = decide(base(), parity(), settings={"score": "val/accuracy"})
+    written = figures(rep, tmp_path)
+    assert sorted(p.name for p in written) == ["gated_on.png", "scores.png"]
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
