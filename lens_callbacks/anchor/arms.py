@@ -317,7 +317,12 @@ class ArmsReport:
     def _row_lines(self) -> list[tuple[str, ...]]:
         lines = [("check", "arm", "value", "threshold", "result")]
         for r in self.rows:
-            res = "info" if r.passed is None else ("PASS" if r.passed else "FAIL")
+            if r.passed is None:
+                res = "info"
+            elif r.kind == "info":  # an ablation's row: reported, not decided on
+                res = ("pass" if r.passed else "fail") + " (info)"
+            else:
+                res = "PASS" if r.passed else "FAIL"
             lines.append((r.check, r.arm, r.value + (f" ({r.note})" if r.note else ""), r.threshold, res))
         return lines
 
@@ -739,6 +744,7 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         return []
     out = Path(out)
     written = []
+    color = {a: f"C{i}" for i, a in enumerate(report.arms)}  # one colour per arm in both figures
     fig, ax = plt.subplots(figsize=(6, 3.6))
     drew = False
     for a in report.arms:
@@ -749,9 +755,9 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         if not steps:
             continue
         m = np.array([[dict(r.scores)[s] for s in steps] for r in runs], dtype=float)  # [seeds, steps]
-        line, = ax.plot(steps, m.mean(0), label=f"{a} (n={len(runs)})")
+        ax.plot(steps, m.mean(0), color=color[a], label=f"{a} (n={len(runs)})")
         if len(runs) > 1:
-            ax.fill_between(steps, m.min(0), m.max(0), color=line.get_color(), alpha=0.2)
+            ax.fill_between(steps, m.min(0), m.max(0), color=color[a], alpha=0.15)
         drew = True
     if drew:
         ax.set_xlabel("step")
@@ -773,7 +779,7 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
             for f in r.fires:
                 per.setdefault(int(f["t_fast"]), []).append(_nan(f.get("gated_on_fraction")) if f.get("projected") else 0.0)
         steps = sorted(per)
-        ax.plot(steps, [float(np.mean(per[s])) for s in steps], ".-", label=a)
+        ax.plot(steps, [float(np.mean(per[s])) for s in steps], ".-", color=color[a], label=a)
         drew = True
     if drew:
         ax.set_xlabel("step")

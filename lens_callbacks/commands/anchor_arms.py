@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--config", type=Path, required=True, help="the LightningCLI YAML to run once per arm and seed")
     ap.add_argument("--arms", default="off,A,C", help="comma-separated arms among off,A,B,C,D (default off,A,C)")
-    ap.add_argument("--seeds", default="3", help="a count n (seeds 0..n-1) or a comma-separated list (default 3)")
+    ap.add_argument("--seeds", default="3", help="a count n (seeds 0..n-1) or a comma-separated list, e.g. 7, for seed 7 alone (default 3)")
     ap.add_argument("--steps", type=int, required=True, help="trainer.max_steps of every run")
     ap.add_argument("--score", default="val/accuracy", help="logged held-out metric to compare (default val/accuracy)")
     ap.add_argument("--out", type=Path, default=Path("anchor_arms"), help="output directory (default anchor_arms)")
