@@ -50,14 +50,16 @@ class AdditionDataModule(LightningDataModule):
         # Its own seed, so adding a validation set leaves the training prompts as they were.
         gv = torch.Generator().manual_seed(data_seed + 2)
         self.val_pairs = torch.randint(0, max_operand + 1, (num_val_prompts, 2), generator=gv)  # [Nv, 2]
+        if num_val_prompts == 0:
+            # Without a validation set the datamodule is one that defines no val_dataloader (Lightning then
+            # runs no validation loop; an empty loader would warn on every fit).
+            self.val_dataloader = super().val_dataloader
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(self.data_seed + 1)
         return DataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, generator=g)
 
-    def val_dataloader(self) -> list:
-        if self.num_val_prompts == 0:
-            return []
+    def val_dataloader(self) -> DataLoader:
         # A generator of its own: a DataLoader iterator without one draws its base seed from the global
         # stream, which would shift the training run's sampling after every validation.
         return DataLoader(TensorDataset(self.val_pairs), batch_size=max(self.batch_size, 32), shuffle=False,

@@ -50,6 +50,9 @@ def test_val_accuracy_is_the_greedy_accuracy_and_training_is_unchanged():
 
 
 def test_no_validation_by_default_and_a_bad_size_is_an_error():
-    assert AdditionDataModule().val_dataloader() == []
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    assert not is_overridden("val_dataloader", AdditionDataModule())
+    assert is_overridden("val_dataloader", AdditionDataModule(num_val_prompts=4))
     with pytest.raises(ValueError, match="num_val_prompts"):
         AdditionDataModule(num_val_prompts=-1)
