@@ -108,6 +108,7 @@ class RunResult:
     returncode: int = 0
     logged_tags: tuple = ()
     seconds: float = float("nan")
+    refusal: str = ""
 
     @property
     def ok(self) -> bool:
@@ -140,6 +141,7 @@ class RunResult:
             "scores": [list(s) for s in self.scores], "grad_norms": [list(g) for g in self.grad_norms],
             "fires": list(self.fires), "param_hash": self.param_hash, "error": self.error,
             "returncode": self.returncode, "logged_tags": list(self.logged_tags), "seconds": self.seconds,
+            "refusal": self.refusal,
         })
 
     @classmethod
@@ -151,6 +153,7 @@ class RunResult:
             fires=tuple(dict(f) for f in d.get("fires", [])), param_hash=str(d.get("param_hash", "")),
             error=str(d.get("error", "")), returncode=int(d.get("returncode", 0)),
             logged_tags=tuple(d.get("logged_tags", [])), seconds=_nan(d.get("seconds")),
+            refusal=str(d.get("refusal") or ""),
         )
 
 
@@ -403,6 +406,14 @@ def decide(
         crashed = [r.seed for r in runs if not r.ok]
         rows.append(Row("runs finished", a, f"{len(runs) - len(crashed)}/{len(runs)}", "all seeds exit 0",
                         bool(runs) and not crashed, note=f"crashed seeds {crashed}" if crashed else ""))
+    for a in order:
+        if a == "off":
+            continue
+        refused = [(r.seed, r.refusal) for r in by_arm[a] if r.ok and r.refusal]
+        # A refused anchor evaluation leaves .grad as it was: the arm would pass without having been tested.
+        rows.append(Row("anchor refusals", a, "none" if not refused else f"{len(refused)} run(s)",
+                        "no refused fire, gradient or merge", not refused,
+                        note=f"seed {refused[0][0]}: {refused[0][1]}" if refused else ""))
     if parity is not None or "off" in order:
         off = next((r for r in by_arm.get("off", []) if parity is not None and r.seed == parity.seed), None)
         if parity is None or off is None or not (parity.ok and off.ok):
@@ -592,7 +603,7 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
             arm=arm, seed=seed, status="ok", score=scores[-1][1] if scores else float("nan"), scores=scores,
             grad_norms=tuple((int(s), _nan(v)) for s, v in rec.get("grad_norms", [])),
             fires=tuple(rec.get("fires", [])), param_hash=str(rec.get("param_hash", "")), returncode=0,
-            logged_tags=tuple(rec.get("logged_tags", [])), seconds=secs,
+            logged_tags=tuple(rec.get("logged_tags", [])), seconds=secs, refusal=str(rec.get("refusal") or ""),
         )
     else:
         tail = (run_dir / "stderr.log").read_text(errors="replace")[-2000:]

@@ -87,6 +87,7 @@ class ArmsRecorder(Callback):
                 fires.append({k: getattr(r, k) for k in (
                     "t_fast", "t_W", "W", "projected", "evr1", "evr1_null", "r2", "coef_pred_error",
                     "gated_on_fraction", "tau_mean", "weight_err_ratio", "weight_err_ratio_gated", "comm_bytes")})
+        last = anchors[0].last_refusal if anchors else None
         payload = {
             "score_tag": self.score,
             "scores": self.scores,
@@ -95,7 +96,7 @@ class ArmsRecorder(Callback):
             "anchor_mode": mode,
             "n_anchor_callbacks": len(anchors),
             "fires": fires,
-            "refusal": None if not anchors or anchors[0].last_refusal is None else str(anchors[0].last_refusal.reason),
+            "refusal": None if last is None else f"{last.condition}: {last.reason}",
             "global_step": trainer.global_step,
             "param_hash": parameter_hash(pl_module),
         }

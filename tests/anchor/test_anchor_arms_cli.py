@@ -47,7 +47,7 @@ def test_anchor_arms_harness_on_a_3_step_toy_config(tmp_path, run_cli, monkeypat
         assert rows[("runs finished", a)]["passed"] is (a != "X")
         assert f"| runs finished | {a} |" in md
     for a in ("C", "B", "D"):
-        for check in ("comm bytes = arm A's", "grad-norm stability", "no regression"):
+        for check in ("comm bytes = arm A's", "grad-norm stability", "no regression", "anchor refusals"):
             assert (check, a) in rows and rows[(check, a)]["passed"] is True, (check, a)
     for x in dec["rows"]:
         assert f"| {x['check']} | {x['arm']} |" in md

@@ -215,3 +215,14 @@ def test_figures_are_written_per_run_set(tmp_path):
     assert sorted(p.name for p in written) == ["gated_on.png", "scores.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
+
+
+def test_an_anchor_that_refused_is_not_a_pass():
+    import dataclasses
+
+    res = base()
+    res[-1] = dataclasses.replace(res[-1], refusal="anchor_gradient: the anchor's gradient could not be evaluated")
+    rep = decide(res, parity())
+    r = row(rep, "anchor refusals", "C")
+    assert r.passed is False and "seed 2" in r.note and rep.verdict == "stop"
+    assert row(rep, "anchor refusals", "A").passed is True
