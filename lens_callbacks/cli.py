@@ -18,6 +18,7 @@ OFFLINE_COMMANDS = {
     "process": "lens_callbacks.commands.process",
     "skyrl": "lens_callbacks.commands.skyrl",
     "anchor-gate": "lens_callbacks.commands.anchor_gate",
+    "anchor-arms": "lens_callbacks.commands.anchor_arms",
 }
 
 

@@ -22,9 +22,14 @@ class AdditionDataModule(LightningDataModule):
         num_prompts: size of the prompt set.
         data_seed: seeds the prompt set and the shuffling (its own generator; the global RNG is untouched).
             Named apart from the module's ``seed`` so the two hparams never clash in a logger.
+        num_val_prompts: size of a validation set of pairs drawn apart from the training prompts' stream
+            (0: no validation). The module scores it by greedy decoding (``val/accuracy``).
     """
 
-    def __init__(self, batch_size: int = 4, max_operand: int = 9, num_prompts: int = 256, data_seed: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 4, max_operand: int = 9, num_prompts: int = 256, data_seed: int = 0,
+        num_val_prompts: int = 0,
+    ) -> None:
         super().__init__()
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"`batch_size` must be a positive int, got {batch_size!r}.")
@@ -39,7 +44,23 @@ class AdditionDataModule(LightningDataModule):
         self.data_seed = data_seed
         g = torch.Generator().manual_seed(data_seed)
         self.pairs = torch.randint(0, max_operand + 1, (num_prompts, 2), generator=g)  # [N, 2]
+        if isinstance(num_val_prompts, bool) or not isinstance(num_val_prompts, int) or num_val_prompts < 0:
+            raise ValueError(f"`num_val_prompts` must be an int >= 0 (0: no validation), got {num_val_prompts!r}.")
+        self.num_val_prompts = num_val_prompts
+        # Its own seed, so adding a validation set leaves the training prompts as they were.
+        gv = torch.Generator().manual_seed(data_seed + 2)
+        self.val_pairs = torch.randint(0, max_operand + 1, (num_val_prompts, 2), generator=gv)  # [Nv, 2]
+        if num_val_prompts == 0:
+            # Without a validation set the datamodule is one that defines no val_dataloader (Lightning then
+            # runs no validation loop; an empty loader would warn on every fit).
+            self.val_dataloader = super().val_dataloader
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(self.data_seed + 1)
         return DataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, generator=g)
+
+    def val_dataloader(self) -> DataLoader:
+        # A generator of its own: a DataLoader iterator without one draws its base seed from the global
+        # stream, which would shift the training run's sampling after every validation.
+        return DataLoader(TensorDataset(self.val_pairs), batch_size=max(self.batch_size, 32), shuffle=False,
+                          generator=torch.Generator().manual_seed(self.data_seed + 3))

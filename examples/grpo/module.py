@@ -285,6 +285,45 @@ class GRPOModule(LightningModule):
         self.log("train/accuracy", correct.float().mean(), prog_bar=True, batch_size=P)
         return loss
 
+    @torch.no_grad()
+    def greedy_answers(self, pairs: torch.Tensor) -> list[str]:
+        """Greedy (argmax) completions for the prompts ``(a, b)`` of ``pairs`` ``[P, 2]``, as text.
+
+        No random number is drawn, so scoring a validation set leaves the training run's stream alone.
+        """
+        pairs = pairs.long().cpu()
+        texts = [prompt_text(a, b) for a, b in pairs.tolist()]
+        ids = torch.tensor([self.tokenizer(t)["input_ids"] for t in texts], dtype=torch.long, device=self.device)  # [P, Lp]
+        lp = ids.shape[1]
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)  # [P]
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            for _ in range(self.max_new_tokens):
+                am = (ids != self.pad_id).long()  # [P, L]
+                logits = self.policy(input_ids=ids, attention_mask=am).logits[:, -1].float()  # [P, V]
+                logits[:, self.pad_id] = float("-inf")
+                logits[:, self.unk_id] = float("-inf")
+                nxt = torch.where(done, torch.full_like(done, self.pad_id, dtype=torch.long), logits.argmax(-1))  # [P]
+                ids = torch.cat([ids, nxt[:, None]], dim=1)  # [P, L]
+                done |= nxt == self.eos_id
+                if bool(done.all()):
+                    break
+        finally:
+            self.policy.train(was_training)
+        out = []
+        for row in ids[:, lp:].tolist():
+            n = row.index(self.eos_id) if self.eos_id in row else len(row)
+            out.append(self.tokenizer.decode(row[:n], skip_special_tokens=True))
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """``val/accuracy``: share of held-out prompts whose greedy completion is the right sum."""
+        pairs = batch[0] if isinstance(batch, (list, tuple)) else batch  # [P, 2]
+        answers = self.greedy_answers(pairs)
+        correct = torch.tensor([ans == str(a + b) for ans, (a, b) in zip(answers, pairs.long().tolist())])
+        self.log("val/accuracy", correct.float().mean(), on_step=False, on_epoch=True, batch_size=len(answers))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
         return make_optimizer(self.parameters(), hp.optimizer, hp.lr, hp.momentum, hp.weight_decay)
