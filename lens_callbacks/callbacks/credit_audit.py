@@ -28,6 +28,7 @@ from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.partition import resolve_partition
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
+from lens_callbacks.credit.update_share import update_shares as _update_shares
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.refusal import Refusal
@@ -58,6 +59,12 @@ class CreditAuditCallback(Callback):
         log_figure: log the heatmap figure when matplotlib is importable.
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
+        update_shares: also split the update the optimizer applied on each audited step by part,
+            ``<g_S, θ_before − θ_after> / <g, θ_before − θ_after>`` at ``θ_before`` (one copy of the
+            trainable parameters per audited step, one backward and one forward-mode pass after the
+            step); logged as ``update_share/<part>``, ``update_share_sum``, ``update_grad_cosine``,
+            ``update_conservation_error``. Needs forward-mode derivatives (eager attention). See
+            docs/readings.md.
 
     Attributes:
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
@@ -81,6 +88,7 @@ class CreditAuditCallback(Callback):
         log_figure: bool = True,
         print_last_report: bool = False,
         prefix: str = "credit/",
+        update_shares: bool = False,
     ) -> None:
         super().__init__()
         if not (isinstance(partition, str) and "." in partition):
@@ -103,6 +111,8 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
+        self.update_shares = bool(update_shares)
+        self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -148,6 +158,8 @@ class CreditAuditCallback(Callback):
         self._batch = batch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._update_before is not None:
+            self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -179,6 +191,34 @@ class CreditAuditCallback(Callback):
             self._last_table_step is None or step - self._last_table_step >= self.log_table_every_n_steps
         ):
             self._log_table(trainer, step, text)
+        if self.update_shares:
+            self._update_share_hook(trainer, pl_module, "before")
+
+    def _update_share_hook(self, trainer: Trainer, pl_module: LightningModule, when: str) -> None:
+        """Copy θ_before of an audited step (``"before"``); split the applied update by part (``"after"``)."""
+        if when == "before":
+            params = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+            self._update_before = (trainer.global_step, params)
+            return
+        step, before = self._update_before
+        self._update_before = None
+        try:
+            with torch.enable_grad():
+                report = _update_shares(
+                    pl_module, self._batch, self._partition_fn if self._partition_fn is not None else self.partition,
+                    before, dtype=self.dtype,
+                )
+        except Exception as err:  # a reading that cannot be made must not end the training run
+            refusal = Refusal(
+                "update_share", f"{type(err).__name__}: {err}", numbers={"step": step},
+                remedy="use eager (math) attention so credit_terms has forward-mode derivatives, or update_shares=False",
+            )
+            warnings.warn(f"update shares at step {step} declined: {refusal.reason}", RuntimeWarning, stacklevel=2)
+            log_text(trainer, f"{self.prefix}update_share_refusal", refusal.render(), step)
+            return
+        values = report.to_dict(self.prefix, max_parts=self.max_logged_parts)
+        self.last_values.update(values)
+        log_scalars(trainer, values, step)
 
     def audit(self, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
         """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`."""
