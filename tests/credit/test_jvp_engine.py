@@ -285,3 +285,12 @@ def test_by_turn_gives_zero_shares_to_untrained_turns():
     for name, s in zip(r.part_names, r.projected_share):
         if not name.endswith(":assistant"):
             assert s == 0.0, name
+
+
+def test_doctests():
+    import doctest
+
+    from lens_callbacks.credit.engines import jvp
+
+    res = doctest.testmod(jvp)
+    assert res.attempted > 0 and res.failed == 0

@@ -183,3 +183,12 @@ def test_report_dict_and_render():
     assert d["credit/update_share_sum"] == 1.0 and d["credit/update_grad_cosine"] == 0.5
     text = r.render()
     assert "update_share" in text and "-0.500000" in text and "cos(g, Δθ) 0.5000" in text
+
+
+def test_doctests():
+    import doctest
+
+    from lens_callbacks.credit import update_share
+
+    res = doctest.testmod(update_share)
+    assert res.attempted > 0 and res.failed == 0

@@ -9,8 +9,9 @@ later position's loss into earlier positions and no per-row hook split applies.
 Cost: one forward + one backward for ``g_full`` (as any engine needs) plus one forward with tangents
 (about 1.5–3 forwards of arithmetic); no parameter-sized buffer per part. The JVP needs every op of the
 module's forward to have a forward-mode derivative: math ("eager") attention has one; fused SDPA /
-flash kernels may not (CPU SDPA in torch 2.13 has none), which is a :class:`ForwardADUnsupportedError`
-naming the fix.
+flash kernels may not (torch 2.13's fused CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``
+has none, e.g. under a stock transformers Llama with ``attn_implementation="sdpa"``), which is a
+:class:`ForwardADUnsupportedError` naming the fix.
 
 What this cannot do: it gives ``<g_S, g_full>`` and not ``‖g_S‖``. With ``readings="projected"``
 ``norm_share``, ``part_norm`` and ``cancellation`` are NaN (the shares themselves are defined, so the
