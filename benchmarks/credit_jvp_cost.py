@@ -10,6 +10,7 @@ GPT-2 (``tiny_gpt2``, eager attention, dropout 0.1) and a Llama-style policy (tr
 Timed in one process, interleaved, ``torch.set_num_threads(1)``, ratios of medians to the plain
 training step (forward + backward + Adam step on the same batch):
 
+- the forward-mode pass alone (``terms_jvp`` along one direction);
 - ``disintegrate_jvp(readings="projected")``: one forward + backward for ``g_full``, one forward-mode pass;
 - ``disintegrate_jvp(readings="all")``: the same plus one backward per part (exact norms);
 - the reference ``disintegrate``: one forward, ``m + 1`` backward passes.
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from examples.grpo_tools.env import build_tokenizer  # noqa: E402
 from examples.tiny_policy import tiny_gpt2  # noqa: E402
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments  # noqa: E402
-from lens_callbacks.credit.engines.jvp import disintegrate_jvp  # noqa: E402
+from lens_callbacks.credit.engines.jvp import disintegrate_jvp, terms_jvp  # noqa: E402
 from lens_callbacks.credit.trajectories import Trajectory, Turn  # noqa: E402
 
 SECTION = "## Forward-mode engine on turns (`benchmarks/credit_jvp_cost.py`)"
@@ -116,12 +117,17 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
     def ref():
         return disintegrate(module, batch, partition)
 
+    direction = {n: torch.randn_like(p) for n, p in module.named_parameters()}
+
+    def tangent_pass():  # the engine's forward-mode pass alone
+        return terms_jvp(module, batch, direction)
+
     def clock(fn) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
 
-    fns = {"train": train_step, "jvp": jvp, "jvp_all": jvp_all, "reference": ref}
+    fns = {"train": train_step, "tangent": tangent_pass, "jvp": jvp, "jvp_all": jvp_all, "reference": ref}
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -134,7 +140,7 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
     torch.manual_seed(1)
     r_jvp = jvp()
     return {
-        "policy": name,
+        "policy": f"{name}, width {module.policy.config.hidden_size}",
         "partition": f"{partition} ({segment_by})",
         "m": r_ref.n_parts,
         "n_params": sum(p.numel() for p in module.parameters()),
@@ -142,6 +148,7 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
         "T": int(batch[0].shape[1]),
         "n_trained": r_ref.n_trained,
         "train_ms": 1e3 * med["train"],
+        "tangent": med["tangent"] / med["train"],
         "jvp": med["jvp"] / med["train"],
         "jvp_all": med["jvp_all"] / med["train"],
         "reference": med["reference"] / med["train"],
@@ -153,15 +160,15 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| policy | partition | m parts | B × T | trained | plain step | JVP (projected) / step | JVP (all) / step | "
+        "| policy | partition | m parts | B × T | trained | plain step | tangent pass / step | JVP (projected) / step | JVP (all) / step | "
         "reference / step | reference / JVP | max share diff vs reference | JVP conservation_error |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['policy']} ({r['n_params']:,} params) | {r['partition']} | {r['m']} | {r['B']} × {r['T']} | {r['n_trained']} | "
-            f"{r['train_ms']:.1f} ms | {r['jvp']:.2f} | {r['jvp_all']:.1f} | {r['reference']:.1f} | {r['speedup']:.1f} | "
+            f"{r['train_ms']:.1f} ms | {r['tangent']:.2f} | {r['jvp']:.2f} | {r['jvp_all']:.1f} | {r['reference']:.1f} | {r['speedup']:.1f} | "
             f"{r['share_diff']:.1e} | {r['conservation_error']:.1e} |"
         )
     return "\n".join(lines)
