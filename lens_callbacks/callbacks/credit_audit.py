@@ -111,7 +111,9 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
-        self.update_shares = bool(update_shares)
+        if not isinstance(update_shares, bool):
+            raise ValueError(f"`update_shares` must be True or False, got {update_shares!r}.")
+        self.update_shares = update_shares
         self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
 
         self.last_report: Optional[CreditReport] = None

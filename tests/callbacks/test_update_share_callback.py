@@ -136,3 +136,51 @@ def test_off_by_default_and_skipped_steps_copy_nothing():
     spy = _Spy()
     _fit([audit2, spy], steps=3, module_kw={"dtype": "float64"})
     assert spy.seen == [(0, True), (1, False), (2, True)]
+
+
+class _FusedAttention(pl.LightningModule):
+    """Fused SDPA: no forward-mode derivative on CPU, so update shares must be refused, not crash."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(7, 4, generator=g))
+        self.out = torch.nn.Parameter(torch.randn(4, 7, generator=g))
+
+    def credit_terms(self, batch):
+        from lens_callbacks.credit import CreditTerms
+
+        tokens, adv = batch  # [B, T+1], [B]
+        x = self.emb[tokens[:, :-1]][:, None]  # [B, 1, T, 4]
+        h = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)[:, 0]  # [B, T, 4]
+        lp = torch.log_softmax(h @ self.out, -1).gather(-1, tokens[:, 1:, None])[..., 0]  # [B, T]
+        terms = -adv[:, None] * lp / lp.numel()  # [B, T]
+        B = tokens.shape[0]
+        return CreditTerms(terms, torch.ones_like(terms, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.long))
+
+    def training_step(self, batch, batch_idx):
+        return self.credit_terms(batch).terms.sum()
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randint(0, 7, (4, 5), generator=g), torch.tensor([1.0, -1.0, 0.5, -0.5])) for _ in range(2)]
+        return torch.utils.data.DataLoader(data, batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.1)
+
+
+def test_a_module_without_forward_derivatives_gets_a_refusal_and_trains_on():
+    audit = CreditAuditCallback(update_shares=True, log_table_every_n_steps=0)
+    m = _FusedAttention()
+    with pytest.warns(RuntimeWarning, match="update shares at step 0 declined: ForwardADUnsupportedError"):
+        pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(m)
+    assert m.trainer.global_step == 2
+    assert audit.last_report is not None and audit.last_report.ok  # the gradient audit itself still reads
+    assert not any("update_share" in k for k in audit.last_values)
+
+
+def test_update_shares_must_be_a_bool():
+    with pytest.raises(ValueError, match="`update_shares` must be True or False, got 'yes'"):
+        CreditAuditCallback(update_shares="yes")
