@@ -13,7 +13,9 @@ training step (forward + backward + Adam step on the same batch):
 - the forward-mode pass alone (``terms_jvp`` along one direction);
 - ``disintegrate_jvp(readings="projected")``: one forward + backward for ``g_full``, one forward-mode pass;
 - ``disintegrate_jvp(readings="all")``: the same plus one backward per part (exact norms);
-- the reference ``disintegrate``: one forward, ``m + 1`` backward passes.
+- the reference ``disintegrate``: one forward, ``m + 1`` backward passes;
+- ``update_shares`` (what ``CreditAuditCallback(update_shares=True)`` adds per audited step): one
+  forward + backward at ``θ_before`` and one forward-mode pass along ``Δθ``.
 
 Also printed: the largest share difference between the JVP and the reference engine, and the JVP
 engine's own conservation error (float32 audit).
@@ -42,6 +44,7 @@ from examples.tiny_policy import tiny_gpt2  # noqa: E402
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments  # noqa: E402
 from lens_callbacks.credit.engines.jvp import disintegrate_jvp, terms_jvp  # noqa: E402
 from lens_callbacks.credit.trajectories import Trajectory, Turn  # noqa: E402
+from lens_callbacks.credit.update_share import update_shares  # noqa: E402
 
 SECTION = "## Forward-mode engine on turns (`benchmarks/credit_jvp_cost.py`)"
 
@@ -122,12 +125,17 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
     def tangent_pass():  # the engine's forward-mode pass alone
         return terms_jvp(module, batch, direction)
 
+    before = {n: p.detach() + 1e-3 * direction[n] for n, p in module.named_parameters()}
+
+    def update_share():  # what CreditAuditCallback(update_shares=True) adds after an audited step
+        return update_shares(module, batch, partition, before)
+
     def clock(fn) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
 
-    fns = {"train": train_step, "tangent": tangent_pass, "jvp": jvp, "jvp_all": jvp_all, "reference": ref}
+    fns = {"train": train_step, "tangent": tangent_pass, "jvp": jvp, "jvp_all": jvp_all, "reference": ref, "update": update_share}
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -151,6 +159,7 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
         "tangent": med["tangent"] / med["train"],
         "jvp": med["jvp"] / med["train"],
         "jvp_all": med["jvp_all"] / med["train"],
+        "update": med["update"] / med["train"],
         "reference": med["reference"] / med["train"],
         "speedup": med["reference"] / med["jvp"],
         "share_diff": max(abs(a - b) for a, b in zip(r_jvp.projected_share, r_ref.projected_share)),
@@ -161,14 +170,14 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
 def table(rows: list[dict]) -> str:
     head = (
         "| policy | partition | m parts | B × T | trained | plain step | tangent pass / step | JVP (projected) / step | JVP (all) / step | "
-        "reference / step | reference / JVP | max share diff vs reference | JVP conservation_error |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "reference / step | reference / JVP | update shares / step | max share diff vs reference | JVP conservation_error |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['policy']} ({r['n_params']:,} params) | {r['partition']} | {r['m']} | {r['B']} × {r['T']} | {r['n_trained']} | "
-            f"{r['train_ms']:.1f} ms | {r['tangent']:.2f} | {r['jvp']:.2f} | {r['jvp_all']:.1f} | {r['reference']:.1f} | {r['speedup']:.1f} | "
+            f"{r['train_ms']:.1f} ms | {r['tangent']:.2f} | {r['jvp']:.2f} | {r['jvp_all']:.1f} | {r['reference']:.1f} | {r['speedup']:.1f} | {r['update']:.2f} | "
             f"{r['share_diff']:.1e} | {r['conservation_error']:.1e} |"
         )
     return "\n".join(lines)
