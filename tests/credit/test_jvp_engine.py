@@ -294,3 +294,16 @@ def test_doctests():
 
     res = doctest.testmod(jvp)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_without_preserve_rng_the_stream_advances_as_one_forward_would():
+    m = gpt2_policy(0.1)
+    batch = _batch()
+    torch.manual_seed(3)
+    disintegrate(m, batch, "by_turn", dtype="float64", preserve_rng=False)
+    after_ref = torch.get_rng_state()
+    torch.manual_seed(3)
+    disintegrate_jvp(m, batch, "by_turn", dtype="float64", preserve_rng=False)
+    assert torch.equal(torch.get_rng_state(), after_ref)  # the tangent pass replays, it does not draw again
+    torch.manual_seed(3)
+    assert not torch.equal(torch.get_rng_state(), after_ref)  # dropout did draw from the stream
