@@ -29,6 +29,7 @@ from lens_callbacks.credit.partition import POSITIONAL_PARTITIONS, resolve_parti
 from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
+from lens_callbacks.credit.update_share import update_shares as _update_shares
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.refusal import Refusal
@@ -68,6 +69,12 @@ class CreditAuditCallback(Callback):
             another rollout at every step. Off by default; the per-part table stays in the text view.
         concentration_top_k: ``credit/concentration/topk_share`` adds this many largest shares.
         noise_ema: smoothing factor of ``credit/noise/*_ema`` (exponential moving average).
+        update_shares: also split the update the optimizer applied on each audited step by part,
+            ``<g_S, θ_before − θ_after> / <g, θ_before − θ_after>`` at ``θ_before`` (one copy of the
+            trainable parameters per audited step, one backward and one forward-mode pass after the
+            step); logged as ``update_share/<part>``, ``update_share_sum``, ``update_grad_cosine``,
+            ``update_conservation_error``. Needs forward-mode derivatives (eager attention). See
+            docs/readings.md.
 
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
@@ -100,6 +107,8 @@ class CreditAuditCallback(Callback):
         log_positional_parts: bool = False,
         concentration_top_k: int = 3,
         noise_ema: float = 0.9,
+
+        update_shares: bool = False,
     ) -> None:
         super().__init__()
         partition, extra_partitions = _split_partitions(partition, extra_partitions)
@@ -123,6 +132,10 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
+        if not isinstance(update_shares, bool):
+            raise ValueError(f"`update_shares` must be True or False, got {update_shares!r}.")
+        self.update_shares = update_shares
+        self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -170,6 +183,8 @@ class CreditAuditCallback(Callback):
         self._batch = batch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._update_before is not None:
+            self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
@@ -203,6 +218,39 @@ class CreditAuditCallback(Callback):
             self._last_table_step is None or step - self._last_table_step >= self.log_table_every_n_steps
         ):
             self._log_table(trainer, step, text)
+        if self.update_shares:
+            self._update_share_hook(trainer, pl_module, "before")
+
+    def _update_share_hook(self, trainer: Trainer, pl_module: LightningModule, when: str) -> None:
+        """Copy θ_before of an audited step (``"before"``); split the applied update by part (``"after"``)."""
+        if when == "before":
+            params = {n: p.detach().clone() for n, p in pl_module.named_parameters() if p.requires_grad}
+            self._update_before = (trainer.global_step, params)
+            return
+        step, before = self._update_before
+        self._update_before = None
+        try:
+            with torch.enable_grad():
+                report = _update_shares(
+                    pl_module, self._batch, self._partition_fn if self._partition_fn is not None else self.partition,
+                    before, dtype=self.dtype,
+                )
+        except Exception as err:  # a reading that cannot be made must not end the training run
+            refusal = Refusal(
+                "update_share", f"{type(err).__name__}: {err}", numbers={"step": step},
+                remedy="use eager (math) attention so credit_terms has forward-mode derivatives, or update_shares=False",
+            )
+            warnings.warn(f"update shares at step {step} declined: {refusal.reason}", RuntimeWarning, stacklevel=2)
+            log_text(trainer, f"{self.prefix}update_share_refusal", refusal.render(), step)
+            return
+        values = report.to_dict(self.prefix, max_parts=self.max_logged_parts)
+        primary = self.readings.primary_name
+        if report.ok and primary not in POSITIONAL_PARTITIONS:
+            # Stable part names only: a positional part is another rollout at every step.
+            self.record_ledger("update", primary, dict(zip(report.part_names, report.update_share)), step)
+            values.update({k: v for k, v in self.readings.ledger.to_dict(f"{self.prefix}ledger/").items() if "/update/" in k})
+        self.last_values.update(values)
+        log_scalars(trainer, values, step)
 
     def audit(self, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
         """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`."""

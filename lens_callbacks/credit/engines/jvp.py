@@ -1,0 +1,341 @@
+r"""Forward-mode (JVP) engine: every part's ``<g_S, g_full>`` from one directional derivative.
+
+For any partition of the trained positions, ``<g_S, v> = Σ_{(k,t)∈S} ∂terms[k,t]/∂θ · v`` — the
+directional derivative of each term along ``v``, summed over the part. One forward-mode pass of
+``credit_terms`` along ``v = g_full`` therefore gives the projection of every part at once, whatever
+the number of parts ``m``, including parts inside a row (turns, segments), where attention carries a
+later position's loss into earlier positions and no per-row hook split applies.
+
+Cost: one forward + one backward for ``g_full`` (as any engine needs) plus one forward with tangents
+(about 1.5–3 forwards of arithmetic); no parameter-sized buffer per part. The JVP needs every op of the
+module's forward to have a forward-mode derivative: math ("eager") attention has one; fused SDPA /
+flash kernels may not (torch 2.13's fused CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``
+has none, e.g. under a stock transformers Llama with ``attn_implementation="sdpa"``), which is a
+:class:`ForwardADUnsupportedError` naming the fix.
+
+What this cannot do: it gives ``<g_S, g_full>`` and not ``‖g_S‖``. With ``readings="projected"``
+``norm_share``, ``part_norm`` and ``cancellation`` are NaN (the shares themselves are defined, so the
+report's ``reason`` stays None); ``readings="all"`` takes the exact norms through one backward per part
+as the reference engine does, at its cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+
+from ..engine import (
+    DTypeSpec,
+    _TermsCall,
+    _diff_norm,
+    _dot,
+    _grad,
+    _partition_name,
+    _preserved_rng,
+    _reference,
+    _rng_devices,
+    _sqnorm,
+    evaluate_terms,
+    resolve_dtype,
+)
+from ..partition import Partition, PartitionFn, resolve_partition
+from ..report import CreditReport
+from ..terms import CreditTerms
+
+__all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
+
+READINGS = ("projected", "all")
+
+
+class ForwardADUnsupportedError(RuntimeError):
+    """An op in ``credit_terms`` has no forward-mode derivative (e.g. a fused attention kernel)."""
+
+
+def _rng_snapshot(module: nn.Module) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _rng_devices(module)]
+
+
+@contextlib.contextmanager
+def _replayed_rng(module: nn.Module, snapshot: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> Iterator[None]:
+    # The tangent pass must draw the dropout masks the backward's forward drew, and leave the stream as it found it.
+    cpu, cuda = snapshot
+    with torch.random.fork_rng(devices=_rng_devices(module)):
+        torch.set_rng_state(cpu)
+        for d, s in cuda:
+            torch.cuda.set_rng_state(s, d)
+        yield
+
+
+def terms_jvp(
+    module: nn.Module,
+    batch: Any,
+    tangents: Mapping[str, torch.Tensor],
+    dtype: DTypeSpec = "float32",
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+) -> tuple[CreditTerms, torch.Tensor]:
+    r"""``credit_terms`` and its directional derivative along ``tangents`` in one forward-mode pass.
+
+    ``tangent[k, t] = ∇θ terms[k, t] · v`` with ``v`` given per parameter name (parameters not named
+    get a zero tangent). Runs on detached (optionally cast) copies, like
+    :func:`~lens_callbacks.credit.engine.evaluate_terms`, without building an autograd graph.
+
+    Args:
+        module: an ``nn.Module`` implementing ``credit_terms``.
+        batch: what ``credit_terms`` takes.
+        tangents: parameter name → direction ``v`` (cast to the audit dtype).
+        dtype: the audit dtype (see :func:`~lens_callbacks.credit.engine.resolve_dtype`).
+        terms_fn: use this instead of ``module.credit_terms``.
+        params: evaluate at these weights (name → tensor) instead of the live ones.
+
+    Returns:
+        ``(terms, tangent)``: the terms (values, no graph) and ``tangent`` ``[B, T]``.
+
+    Raises:
+        ForwardADUnsupportedError: an op of the forward has no forward-mode derivative.
+
+    Example:
+        >>> w = nn.Linear(2, 1, bias=False).double()
+        >>> w.weight.data = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+        >>> def f(x):  # terms[k, t] = (w · x[k, t])²
+        ...     t = w(x)[..., 0] ** 2                                  # [B, T]
+        ...     return CreditTerms(t, torch.ones_like(t, dtype=torch.bool), torch.arange(1), torch.zeros(1, dtype=torch.long))
+        >>> x = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)       # [1, 1, 2]
+        >>> _, tan = terms_jvp(w, x, {"weight": torch.tensor([[1.0, 0.0]])}, dtype="float64", terms_fn=f)
+        >>> tan.tolist()  # 2 (w·x) x·v = 2 · 3 · 1
+        [[6.0]]
+    """
+    fn = terms_fn if terms_fn is not None else getattr(module, "credit_terms", None)
+    if fn is None or not callable(fn):
+        raise TypeError(
+            f"`module` must implement `credit_terms(batch) -> CreditTerms` (see lens_callbacks.credit.CreditSource), "
+            f"got {type(module).__name__} without it; or pass `terms_fn`."
+        )
+    known = {n for n, _ in module.named_parameters()}
+    for label, given in (("tangents", tangents), ("params", params or {})):
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"`{label}` must name parameters of the module, got unknown names {unknown[:5]!r}.")
+    target = resolve_dtype(dtype)
+    with fwAD.dual_level():
+        state: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            q = (params[name] if params is not None and name in params else p).detach()
+            if target is not None and q.is_floating_point() and q.dtype != target:
+                q = q.to(target)
+            if name in tangents:
+                v = tangents[name].detach().to(device=q.device, dtype=q.dtype)
+                if v.shape != q.shape:
+                    raise ValueError(f"`tangents[{name!r}]` must have the shape {list(q.shape)}, got {list(v.shape)}.")
+                q = fwAD.make_dual(q, v)
+            state["inner." + name] = q
+        if target is not None:
+            for name, b in module.named_buffers():
+                if b.is_floating_point() and b.dtype != target:
+                    state["inner." + name] = b.to(target)
+        try:
+            with torch.no_grad():  # forward AD needs no graph: activations are freed as the pass goes
+                terms = torch.func.functional_call(_TermsCall(module, fn), state, (batch,), strict=False)
+        except (NotImplementedError, RuntimeError) as err:
+            text = str(err)
+            if isinstance(err, NotImplementedError) or "forward AD" in text or "forward-mode" in text or "forward grad" in text:
+                raise ForwardADUnsupportedError(
+                    f"forward-mode AD failed inside `credit_terms`: {text.splitlines()[0] if text else type(err).__name__}. "
+                    "Use math attention (transformers: attn_implementation='eager') so every op has a forward "
+                    "derivative, or audit with the reference engine."
+                ) from err
+            raise
+        if not isinstance(terms, CreditTerms):
+            raise TypeError(
+                f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
+                "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
+            )
+        primal, tangent = fwAD.unpack_dual(terms.terms)
+        if tangent is None:  # the terms do not depend on the directions given
+            tangent = torch.zeros_like(primal)
+        tangent = tangent.detach().clone()  # [B, T]
+        terms.terms = primal.detach().clone()  # [B, T]
+    return terms, tangent
+
+
+def part_sums(values: torch.Tensor, part: Partition) -> list[float]:
+    """``Σ_{(k,t)∈S} values[k, t]`` for every part ``S`` (float64; positions with id −1 are left out)."""
+    ids = part.ids.to(values.device).reshape(-1)  # [B*T]
+    flat = values.double().reshape(-1)  # [B*T]
+    keep = ids >= 0
+    out = torch.zeros(part.n_parts, dtype=torch.float64, device=values.device)  # [m]
+    out.index_add_(0, ids[keep], flat[keep])
+    return [float(x) for x in out.cpu()]
+
+
+def _resolve_part(spec: Union[PartitionFn, Partition], terms: CreditTerms) -> Partition:
+    part = spec if isinstance(spec, Partition) else spec(terms)
+    if not isinstance(part, Partition):
+        raise TypeError(
+            f"`partition` callable must return a Partition, got {type(part).__name__}; return "
+            "Partition(ids, names) or Partition.from_masks(masks, names)."
+        )
+    part.check_covers(terms.trained)
+    return part
+
+
+def disintegrate_jvp(
+    module: nn.Module,
+    batch: Any,
+    partition: Union[str, PartitionFn, Partition] = "by_rollout",
+    *,
+    dtype: DTypeSpec = "float32",
+    reference_grads: Optional[Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]] = None,
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    preserve_rng: bool = True,
+    readings: str = "projected",
+) -> CreditReport:
+    r"""Every part's projected share from one forward-mode pass along ``g_full``.
+
+    ``g_full`` is taken by its own backward pass; then one JVP of ``credit_terms`` along ``g_full``
+    gives ``tangent[k, t] = ∇θ terms[k, t] · g_full``, and ``<g_S, g_full> = Σ_{(k,t)∈S} tangent[k, t]``
+    for every part at once, so the shares cost about one extra forward whatever the number of parts.
+    Both passes see the same dropout masks (the tangent pass replays the random state the first one
+    started from).
+
+    The conservation check of this engine is scalar: ``Σ_S <g_S, g_full>`` comes from the tangents and
+    ``‖g_full‖²`` from the backward, two different arithmetic paths, and
+    ``conservation_error = |Σ_S <g_S, g_full> − ‖g_full‖²| / ‖g_full‖²``. It catches a partition that
+    misses trained positions and terms that are not what was backpropagated, as the reference's vector
+    check does, but not a change that is orthogonal to ``g_full``.
+
+    Args:
+        module: an ``nn.Module`` implementing ``credit_terms(batch) -> CreditTerms``. Every op of its
+            forward needs a forward-mode derivative (transformers: ``attn_implementation="eager"``).
+        batch: what ``credit_terms`` takes.
+        partition: as for :func:`~lens_callbacks.credit.disintegrate`; any partition works, the engine is
+            made for parts inside rows (``"by_segment"``, ``"by_turn"``).
+        dtype: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"native"``.
+        reference_grads: ``"grad"``, a mapping or a list, as for ``disintegrate``; gives ``grad_match``.
+        terms_fn: use this instead of ``module.credit_terms``.
+        preserve_rng: leave the global random stream as it was (``torch.random.fork_rng``).
+        readings: ``"projected"`` (default): projected shares only — ``norm_share``, ``part_norm`` and
+            ``cancellation`` are NaN, while ``reason`` stays None because the shares are defined;
+            ``"all"``: also the exact norms through one backward per part (the reference engine's cost);
+            then ``conservation_error`` is the larger of the reference's ``‖Σ_S g_S − g_full‖ / ‖g_full‖``
+            and the scalar check above.
+
+    Returns:
+        A :class:`~lens_callbacks.credit.CreditReport`.
+
+    Raises:
+        ForwardADUnsupportedError: an op of the forward has no forward-mode derivative.
+
+    Example:
+        >>> class Toy(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+        ...     def credit_terms(self, x):                        # x: [1, 2, 2], two positions in one row
+        ...         t = -(x @ self.w)                             # [1, 2]
+        ...         return CreditTerms(t, torch.ones(1, 2, dtype=torch.bool), torch.arange(1), torch.zeros(1, dtype=torch.long),
+        ...                            segment=torch.tensor([[0, 1]]))
+        >>> x = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]], dtype=torch.float64)
+        >>> r = disintegrate_jvp(Toy(), x, "by_segment", dtype="float64")
+        >>> r.projected_share, r.conservation_error, r.norm_share
+        ((0.5, 0.5), 0.0, (nan, nan))
+    """
+    if readings not in READINGS:
+        raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
+    spec = resolve_partition(partition)
+    if reference_grads is not None and not isinstance(reference_grads, (str, Mapping, list, tuple)):
+        raise ValueError(
+            f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
+        )
+    exact_norms = readings == "all"
+    with _preserved_rng(module, preserve_rng):
+        start = _rng_snapshot(module)
+        terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
+        part = _resolve_part(spec, terms)
+        n_trained = terms.n_trained
+        with torch.enable_grad():
+            loss = terms.terms.sum()
+            # g_full by its own backward: the tangent pass then projects every part on it at once.
+            g_full = _grad(loss, leaves, retain=exact_norms)
+            sq: list[float] = []
+            running: Optional[list[torch.Tensor]] = None
+            if exact_norms:
+                ids = part.ids.to(terms.terms.device)  # [B, T]
+                running = [torch.zeros_like(g) for g in g_full]
+                for i in range(part.n_parts):
+                    loss_i = terms.terms.masked_select(ids == i).sum()
+                    g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
+                    sq.append(_sqnorm(g_i))
+                    for r, g in zip(running, g_i):
+                        r.add_(g)
+                    del g_i
+        loss_value = float(loss.detach())
+        del terms, loss, leaves
+        with _replayed_rng(module, start):
+            _, tangent = terms_jvp(module, batch, dict(zip(names, g_full)), dtype, terms_fn)
+    if tuple(tangent.shape) != tuple(part.ids.shape):
+        raise ValueError(
+            f"`credit_terms` returned terms of shape {list(tangent.shape)} in the tangent pass and {list(part.ids.shape)} "
+            "before: it must be a deterministic function of the batch and the parameters."
+        )
+    dots = part_sums(tangent, part)
+
+    full_sq = _sqnorm(g_full)
+    full_norm = math.sqrt(full_sq)
+    gap = abs(math.fsum(dots) - full_sq)
+    nan = float("nan")
+    reason: Optional[str] = None
+    if not math.isfinite(full_sq):
+        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
+    elif full_sq == 0.0:
+        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    if reason is None:
+        projected = tuple(d / full_sq for d in dots)
+        conservation = gap / full_sq
+    else:
+        projected = tuple(nan for _ in dots)
+        conservation = nan if not math.isfinite(full_sq) else gap
+    if exact_norms:
+        part_norm = tuple(math.sqrt(s) for s in sq)
+        norm_total = math.fsum(part_norm)
+        norm_share = tuple(n / norm_total if norm_total > 0 else nan for n in part_norm)
+        assert running is not None
+        if reason is None:
+            cancellation = norm_total / full_norm
+            conservation = max(conservation, _diff_norm(running, g_full) / full_norm)
+        else:
+            cancellation = nan
+            if math.isfinite(full_sq):
+                conservation = max(conservation, _diff_norm(running, g_full))
+    else:
+        part_norm = tuple(nan for _ in dots)
+        norm_share = part_norm
+        cancellation = nan
+
+    grad_match = None
+    if reference_grads is not None:
+        ref = _reference(module, names, reference_grads)
+        if ref is not None:
+            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else nan
+
+    return CreditReport(
+        part_names=part.names,
+        projected_share=projected,
+        norm_share=norm_share,
+        part_norm=part_norm,
+        cancellation=cancellation,
+        conservation_error=conservation,
+        grad_match=grad_match,
+        dtype=used,
+        n_trained=n_trained,
+        full_grad_norm=full_norm,
+        loss=loss_value,
+        partition=_partition_name(partition),
+        reason=reason,
+    )
