@@ -172,6 +172,21 @@ class AnchorProjectionCallback(Callback):
         if self.projector is None:
             self.projector = self._new_projector()
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_model (where FSDP2 shards), before the first step: the earliest a sharded run shows.
+        if self.mode == "off":
+            return
+        from ._distributed import check_strategy, is_sharded
+
+        check_strategy(trainer, "AnchorProjectionCallback")
+        if is_sharded(pl_module):
+            raise ValueError(
+                "AnchorProjectionCallback must see whole parameters, got DTensor (sharded) parameters from "
+                f"{type(trainer.strategy).__name__}: the ring, the anchor's gradient and the merge into .grad are "
+                "not implemented on shards. Use DDP (e.g. strategy='ddp') for runs with the anchor, or mode='off'; "
+                "CreditAuditCallback and ConservationCheckCallback do support FSDP2."
+            )
+
     def _new_projector(self) -> Rank1TrajProjector:
         return Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
                                   r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,

@@ -132,6 +132,9 @@ class ConservationCheckCallback(Callback):
         if isinstance(verdict, Refusal):
             self._pending_refusal = (step, verdict)
             return
+        from ._distributed import is_sharded
+
+        self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
         with torch.no_grad():
             self._pending = self._record(step, pl_module, opt)
 

@@ -121,7 +121,7 @@ class CreditAuditCallback(Callback):
         self.scope = scope
         self.precision_context = bool(precision_context)
         self._global = False  # set in setup: a multi-rank run read as one global step
-        self._sharded = False  # set in setup: FSDP2 DTensor parameters, gathered per audited step
+        self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -182,6 +182,9 @@ class CreditAuditCallback(Callback):
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
+        from ._distributed import is_sharded
+
+        self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
         if self._global or self._sharded:
             reading = self._audit_distributed(trainer, pl_module, self._batch)
         else:

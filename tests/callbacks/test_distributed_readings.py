@@ -1,0 +1,128 @@
+"""Global readings on 2 CPU ranks (gloo): DDP (``ddp``, ``ddp_spawn``) and FSDP2, against one process.
+
+Each run is ``tests/callbacks/_distributed_worker.py`` in a subprocess (``ddp`` and FSDP2 re-launch the
+script for rank 1); the ranks write what they read. The reference is a single-process
+:func:`disintegrate` of the two ranks' batches concatenated (terms divided by the world size, as DDP
+averages), at the parameters the ranks recorded, with no collective anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from lens_callbacks.credit import CreditTerms, disintegrate
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import _distributed_worker as worker  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@lru_cache(maxsize=None)
+def _run(strategy: str, dtype: str) -> tuple[dict, dict]:
+    """Run the worker once per (strategy, dtype) in this session; the two ranks' records."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix=f"lens_{strategy}_{dtype}_"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return tuple(torch.load(out / f"rank{i}.pt", weights_only=False) for i in range(worker.W))  # type: ignore[return-value]
+
+
+def _reference(row: dict):
+    """Single-process audit of the concatenated batch at the recorded parameters (float64)."""
+    plain = worker.Policy(torch.float64)
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            p.copy_(row["params"][n])
+    step = row["step"]
+
+    def terms_fn(_):
+        parts = [plain.credit_terms(worker.make_batch(r, step)) for r in range(worker.W)]
+        terms = torch.cat([t.terms for t in parts]) / worker.W  # [W·B, T]: DDP applies the rank mean
+        n = terms.shape[0]
+        return CreditTerms(terms, torch.cat([t.trained for t in parts]), torch.arange(n), torch.arange(n))
+
+    return disintegrate(plain, None, "by_rollout", dtype="float64", terms_fn=terms_fn, reference_grads=row["grad"])
+
+
+def _same_on_every_rank(records):
+    a, b = records
+    for ra, rb in zip(a["rows"], b["rows"]):
+        assert ra["part_names"] == rb["part_names"]
+        assert ra["projected_share"] == rb["projected_share"] and ra["cancellation"] == rb["cancellation"]
+
+
+def test_ddp_global_shares_equal_a_single_process_audit_of_the_concatenated_batch():
+    records = _run("ddp", "float64")
+    _same_on_every_rank(records)
+    rows = records[0]["rows"]
+    assert [r["step"] for r in rows] == list(range(worker.STEPS))
+    for row in rows:
+        ref = _reference(row)
+        assert row["part_names"] == tuple(f"r{r}/rollout_{k}" for r in range(worker.W) for k in range(worker.B))
+        assert len(ref.projected_share) == len(row["projected_share"]) == worker.W * worker.B
+        for got, want in zip(row["projected_share"], ref.projected_share):
+            assert got == pytest.approx(want, rel=0, abs=1e-12)
+        for got, want in zip(row["norm_share"], ref.norm_share):
+            assert got == pytest.approx(want, rel=0, abs=1e-12)
+        assert row["cancellation"] == pytest.approx(ref.cancellation, rel=1e-12)
+        assert row["full_grad_norm"] == pytest.approx(ref.full_grad_norm, rel=1e-12)
+        assert row["loss"] == pytest.approx(ref.loss, rel=1e-12)
+        assert abs(sum(row["projected_share"]) - 1.0) < 1e-12
+        assert row["conservation_error"] < 1e-13
+        # grad_match against the averaged .grad, logged, at float64 rounding; and the reference agrees.
+        assert row["logged"]["credit/grad_match"] == row["grad_match"] and row["grad_match"] < 1e-13
+        assert ref.grad_match < 1e-13
+    for c in records[0]["conservation"] + records[1]["conservation"]:
+        assert c["source"] == "credit_parts" and c["holds"] and c["error"] < 1e-12, c["text"]
+
+
+def test_ddp_spawn_float32_global_shares_sum_to_one():
+    records = _run("ddp_spawn", "float32")
+    _same_on_every_rank(records)
+    for row in records[0]["rows"]:
+        assert abs(sum(row["projected_share"]) - 1.0) < 1e-6
+        assert row["conservation_error"] < 1e-6
+        assert "credit/grad_match" in row["logged"] and row["grad_match"] < 1e-6
+        ref = _reference(row)  # float64 reference at the float32 parameters
+        for got, want in zip(row["projected_share"], ref.projected_share):
+            assert got == pytest.approx(want, abs=1e-5)
+    for c in records[0]["conservation"]:
+        assert c["holds"] and not c["text"].count("VIOLATED"), c["text"]
+
+
+def test_fsdp2_readings_equal_ddp_on_the_same_data():
+    ddp = _run("ddp", "float64")
+    fsdp = _run("fsdp", "float64")
+    assert fsdp[0]["strategy"] == "ModelParallelStrategy"
+    _same_on_every_rank(fsdp)
+    for a, b in zip(fsdp[0]["rows"], ddp[0]["rows"]):
+        assert a["part_names"] == b["part_names"]
+        for n in a["params"]:
+            assert torch.allclose(a["params"][n], b["params"][n], rtol=0, atol=1e-12)
+        for key in ("projected_share", "norm_share"):
+            for x, y in zip(a[key], b[key]):
+                assert x == pytest.approx(y, rel=0, abs=1e-10)
+        for key in ("cancellation", "full_grad_norm", "loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-10)
+        assert a["conservation_error"] < 1e-12 and a["grad_match"] < 1e-12
+        ref = _reference(a)
+        for x, y in zip(a["projected_share"], ref.projected_share):
+            assert x == pytest.approx(y, rel=0, abs=1e-10)
+    for c in fsdp[0]["conservation"] + fsdp[1]["conservation"]:
+        assert c["source"] == "credit_parts" and c["holds"] and c["error"] < 1e-12, c["text"]
