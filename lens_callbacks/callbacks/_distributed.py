@@ -26,6 +26,8 @@ __all__ = [
     "full_grads",
     "fsdp_hooks_off",
     "check_strategy",
+    "whole_views",
+    "write_back_grads",
     "precision_context",
 ]
 
@@ -112,6 +114,39 @@ def fsdp_hooks_off(module: nn.Module) -> Iterator[None]:
         for hooks, items in saved:
             hooks.clear()
             hooks.update(items)
+
+
+def whole_views(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """name → a plain tensor holding the whole value of each (sharded) parameter, its ``.grad`` whole too.
+
+    A callback that reads and edits ``.grad`` works on these views as on DDP's replicated parameters;
+    :func:`write_back_grads` then puts each rank's shard of the edited gradient back. Collective: every
+    rank calls it with the same parameters.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for n, p in params.items():
+        view = _full(p.detach()).clone()
+        if p.grad is not None:
+            view.grad = _full(p.grad.detach()).clone()
+        out[n] = view
+    return out
+
+
+def write_back_grads(shards: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+    """Copy each whole ``.grad`` of ``views`` into the local shard of the matching sharded parameter."""
+    kind = _dtensor_type()
+    for n, p in shards.items():
+        g, v = p.grad, views[n].grad
+        if g is None or v is None:
+            continue
+        if kind is not None and isinstance(g, kind):
+            from torch.distributed.tensor import distribute_tensor
+
+            # Every rank holds the same whole tensor, so each takes its own shard without a collective.
+            local = distribute_tensor(v.to(g.dtype), g.device_mesh, g.placements, src_data_rank=None)
+            g.copy_(local)
+        else:
+            g.copy_(v)
 
 
 def check_strategy(trainer: Any, who: str) -> None:

@@ -1,11 +1,13 @@
 """One small data-parallel fit on 2 CPU ranks (gloo), run as a script: ``ddp``, ``ddp_spawn`` or FSDP2.
 
-``python tests/callbacks/_distributed_worker.py STRATEGY DTYPE OUT_DIR`` trains a tiny policy for
+``python tests/callbacks/_distributed_worker.py STRATEGY DTYPE OUT_DIR [anchor]`` trains a tiny policy for
 ``STEPS`` steps with a :class:`CreditAuditCallback` (global scope) and a :class:`ConservationCheckCallback`,
 each rank on its own batches (:func:`make_batch`). After the audit of each step every rank records the
 global reading, the whole parameters and the whole averaged ``.grad``; at the end each rank writes
 ``OUT_DIR/rank{r}.pt`` (readings, parameters, conservation readings, logged scalars). The test that runs
-it recomputes every reading in one process from those parameters and batches.
+it recomputes every reading in one process from those parameters and batches. With ``anchor`` the run has
+an :class:`AnchorProjectionCallback` (``"projected"``) alone for ``ANCHOR_STEPS`` steps instead, and each
+rank records the merged ``.grad`` of every step, the anchor's readings and the final parameters.
 
 ``ddp`` and FSDP2 (Lightning's ``ModelParallelStrategy``) re-launch this script for rank 1, so it must be
 a script rather than a test function.
@@ -32,6 +34,8 @@ from lens_callbacks.callbacks.credit_audit import CreditAuditCallback  # noqa: E
 from lens_callbacks.credit import CreditTerms  # noqa: E402
 
 VOCAB, D, T, B, STEPS, W = 11, 8, 5, 3, 2, 2
+ANCHOR_STEPS = 6
+ANCHOR_KW = dict(mode="projected", cadence=1, delay_K=1, n0=3, w_cap=3, log_readings=False)
 
 
 def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +51,7 @@ def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 class Policy(pl.LightningModule):
     """Embedding → tanh → logits; GRPO-style terms ``-A_k · logπ · mask / n_trained``."""
 
-    def __init__(self, dtype: torch.dtype = torch.float64, fsdp: bool = False) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float64, fsdp: bool = False, steps: int = STEPS) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.emb = nn.Embedding(VOCAB, D)
@@ -57,7 +61,7 @@ class Policy(pl.LightningModule):
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         self.to(dtype)
-        self.fsdp = fsdp
+        self.fsdp, self.steps = fsdp, steps
 
     def configure_model(self) -> None:
         if not self.fsdp:
@@ -88,7 +92,7 @@ class Policy(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def train_dataloader(self):
-        batches = [make_batch(self.global_rank, s) for s in range(STEPS)]
+        batches = [make_batch(self.global_rank, s) for s in range(self.steps)]
         return torch.utils.data.DataLoader(batches, batch_size=None)
 
 
@@ -137,7 +141,28 @@ class Recorder(pl.Callback):
         )
 
 
-def main(strategy_name: str, dtype_name: str, out_dir: str) -> None:
+class AnchorRecorder(pl.Callback):
+    """After the anchor's merge: the whole merged .grad and the reading of every step; the final θ."""
+
+    def __init__(self, anchor, out_dir: str) -> None:
+        self.anchor, self.out_dir, self.rows = anchor, out_dir, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lens_callbacks.callbacks._distributed import full_grads
+
+        r = self.anchor.last_reading
+        self.rows.append({"grad": [g.clone() for g in full_grads(pl_module)],
+                          "reading": None if r is None else r.to_dict("anchor/"),
+                          "refusal": None if self.anchor.last_refusal is None else self.anchor.last_refusal.reason})
+
+    def on_train_end(self, trainer, pl_module):
+        from lens_callbacks.callbacks._distributed import full_params
+
+        torch.save({"rows": self.rows, "params": full_params(pl_module), "strategy": type(trainer.strategy).__name__},
+                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit") -> None:
     dtype = {"float64": torch.float64, "float32": torch.float32}[dtype_name]
     fsdp = strategy_name == "fsdp"
     if fsdp:
@@ -146,6 +171,16 @@ def main(strategy_name: str, dtype_name: str, out_dir: str) -> None:
         strategy = ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1)
     else:
         strategy = strategy_name
+    if what == "anchor":
+        from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
+
+        anchor = AnchorProjectionCallback(**ANCHOR_KW)
+        pl.Trainer(
+            max_steps=ANCHOR_STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, callbacks=[anchor, AnchorRecorder(anchor, out_dir)], default_root_dir=out_dir,
+        ).fit(Policy(dtype, fsdp=fsdp, steps=ANCHOR_STEPS))
+        return
     audit = CreditAuditCallback(dtype=dtype_name, log_table_every_n_steps=0, log_figure=False)
     check = ConservationCheckCallback(tolerance=1e-4, log_figure=False)
     trainer = pl.Trainer(
@@ -157,4 +192,4 @@ def main(strategy_name: str, dtype_name: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

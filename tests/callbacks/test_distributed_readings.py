@@ -29,14 +29,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @lru_cache(maxsize=None)
-def _run(strategy: str, dtype: str) -> tuple[dict, dict]:
-    """Run the worker once per (strategy, dtype) in this session; the two ranks' records."""
+def _run(strategy: str, dtype: str, what: str = "audit") -> tuple[dict, dict]:
+    """Run the worker once per (strategy, dtype, what) in this session; the two ranks' records."""
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix=f"lens_{strategy}_{dtype}_"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out)],
+        [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out), what],
         cwd=out, env=env, capture_output=True, text=True, timeout=400,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -126,3 +126,55 @@ def test_fsdp2_readings_equal_ddp_on_the_same_data():
             assert x == pytest.approx(y, rel=0, abs=1e-10)
     for c in fsdp[0]["conservation"] + fsdp[1]["conservation"]:
         assert c["source"] == "credit_parts" and c["holds"] and c["error"] < 1e-12, c["text"]
+
+
+class _ConcatPolicy(worker.Policy):
+    """One process, both ranks' batches at once, terms divided by W: the step DDP/FSDP take together."""
+
+    def forward(self, batch):
+        if isinstance(batch, dict):
+            parts = [worker.Policy.forward(self, b) for b in batch["ranks"]]
+            terms = torch.cat([t.terms for t in parts]) / worker.W  # [W·B, T]
+            n = terms.shape[0]
+            return CreditTerms(terms, torch.cat([t.trained for t in parts]), torch.arange(n), torch.arange(n))
+        return worker.Policy.forward(self, batch)
+
+    def train_dataloader(self):
+        batches = [{"ranks": [worker.make_batch(r, s) for r in range(worker.W)]} for s in range(self.steps)]
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+class _Grads(worker.pl.Callback):
+    def __init__(self, anchor):
+        self.anchor, self.rows = anchor, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        r = self.anchor.last_reading
+        self.rows.append({"grad": [p.grad.detach().clone() for p in pl_module.parameters()],
+                          "reading": None if r is None else r.to_dict("anchor/")})
+
+
+def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(tmp_path):
+    from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
+
+    fsdp = _run("fsdp", "float64", "anchor")
+    assert fsdp[0]["strategy"] == "ModelParallelStrategy"
+    anchor = AnchorProjectionCallback(**worker.ANCHOR_KW)
+    spy = _Grads(anchor)
+    m = _ConcatPolicy(torch.float64, steps=worker.ANCHOR_STEPS)
+    worker.pl.Trainer(
+        max_steps=worker.ANCHOR_STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[anchor, spy], default_root_dir=str(tmp_path),
+    ).fit(m)
+    assert any(r["reading"] and r["reading"]["anchor/projected"] == 1.0 for r in spy.rows)  # the projection ran
+    for rank in fsdp:
+        assert len(rank["rows"]) == len(spy.rows) == worker.ANCHOR_STEPS
+        for got, want in zip(rank["rows"], spy.rows):
+            assert got["refusal"] is None
+            for a, b in zip(got["grad"], want["grad"]):  # the merged .grad, gathered from the shards
+                assert torch.allclose(a, b, rtol=0, atol=1e-10)
+            assert (got["reading"] is None) == (want["reading"] is None)
+            for k, v in (want["reading"] or {}).items():
+                assert got["reading"][k] == pytest.approx(v, rel=1e-8, abs=1e-10, nan_ok=True), k
+        for n, p in m.named_parameters():
+            assert torch.allclose(rank["params"][n], p.detach(), rtol=0, atol=1e-10)
