@@ -144,8 +144,8 @@ class Recorder(pl.Callback):
 class AnchorRecorder(pl.Callback):
     """After the anchor's merge: the whole merged .grad and the reading of every step; the final θ."""
 
-    def __init__(self, anchor, out_dir: str) -> None:
-        self.anchor, self.out_dir, self.rows = anchor, out_dir, []
+    def __init__(self, anchor, check, out_dir: str) -> None:
+        self.anchor, self.check, self.out_dir, self.rows, self.conservation = anchor, check, out_dir, [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         from lens_callbacks.callbacks._distributed import full_grads
@@ -155,10 +155,17 @@ class AnchorRecorder(pl.Callback):
                           "reading": None if r is None else r.to_dict("anchor/"),
                           "refusal": None if self.anchor.last_refusal is None else self.anchor.last_refusal.reason})
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        c = self.check.last_reading
+        self.conservation.append({"kind": type(c).__name__, "source": getattr(c, "source", None),
+                                  "error": getattr(c, "relative_error", None), "holds": bool(getattr(c, "holds", False)),
+                                  "text": c.render()})
+
     def on_train_end(self, trainer, pl_module):
         from lens_callbacks.callbacks._distributed import full_params
 
-        torch.save({"rows": self.rows, "params": full_params(pl_module), "strategy": type(trainer.strategy).__name__},
+        torch.save({"rows": self.rows, "params": full_params(pl_module), "strategy": type(trainer.strategy).__name__,
+                    "conservation": self.conservation},
                    os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
@@ -175,10 +182,12 @@ def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit")
         from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
 
         anchor = AnchorProjectionCallback(**ANCHOR_KW)
+        # No audit: the check holds each step against the (merged, sharded) .grad it gathers.
+        check = ConservationCheckCallback(tolerance=1e-4, log_figure=False)
         pl.Trainer(
             max_steps=ANCHOR_STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, callbacks=[anchor, AnchorRecorder(anchor, out_dir)], default_root_dir=out_dir,
+            use_distributed_sampler=False, callbacks=[anchor, check, AnchorRecorder(anchor, check, out_dir)], default_root_dir=out_dir,
         ).fit(Policy(dtype, fsdp=fsdp, steps=ANCHOR_STEPS))
         return
     audit = CreditAuditCallback(dtype=dtype_name, log_table_every_n_steps=0, log_figure=False)

@@ -166,3 +166,12 @@ def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(tmp_path):
                 assert got["reading"][k] == pytest.approx(v, rel=1e-8, abs=1e-10, nan_ok=True), k
         for n, p in m.named_parameters():
             assert torch.allclose(rank["params"][n], p.detach(), rtol=0, atol=1e-10)
+        # The conservation check without an audit, on sharded parameters: .grad gathered whole.
+        seen = rank["conservation"]
+        assert len(seen) == worker.ANCHOR_STEPS
+        assert seen[0]["kind"] == "ConservationReading"  # step 0: no snapshot visible yet, nothing merged
+        for c in seen:
+            if c["kind"] == "ConservationReading":
+                assert c["source"] == "grad" and c["holds"] and c["error"] < 1e-12, c["text"]
+            else:  # a check that knows of the merger may refuse the merged steps, naming it
+                assert "Anchor" in c["text"], c["text"]
