@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,25 @@ import _distributed_worker as worker  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@lru_cache(maxsize=None)
-def _run(strategy: str, dtype: str, what: str = "audit") -> tuple[dict, dict]:
-    """Run the worker once per (strategy, dtype, what) in this session; the two ranks' records."""
-    import tempfile
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """``run(strategy, dtype, what)``: the worker's two rank records, each configuration run once per module."""
+    done: dict[tuple[str, str, str], tuple[dict, dict]] = {}
 
-    out = Path(tempfile.mkdtemp(prefix=f"lens_{strategy}_{dtype}_"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run(
-        [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out), what],
-        cwd=out, env=env, capture_output=True, text=True, timeout=400,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return tuple(torch.load(out / f"rank{i}.pt", weights_only=False) for i in range(worker.W))  # type: ignore[return-value]
+    def go(strategy: str, dtype: str, what: str = "audit") -> tuple[dict, dict]:
+        key = (strategy, dtype, what)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"{strategy}_{dtype}_{what}")
+            env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+            r = subprocess.run(
+                [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out), what],
+                cwd=out, env=env, capture_output=True, text=True, timeout=400,
+            )
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+            done[key] = tuple(torch.load(out / f"rank{i}.pt", weights_only=False) for i in range(worker.W))
+        return done[key]
+
+    return go
 
 
 def _reference(row: dict):
@@ -69,8 +74,8 @@ def _same_on_every_rank(records):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_ddp_global_shares_equal_a_single_process_audit_of_the_concatenated_batch(strategy):
-    records = _run(strategy, "float64")
+def test_ddp_global_shares_equal_a_single_process_audit_of_the_concatenated_batch(run, strategy):
+    records = run(strategy, "float64")
     _same_on_every_rank(records)
     rows = records[0]["rows"]
     assert [r["step"] for r in rows] == list(range(worker.STEPS))
@@ -94,9 +99,9 @@ def test_ddp_global_shares_equal_a_single_process_audit_of_the_concatenated_batc
         assert c["source"] == "credit_parts" and c["holds"] and c["error"] < 1e-12, c["text"]
 
 
-def test_fsdp2_readings_equal_ddp_on_the_same_data():
-    ddp = _run("ddp", "float64")
-    fsdp = _run("fsdp", "float64")
+def test_fsdp2_readings_equal_ddp_on_the_same_data(run):
+    ddp = run("ddp", "float64")
+    fsdp = run("fsdp", "float64")
     assert fsdp[0]["strategy"] == "ModelParallelStrategy"
     _same_on_every_rank(fsdp)
     for a, b in zip(fsdp[0]["rows"], ddp[0]["rows"]):
@@ -142,10 +147,10 @@ class _Grads(worker.pl.Callback):
                           "reading": None if r is None else r.to_dict("anchor/")})
 
 
-def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(tmp_path):
+def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(run, tmp_path):
     from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
 
-    fsdp = _run("fsdp", "float64", "anchor")
+    fsdp = run("fsdp", "float64", "anchor")
     assert fsdp[0]["strategy"] == "ModelParallelStrategy"
     anchor = AnchorProjectionCallback(**worker.ANCHOR_KW)
     spy = _Grads(anchor)
