@@ -172,6 +172,17 @@ class AnchorProjectionCallback(Callback):
         if self.projector is None:
             self.projector = self._new_projector()
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After configure_model (where FSDP2 shards), before the first step: the earliest a sharded run shows.
+        # FSDP2: the callback works on whole views of the parameters and their .grad (gathered once per
+        # step, written back to the shards after the merge), so ring, fit and merge are those of DDP.
+        if self.mode == "off":
+            return
+        from ._distributed import check_strategy, is_sharded
+
+        check_strategy(trainer, "AnchorProjectionCallback")
+        self._sharded = is_sharded(pl_module)
+
     def _new_projector(self) -> Rank1TrajProjector:
         return Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
                                   r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,
@@ -190,6 +201,11 @@ class AnchorProjectionCallback(Callback):
             return
         self._last_step = step
         params = {n: p for n, p in pl_module.named_parameters() if p.requires_grad}
+        shards = None
+        if getattr(self, "_sharded", False):
+            from ._distributed import whole_views
+
+            shards, params = params, whole_views(params)
         if self._restored:
             self._move_state(params)
         with torch.no_grad():
@@ -206,7 +222,13 @@ class AnchorProjectionCallback(Callback):
                     )
         if self._anchor is None:
             return
-        g_anchor = self._anchor_grad(trainer, pl_module, params)
+        if shards is not None:
+            from ._distributed import fsdp_hooks_off
+
+            with fsdp_hooks_off(pl_module):
+                g_anchor = self._anchor_grad(trainer, pl_module, params)
+        else:
+            g_anchor = self._anchor_grad(trainer, pl_module, params)
         if g_anchor is None:
             return
         with torch.no_grad():
@@ -214,6 +236,10 @@ class AnchorProjectionCallback(Callback):
                              for n, g in g_anchor.items()}
             try:
                 disagree, count = self._merge(params)
+                if shards is not None:
+                    from ._distributed import write_back_grads
+
+                    write_back_grads(shards, params)
             except Exception as e:
                 self.last_refusal = Refusal("anchor_merge", f"the merger failed: {type(e).__name__}: {e}",
                                             numbers={"step": step}, remedy=".grad was left as it was")

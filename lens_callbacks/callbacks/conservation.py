@@ -91,6 +91,7 @@ class ConservationCheckCallback(Callback):
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
+        self._sharded = False
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
 
     @property
@@ -100,6 +101,10 @@ class ConservationCheckCallback(Callback):
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        from ._distributed import check_strategy, is_sharded
+
+        check_strategy(trainer, "ConservationCheckCallback")
+        self._sharded = is_sharded(pl_module)
         self._audit = None
         if self.use_credit_audit:
             cbs = list(trainer.callbacks)
@@ -110,6 +115,10 @@ class ConservationCheckCallback(Callback):
                     cb.keep_grads = True
                     self._audit_first = i < cbs.index(self) if self in cbs else False
                     break
+        if self._audit is not None and _autocast_precision(trainer):
+            # Under autocast each part's backward rounds in bfloat16/float16, so Σ g_S misses .grad by that
+            # rounding (~2e-3 measured); .grad, the float32 master-weight gradient, is what the step applied.
+            self._audit = None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = int(trainer.global_step)
@@ -123,6 +132,9 @@ class ConservationCheckCallback(Callback):
         if isinstance(verdict, Refusal):
             self._pending_refusal = (step, verdict)
             return
+        from ._distributed import is_sharded
+
+        self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
         with torch.no_grad():
             self._pending = self._record(step, pl_module, opt)
 
@@ -209,14 +221,15 @@ class ConservationCheckCallback(Callback):
                 params.append(p)
                 names.append(name_of.get(id(p)))
                 gidx.append(i)
-        theta_before = [p.detach().clone() for p in params]
+        # FSDP2: whole tensors (one all-gather each), so the reading is of the global step on every rank.
+        theta_before = [_whole(p, self._sharded).clone() for p in params]
         audit_grads = None
         if self._audit is not None and self._audit_first:
             audit_grads = self._audit_grads(step, params, names)
         grads = None
         if audit_grads is None or pl_module.trainer.world_size > 1:
             # Under DDP another rank may lack the audit's parts this step; then every rank reads .grad.
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
+            grads = [None if p.grad is None else _whole(p.grad, self._sharded).clone() for p in params]
         return _Pending(step, opt, params, names, gidx, lrs, theta_before, grads, audit_grads, _scale(pl_module))
 
     def _audit_grads(self, step: int, params: list[torch.Tensor], names: list[Optional[str]]) -> Optional[list[Optional[torch.Tensor]]]:
@@ -256,8 +269,9 @@ class ConservationCheckCallback(Callback):
                 grads = None  # the collective below must run on every rank or on none
             if grads is None:
                 grads, source = pend.grads, "grad"
-            elif trainer.world_size > 1:
+            elif trainer.world_size > 1 and not getattr(self._audit, "_global", False):
                 grads = _mean_over_ranks(trainer, grads)
+            # else: a global audit's Σ parts is already the rank average of every rank's parts.
             try:
                 reading = self._read(pend, grads, source)
             except Exception as err:  # a reading that cannot be made must not end the training run
@@ -273,7 +287,7 @@ class ConservationCheckCallback(Callback):
         with torch.no_grad():
             return step_conservation(
                 pend.theta_before,
-                [p.detach() for p in pend.params],
+                [_whole(p, self._sharded) for p in pend.params],
                 pend.lrs,
                 grads,
                 group_index=pend.group_index,
@@ -301,6 +315,18 @@ class ConservationCheckCallback(Callback):
         else:
             values = reading.to_dict(self.prefix)
         log_scalars(trainer, values, step)
+
+
+def _autocast_precision(trainer: Trainer) -> bool:
+    return str(getattr(trainer, "precision", "")) in ("bf16-mixed", "16-mixed")
+
+
+def _whole(t: torch.Tensor, sharded: bool) -> torch.Tensor:
+    if sharded:
+        from ._distributed import _full
+
+        return _full(t.detach())
+    return t.detach()
 
 
 def _is_credit_audit(cb: Any) -> bool:

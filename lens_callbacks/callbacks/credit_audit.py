@@ -6,15 +6,22 @@ copies of the parameters, takes one backward pass per part plus an independent f
 readings through :class:`~lens_callbacks.metrics.credit.CreditMetric`. It is read-only: parameters,
 ``.grad``, optimizer state and the random stream are left as they were.
 
-DDP: each rank audits its local batch, so ``g_full`` and the shares are local to the rank. At the
-hook ``.grad`` holds the rank average, which a local ``g_full`` does not equal; ``grad_match`` is
-therefore only read in single-process runs (and without gradient accumulation, where ``.grad`` sums
-several micro-batches and the audit sees the last one). Nothing here is a collective except the
-epoch mean of the metric, which every rank reaches.
+DDP / FSDP2 (``scope="global"``, the default): each rank disintegrates its local batch and dots its
+parts with the rank-averaged ``.grad`` the optimizer applies; the global reading
+(:func:`lens_callbacks.credit.distributed.global_report`) names the parts ``r{rank}/{name}``, its shares
+sum to 1 over all ranks, and cancellation, conservation and ``grad_match`` are those of the global step.
+Cost per audited step: a few scalar all-gathers and one all-reduce of ``2·|θ|`` elements.
+``scope="rank"`` keeps the per-rank readings instead (no collective; ``grad_match`` is then not read,
+since the local ``g_full`` is not the rank average). With gradient accumulation ``.grad`` sums several
+micro-batches and the audit sees the last one, so ``grad_match`` is not read and the reading is per rank.
+Under ``bf16-mixed``/``16-mixed`` ``credit_terms`` is re-evaluated under the trainer's autocast, so the
+audit reads the function that was trained.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -75,6 +82,10 @@ class CreditAuditCallback(Callback):
             step); logged as ``update_share/<part>``, ``update_share_sum``, ``update_grad_cosine``,
             ``update_conservation_error``. Needs forward-mode derivatives (eager attention). See
             docs/readings.md.
+        scope: ``"global"`` (default): under DDP/FSDP the reading is of the global step, every rank's parts
+            against the averaged ``.grad``; ``"rank"``: each rank's own batch against its own gradient.
+        precision_context: evaluate ``credit_terms`` under ``trainer.precision_plugin.forward_context()``
+            (autocast for mixed precision), as ``training_step`` runs; False audits outside it.
 
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
@@ -107,10 +118,13 @@ class CreditAuditCallback(Callback):
         log_positional_parts: bool = False,
         concentration_top_k: int = 3,
         noise_ema: float = 0.9,
-
         update_shares: bool = False,
+        scope: str = "global",
+        precision_context: bool = True,
     ) -> None:
         super().__init__()
+        if scope not in ("global", "rank"):
+            raise ValueError(f"`scope` must be 'global' or 'rank', got {scope!r}.")
         partition, extra_partitions = _split_partitions(partition, extra_partitions)
         if not (isinstance(partition, str) and "." in partition):
             resolve_partition(partition)  # an unknown name raises here, naming the valid ones
@@ -136,6 +150,10 @@ class CreditAuditCallback(Callback):
             raise ValueError(f"`update_shares` must be True or False, got {update_shares!r}.")
         self.update_shares = update_shares
         self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
+        self.scope = scope
+        self.precision_context = bool(precision_context)
+        self._global = False  # set in setup: a multi-rank run read as one global step
+        self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -176,6 +194,15 @@ class CreditAuditCallback(Callback):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
+        self._setup_distributed(trainer, pl_module)
+
+    def _setup_distributed(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from ._distributed import check_strategy, is_sharded
+
+        check_strategy(trainer, "CreditAuditCallback")
+        self._sharded = is_sharded(pl_module)
+        # With accumulation .grad holds micro-batches the audit never saw: no global claim can be made.
+        self._global = self.scope == "global" and trainer.world_size > 1 and trainer.accumulate_grad_batches == 1
 
     # ---- the audit --------------------------------------------------------------------------------
 
@@ -191,7 +218,13 @@ class CreditAuditCallback(Callback):
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
-        reading = self.audit(pl_module, self._batch)
+        from ._distributed import is_sharded
+
+        self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
+        if self._global or self._sharded:
+            reading = self._audit_distributed(trainer, pl_module, self._batch)
+        else:
+            reading = self.audit(pl_module, self._batch)
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self._drop_recorded()
@@ -263,6 +296,7 @@ class CreditAuditCallback(Callback):
                     dtype=self.dtype,
                     reference_grads=self._reference,
                     keep_grads=self.keep_grads,
+                    forward_context=self._forward_context(pl_module),
                 )
         except Exception as err:  # a user-data failure must not end the training run
             return Refusal(
@@ -271,6 +305,54 @@ class CreditAuditCallback(Callback):
                 numbers={"step": self._step_of(pl_module)},
                 remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
             )
+
+    def _forward_context(self, pl_module: LightningModule) -> Any:
+        from ._distributed import precision_context
+
+        if not self.precision_context:
+            return None
+        try:
+            return precision_context(pl_module.trainer)
+        except RuntimeError:  # not attached to a Trainer
+            return None
+
+    def _audit_distributed(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
+        """The global reading (every rank calls it on the same steps: it runs collectives)."""
+        from lens_callbacks.credit.distributed import global_report
+
+        from ._distributed import fsdp_hooks_off, full_grads, full_params, strategy_collectives
+
+        # Collectives first and unconditionally, so that a failing rank cannot leave the others waiting.
+        params = full_params(pl_module) if self._sharded else None
+        applied = full_grads(pl_module)
+        local: Optional[CreditReport] = None
+        failure: Optional[str] = None
+        try:
+            with torch.enable_grad(), (fsdp_hooks_off(pl_module) if self._sharded else contextlib.nullcontext()):
+                local = disintegrate(
+                    pl_module,
+                    batch,
+                    self._partition_fn if self._partition_fn is not None else self.partition,
+                    dtype=self.dtype,
+                    keep_grads=True,
+                    project_onto=applied if self._global else None,
+                    params=params,
+                    forward_context=self._forward_context(pl_module),
+                    reference_grads=applied if self._reference is not None and not self._global else None,
+                )
+        except Exception as err:  # a user-data failure must not end the training run
+            failure = f"{type(err).__name__}: {err}"
+        if not self._global:
+            if local is None:
+                return Refusal("credit_audit", str(failure), numbers={"step": self._step_of(pl_module)},
+                               remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)")
+            return local if self.keep_grads else dataclasses.replace(local, grads=None)
+        try:
+            return global_report(local, applied, strategy_collectives(trainer), failure=failure, keep_grads=self.keep_grads)
+        except Exception as err:
+            # Past the collectives' agreement step every rank fails alike (same gathered data).
+            return Refusal("credit_audit_global", f"{type(err).__name__}: {err}", numbers={"step": self._step_of(pl_module)},
+                           remedy="report this with the strategy and module used")
 
     def metric_values(self, report: CreditReport) -> dict[str, float]:
         """The scalars of one report, through the metric (its ``forward`` returns this step's readings)."""
@@ -289,7 +371,7 @@ class CreditAuditCallback(Callback):
                 v = v.reshape(-1)  # torchmetrics squeezes a one-part vector to a scalar
                 for i, name in enumerate(names[: self.max_logged_parts]):
                     values[f"{p}{key}/{name}"] = float(v[i])
-            elif key == "grad_match" and self._reference is None:
+            elif key == "grad_match" and self._reference is None and not self._global:
                 continue
             else:
                 values[f"{p}{key}"] = float(v)
@@ -438,7 +520,21 @@ class CreditAuditCallback(Callback):
                 return Refusal("credit_audit", f"{name}: {type(err).__name__}: {err}", numbers={"step": step})
 
         values = self._drop_positional(values)
-        values.update(self.readings.read(report, partition, terms, step, run_engine))
+        if self._global:
+            # The report is the global step's; this rank's terms and partition describe its own rows only,
+            # so readings built from them (extra partitions, the noise scale) would mix scopes: not read.
+            saved, self.readings.extra = self.readings.extra, []
+            try:
+                values.update(self.readings.read(report, None, None, step, None))
+            finally:
+                self.readings.extra = saved
+            for name, _ in saved:
+                self.readings.last_errors[name] = "not read under scope='global' (use scope='rank' for per-rank extra partitions)"
+            return values
+        try:
+            values.update(self.readings.read(report, partition, terms, step, run_engine))
+        except Exception as err:  # a reading beyond the primary one must not end the training run
+            warnings.warn(f"credit readings at step {step} not made: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
         return values
 
     def _drop_recorded(self) -> None:

@@ -178,6 +178,9 @@ def disintegrate(
     keep_grads: bool = False,
     keep_parts: bool = False,
     preserve_rng: bool = True,
+    project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+    forward_context: Optional[Callable[[], Any]] = None,
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts, one backward pass per part.
 
@@ -200,6 +203,17 @@ def disintegrate(
         keep_parts: also attach every ``g_S`` (memory ``m × |θ|``; for tests and small models).
         preserve_rng: run under ``torch.random.fork_rng`` so dropout in the audit does not consume the
             training run's random stream.
+        project_onto: a vector ``v`` (one tensor per trainable parameter, aligned with them; None
+            entries read as zero) that replaces ``g_full`` in the shares:
+            ``projected_share[S] = <g_S, v> / ||v||²``, and whose zero norm makes them undefined. Under
+            DDP ``v`` is the rank-averaged ``.grad`` the optimizer applies, so that a local share divided
+            by the world size is that rank's part of the global step (see
+            :mod:`lens_callbacks.credit.distributed`). ``cancellation``, ``conservation_error`` and
+            ``grad_match`` still read against ``g_full``.
+        params: name → tensor to evaluate the terms at instead of the live parameters (e.g. the full
+            tensors gathered from sharded ones).
+        forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
+            (e.g. a trainer's autocast), so the audit evaluates the function the step trained.
 
     Returns:
         A :class:`CreditReport`.
@@ -227,7 +241,9 @@ def disintegrate(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
     with _preserved_rng(module, preserve_rng):
-        terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
+        with (forward_context() if forward_context is not None else contextlib.nullcontext()):
+            terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
+        onto = _onto(leaves, project_onto)
         part = spec if isinstance(spec, Partition) else spec(terms)
         if not isinstance(part, Partition):
             raise TypeError(
@@ -249,7 +265,7 @@ def disintegrate(
                 mask = ids == i  # [B, T]
                 loss_i = terms.terms.masked_select(mask).sum()
                 g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
-                dots.append(_dot(g_i, g_full))
+                dots.append(_dot(g_i, g_full if onto is None else onto))
                 sq.append(_sqnorm(g_i))
                 for r, g in zip(running, g_i):
                     r.add_(g)
@@ -264,10 +280,18 @@ def disintegrate(
     reason: Optional[str] = None
     if not math.isfinite(full_sq):
         reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
-    elif full_sq == 0.0:
+    elif full_sq == 0.0 and onto is None:
         reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
-    if reason is None:
-        projected = tuple(d / full_sq for d in dots)
+    onto_sq = full_sq if onto is None else _sqnorm(onto)
+    if onto is not None and reason is None and not (math.isfinite(onto_sq) and onto_sq > 0.0):
+        reason = f"the vector the parts are projected onto has ||v||² = {onto_sq}; shares are undefined this step."
+    if reason is None and full_sq == 0.0:
+        # A rank whose own gradient is zero still has (zero) parts of the global step.
+        projected = tuple(d / onto_sq for d in dots)
+        conservation = _diff_norm(running, g_full)
+        cancellation = float("nan")
+    elif reason is None:
+        projected = tuple(d / onto_sq for d in dots)
         conservation = _diff_norm(running, g_full) / full_norm
         cancellation = norm_total / full_norm
     else:
@@ -307,6 +331,26 @@ def disintegrate(
         reason=reason,
         grads=grads,
     )
+
+
+def _onto(leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]]) -> Optional[list[torch.Tensor]]:
+    if vec is None:
+        return None
+    vec = list(vec)
+    if len(vec) != len(leaves):
+        raise ValueError(
+            f"`project_onto` must hold one tensor per trainable parameter ({len(leaves)}), got {len(vec)}; "
+            "align it with [p for p in module.parameters() if p.requires_grad]."
+        )
+    out = []
+    for x, v in zip(leaves, vec):
+        if v is None:
+            out.append(torch.zeros_like(x))
+        elif tuple(v.shape) != tuple(x.shape):
+            raise ValueError(f"`project_onto` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
+        else:
+            out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
+    return out
 
 
 def _reference(

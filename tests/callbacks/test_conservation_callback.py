@@ -555,7 +555,9 @@ class CheckInWorker(Callback):
 def test_ddp_two_cpu_ranks_average_the_audit_parts():
     from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
 
-    audit = CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False)
+    # Per-rank audit: the check itself must average the local parts (the global scope is tested in
+    # test_distributed_readings.py).
+    audit = CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False, scope="rank")
     cb = Recording()
     _fit(
         RankPolicy(),

@@ -466,14 +466,17 @@ class _DDPChecks(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         r = self.audit.last_report
         assert r is not None and self.audit.last_report_step == trainer.global_step
-        assert r.grad_match is None  # .grad is the rank average here: not compared with a local g_full
+        # The global step: every rank's parts, named by rank, against the averaged .grad.
+        assert {n.split("/")[0] for n in r.part_names} == {"r0", "r1"}
+        assert r.grad_match is not None and r.grad_match < 1e-6  # float32 rounding
+        assert self.audit.last_values["credit/grad_match"] == r.grad_match  # logged
         if r.ok:
-            assert abs(r.share_sum - 1.0) < 1e-5 and r.conservation_error < 1e-5
+            assert abs(r.share_sum - 1.0) < 1e-6 and r.conservation_error < 1e-6
 
     def on_train_end(self, trainer, pl_module):
         assert self.audit.n_audits == trainer.global_step == 3
         assert "credit/epoch/cancellation" in self.audit.last_epoch_values  # synchronised on every rank
-        assert "credit/grad_match" not in self.audit.last_values
+        assert "credit/grad_match" in self.audit.last_values
 
 
 @pytest.mark.slow
@@ -492,6 +495,7 @@ def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
     acc = EventAccumulator(trainer.logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     assert len(acc.Scalars("credit/cancellation")) == 3 and "credit/epoch/share_sum" in acc.Tags()["scalars"]
+    assert [e.value < 1e-6 for e in acc.Scalars("credit/grad_match")] == [True] * 3  # the global grad_match, logged
     assert [t.step for t in acc.Tensors("credit/table/text_summary")] == [0, 2]  # rank 0 wrote it once per table
     assert (tmp_path / "lightning_logs" / "version_0" / "credit_last.txt").exists()
 
