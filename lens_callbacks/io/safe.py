@@ -225,7 +225,8 @@ def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, wha
                 if idx < 0 or idx >= memo:
                     raise BoundedReadError(f"{path}: the {what} reads memo index {idx} at byte {pos}, which was never stored.")
             elif name == "FRAME" and int(arg) > size - pos:
-                raise BoundedReadError(f"{path}: the {what} declares a frame of {int(arg):,} bytes at byte {pos}; only {size - pos:,} remain.")
+                raise BoundedReadError(f"{path}: the {what} is truncated or corrupt: it declares a frame of {int(arg):,} bytes at "
+                                       f"byte {pos}; only {size - pos:,} remain.")
             elif name == "STOP":
                 stopped = True
                 break

@@ -177,7 +177,7 @@ class _ZipTensorUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return functools.partial(_rebuild_tensor_from_storage, budget=self._budget, key=self._key)
+            return functools.partial(_rebuild_tensor_from_storage, budget=self._budget, key=self._key, path=self._path)
         if (module, name) == ("collections", "OrderedDict"):
             return type("OrderedDict", (_OrderedDict,), {})
         if module == "torch" and name in _STORAGES:
@@ -213,7 +213,16 @@ def _short(v: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _rebuild_tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str) -> _Tensor:
+def _rebuild_tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str, path: str = "") -> _Tensor:
+    try:
+        return _rebuild_checked(storage, offset, size, stride, budget, key)
+    except ValueError as err:
+        if isinstance(err, BoundedReadError):
+            raise
+        raise SkyRLDumpError(f"{path}: {err}.") from None
+
+
+def _rebuild_checked(storage: Any, offset: Any, size: Any, stride: Any, budget: ReadBudget, key: str) -> _Tensor:
     if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[0], np.ndarray)):
         raise ValueError(f"`{key}`: _rebuild_tensor_v2 got {type(storage).__name__} where a storage belongs")
     arr, st = storage
@@ -580,7 +589,7 @@ def _check_shapes(batch: dict[str, Any], path: str) -> None:
         if list(t.shape) != want or (key not in _SEQUENCE_KEYS and not 1 <= R <= S):
             raise SkyRLDumpError(
                 f"{path}: `{key}` must have shape {'[rows, S]' if key in _SEQUENCE_KEYS else '[rows, R] with 1 <= R <= S'} = "
-                f"{want if R >= 1 else '[rows, R]'}, got {list(t.shape)} (sequences is {[N, S]})."
+                f"{want if R >= 1 else '[rows, R]'}, got {list(t.shape)} (sequences is {[N, S]}; rows counted after the padding rows are dropped)."
             )
     for key in ("advantages", "loss_mask"):
         t = batch[key]

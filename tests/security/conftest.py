@@ -1,0 +1,57 @@
+"""Warm workers that run each hostile case through the real console script, in a forked child of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+#: What the offline commands that read dumps and checkpoints import: a worker with these is as heavy as a
+#: real `lens-callbacks skyrl` process, so its children's peak memory is the command's.
+LIGHT = ["lens_callbacks.cli", "lens_callbacks.commands.skyrl", "lens_callbacks.commands.process",
+         "lens_callbacks.commands.anchor_gate", "lens_callbacks.io.skyrl", "lens_callbacks.process"]
+#: `audit` also builds the recorded module (transformers, lightning).
+HEAVY = LIGHT + ["lens_callbacks.commands.audit", "examples.grpo_tools.module", "examples.grpo_tools.single_turn"]
+
+
+class Worker:
+    """A process that imported the package once and forks a child per case (see isolated.py)."""
+
+    def __init__(self, modules: list[str]) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "isolated.py"), *modules], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = self.proc.stdout.readline()
+        assert json.loads(ready) == {"ready": True}, ready
+
+    def run(self, *argv: str, timeout: float = 30, mem_mb: int = 1024, cwd=None, env=None) -> SimpleNamespace:
+        case = {"argv": [str(a) for a in argv], "timeout": timeout, "mem_mb": mem_mb, "cwd": str(cwd or ROOT), "env": env or {}}
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        return SimpleNamespace(**json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def light():
+    w = Worker(LIGHT)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def heavy():
+    w = Worker(HEAVY)
+    yield w
+    w.close()
