@@ -201,6 +201,7 @@ def garbage(n: int = 4096, seed: int = 0) -> bytes:
 
 
 def edit_json(path: Path, edit: Callable[[Any], Any]) -> None:
+    """Load a JSON file, let ``edit`` change the object in place (its return value is ignored), write it back."""
     obj = json.loads(path.read_text())
-    out = edit(obj)
-    path.write_text(json.dumps(obj if out is None else out))
+    edit(obj)
+    path.write_text(json.dumps(obj))
