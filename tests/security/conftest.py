@@ -55,3 +55,22 @@ def heavy():
     w = Worker(HEAVY)
     yield w
     w.close()
+
+
+@pytest.fixture(scope="session")
+def record(tmp_path_factory) -> Path:
+    """A clean run record from a real two-step training run of the tools example (RunRecordCallback)."""
+    pytest.importorskip("transformers")
+    import torch
+    from lightning.pytorch import Trainer
+
+    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.callbacks.records import RunRecordCallback
+
+    d = tmp_path_factory.mktemp("clean")
+    torch.manual_seed(0)
+    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, accelerator="cpu", default_root_dir=str(d),
+                      callbacks=[RunRecordCallback(str(d / "record"))])
+    trainer.fit(GRPOToolsModule(seed=0, group_size=2), ToolsAdditionDataModule(prompts_per_step=1))
+    return d / "record"

@@ -24,22 +24,6 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def record(tmp_path_factory) -> Path:
-    from lightning.pytorch import Trainer
-
-    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
-    from lens_callbacks.callbacks.records import RunRecordCallback
-
-    d = tmp_path_factory.mktemp("clean")
-    torch.manual_seed(0)
-    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", default_root_dir=str(d),
-                      callbacks=[RunRecordCallback(str(d / "record"))])
-    trainer.fit(GRPOToolsModule(seed=0, group_size=2), ToolsAdditionDataModule(prompts_per_step=1))
-    return d / "record"
-
-
 def _copy(record: Path, tmp: Path) -> Path:
     dst = tmp / "record"
     shutil.copytree(record, dst)
