@@ -265,6 +265,11 @@ def replay_to(
         for s in it:
             batch = rebuild_batch(m, record, s)
             lrs = record.step_meta(s).get("lr")
+            if lrs is not None and len(lrs) != len(opt.param_groups):
+                from ..io.records import meta_path
+
+                raise ValueError(f"{meta_path(record.run_dir, s)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
+                                 f"{len(opt.param_groups)} param groups.")
             if lrs is not None:  # the rates the recorded step used (an LR scheduler may have moved them)
                 for g, lr in zip(opt.param_groups, lrs):
                     g["lr"] = lr
