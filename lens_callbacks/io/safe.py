@@ -163,8 +163,12 @@ def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
                 "raise LENS_MAX_FILE_MB if you trust it."
             )
         chunks, total = [], 0
+        # One read of the whole declared size first: a single chunk joins without a copy. Later reads only
+        # notice a file that grew after fstat.
+        want = st.st_size + 1
         while True:
-            chunk = os.read(fd, min(16 * _MiB, limits.max_file_bytes + 1 - total))
+            chunk = os.read(fd, max(1, min(want, limits.max_file_bytes + 1 - total)))
+            want = _MiB
             if not chunk:
                 break
             chunks.append(chunk)
