@@ -120,9 +120,14 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-def _import(path: str, field: str, where: str) -> Any:
-    if os.getcwd() not in sys.path:  # class paths resolve from the working directory, as for `fit`
+def _cwd_on_path() -> None:
+    # Class paths resolve from the working directory, as for `fit`. This happens before the trust check,
+    # so the package the check locates is the one the import will load.
+    if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+
+
+def _import(path: str, field: str, where: str) -> Any:
     mod, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(mod), name)
@@ -134,6 +139,7 @@ def _import(path: str, field: str, where: str) -> Any:
 
 def resolve_module_class(path: Any, policy: TrustPolicy, where: str) -> type:
     """The class a record's ``module`` names: trusted, a ``torch.nn.Module`` subclass with ``credit_terms``."""
+    _cwd_on_path()
     policy.check(path, "module", where)
     obj = _import(path, "module", where)
     if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
@@ -147,6 +153,7 @@ def resolve_module_class(path: Any, policy: TrustPolicy, where: str) -> type:
 
 def resolve_batch_builder(path: Any, policy: TrustPolicy, where: str) -> Callable[..., Any]:
     """The function a record's ``batch_builder`` names: trusted, a Python function of ``(module, trajectories, meta)``."""
+    _cwd_on_path()
     policy.check(path, "batch_builder", where)
     fn = _import(path, "batch_builder", where)
     if not inspect.isfunction(fn):
@@ -173,6 +180,8 @@ def _fits(value: Any, t: Any) -> bool:
         return any(_fits(value, a) for a in typing.get_args(t))
     if t is type(None):
         return value is None
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(t))
     if t is bool:
         return isinstance(value, bool)
     if t is int:

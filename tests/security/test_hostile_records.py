@@ -214,6 +214,16 @@ def test_allow_module_is_what_lets_a_package_run(heavy, record, tmp_path):
     _refused(r, "`module`", "must name a LightningModule")  # ... but Policy is no nn.Module, so it is never called
 
 
+def test_an_examples_package_in_the_working_directory_is_not_trusted_by_name(light, record, tmp_path):
+    """`audit` puts the working directory first on sys.path; the trust check locates `examples` on that path."""
+    marker = tmp_path / "MARKER"
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    rec = _copy(record, tmp_path)
+    r = light.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path)  # this worker never imported examples
+    _refused(r, "`module`", "not the one shipped with lens_callbacks", marker=marker)
+
+
 def test_help_states_the_trust_default(heavy):
     r = heavy.run("audit", "--help")
     text = " ".join(r.stdout.split())
