@@ -27,6 +27,7 @@ __all__ = [
     "ReadLimits",
     "ReadBudget",
     "BoundedReadError",
+    "open_regular_file",
     "read_regular_file",
     "scan_pickle",
     "read_zip_member",
@@ -127,12 +128,12 @@ class ReadBudget:
         self.used += nbytes
 
 
-def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> bytes:
-    """The bytes of a regular file, at most ``limits.max_file_bytes`` of them.
+def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> tuple[int, int]:
+    """Open a regular file for reading; return ``(fd, size)``. The caller closes ``fd``.
 
     Symlinks are resolved and the target is checked again: a FIFO, socket, device or directory is refused
     without blocking (the file is opened ``O_NONBLOCK`` and checked with ``fstat`` on that descriptor, so it
-    cannot be swapped between the check and the read).
+    cannot be swapped between the check and the read). Its size must be at most ``limits.max_file_bytes``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -162,10 +163,27 @@ def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
                 f"{shown}: the {what} is {_mib(st.st_size)}, above the cap of {_mib(limits.max_file_bytes)}; "
                 "raise LENS_MAX_FILE_MB if you trust it."
             )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, int(st.st_size)
+
+
+def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> bytes:
+    """The bytes of a regular file, at most ``limits.max_file_bytes`` of them (see :func:`open_regular_file`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        BoundedReadError: not a regular file, or larger than the cap (also when it grows past it while read).
+    """
+    limits = limits or ReadLimits.from_env()
+    shown = os.fspath(path)
+    fd, size = open_regular_file(shown, limits, what)
+    try:
         chunks, total = [], 0
         # One read of the whole declared size first: a single chunk joins without a copy. Later reads only
         # notice a file that grew after fstat.
-        want = st.st_size + 1
+        want = size + 1
         while True:
             chunk = os.read(fd, max(1, min(want, limits.max_file_bytes + 1 - total)))
             want = _MiB
@@ -309,36 +327,39 @@ def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "che
 def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint") -> Any:
     """``torch.load(..., weights_only=True)`` of a file, bounded and checked before and after.
 
-    Before: a regular file under the size cap; a ``torch.save`` zip archive (the legacy pre-1.6 stream is
-    refused) whose members are stored uncompressed and no larger than the file; its ``data.pkl`` passes
-    :func:`scan_pickle`. The load reads the bytes already in memory, so the file cannot change in between.
-    After: :func:`check_tensor_views` on everything loaded. Any failure is a :class:`BoundedReadError`
-    naming the file.
+    Before: a regular file under the size cap (:func:`open_regular_file`); a ``torch.save`` zip archive (the
+    legacy pre-1.6 stream is refused) whose members are stored uncompressed and no larger than the file; its
+    ``data.pkl`` passes :func:`scan_pickle`. Checks and load read the one descriptor opened and checked, so the
+    file cannot be swapped in between, and the weights are not held in memory twice. After:
+    :func:`check_tensor_views` on everything loaded. Any failure is a :class:`BoundedReadError` naming the file.
     """
     import torch
 
     limits = limits or ReadLimits.from_env()
     shown = os.fspath(path)
-    data = read_regular_file(shown, limits, what)
-    budget = limits.budget_for(len(data), shown)
-    if not data.startswith(b"PK\x03\x04"):
-        raise BoundedReadError(f"{shown}: the {what} is not a torch.save zip archive (it does not start with a zip header); "
-                               "legacy torch.save streams and other formats are not read.")
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as zf:
-            check_zip(zf, shown, len(data), limits, what, stored_only=True)
-            pkls = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-            if len(pkls) != 1:
-                raise BoundedReadError(f"{shown}: the {what} holds {len(pkls)} data.pkl members, expected 1.")
-            scan_pickle(read_zip_member(zf, pkls[0], budget, what), shown, limits, f"{what}'s data.pkl")
-    except BoundedReadError:
-        raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, KeyError) as err:
-        raise BoundedReadError(f"{shown}: the {what} is not a readable zip archive ({_one_line(err)}).") from None
-    try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:  # weights_only refusals, corrupt records, bad persistent ids: one message
-        raise BoundedReadError(f"{shown}: the {what} cannot be loaded with weights_only=True ({type(err).__name__}: "
-                               f"{_one_line(err)}).") from None
+    fd, size = open_regular_file(shown, limits, what)
+    with os.fdopen(fd, "rb") as f:
+        budget = limits.budget_for(size, shown)
+        if f.read(4) != b"PK\x03\x04":
+            raise BoundedReadError(f"{shown}: the {what} is not a torch.save zip archive (it does not start with a zip header); "
+                                   "legacy torch.save streams and other formats are not read.")
+        f.seek(0)
+        try:
+            with zipfile.ZipFile(f) as zf:
+                check_zip(zf, shown, size, limits, what, stored_only=True)
+                pkls = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                if len(pkls) != 1:
+                    raise BoundedReadError(f"{shown}: the {what} holds {len(pkls)} data.pkl members, expected 1.")
+                scan_pickle(read_zip_member(zf, pkls[0], budget, what), shown, limits, f"{what}'s data.pkl")
+        except BoundedReadError:
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, KeyError) as err:
+            raise BoundedReadError(f"{shown}: the {what} is not a readable zip archive ({_one_line(err)}).") from None
+        f.seek(0)
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refusals, corrupt records, bad persistent ids: one message
+            raise BoundedReadError(f"{shown}: the {what} cannot be loaded with weights_only=True ({type(err).__name__}: "
+                                   f"{_one_line(err)}).") from None
     check_tensor_views(obj, shown, budget, what)
     return obj
