@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from ..credit.trajectories import ROLES, ToolCall, Trajectory, Turn
-from .safe import ReadLimits, load_torch_checkpoint, read_regular_file
+from .safe import ReadLimits, load_torch_checkpoint, read_regular_file, short_repr
 
 __all__ = [
     "TRAJECTORY_SCHEMA",
@@ -160,8 +160,7 @@ def write_trajectories(path: PathLike, trajectories: Iterable[Trajectory], step:
 
 
 def _short(v: Any, limit: int = 120) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return short_repr(v, limit)
 
 
 def _refuse_constant(name: str) -> Any:

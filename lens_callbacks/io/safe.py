@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import pickletools
+import reprlib
 import stat
 import zipfile
 from dataclasses import dataclass
@@ -259,6 +260,21 @@ def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, wha
     if not stopped:
         raise BoundedReadError(f"{path}: the {what} is truncated (it ends without STOP).")
     return n
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 100
+_REPR.maxlevel = 3
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """A bounded ``repr`` for messages about hostile values: no recursion limit, no megabyte strings."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a stand-in whose repr fails
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:

@@ -37,7 +37,17 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from .safe import BoundedReadError, ReadBudget, ReadLimits, check_zip, read_regular_file, read_zip_member, scan_pickle
+from .safe import (
+    BoundedReadError,
+    ReadBudget,
+    ReadLimits,
+    _one_line,
+    check_zip,
+    read_regular_file,
+    read_zip_member,
+    scan_pickle,
+    short_repr,
+)
 
 __all__ = [
     "SkyRLDump",
@@ -209,8 +219,7 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
 
 
 def _short(v: Any, limit: int = 120) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return short_repr(v, limit)
 
 
 def _rebuild_tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str, path: str = "") -> _Tensor:
@@ -497,7 +506,7 @@ def read_skyrl_dump(path: PathLike, limits: Optional[ReadLimits] = None) -> SkyR
     except BoundedReadError as err:
         raise SkyRLDumpError(str(err)) from None
     except Exception as err:  # truncation, corrupt opcodes, stand-in misuse: never a partial batch
-        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_short(str(err), 300)}).") from err
+        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_one_line(err)}).") from err
     try:
         return _assemble(obj, data, path, budget)
     except SkyRLDumpError:
@@ -505,7 +514,7 @@ def read_skyrl_dump(path: PathLike, limits: Optional[ReadLimits] = None) -> SkyR
     except BoundedReadError as err:
         raise SkyRLDumpError(str(err)) from None
     except Exception as err:
-        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_short(str(err), 300)}).") from err
+        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_one_line(err)}).") from err
 
 
 def _assemble(obj: Any, data: bytes, path: str, budget: ReadBudget) -> SkyRLDump:

@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .safe import short_repr
+
 __all__ = ["TrustPolicy", "DEFAULT_TRUSTED", "resolve_module_class", "resolve_batch_builder", "check_init_args"]
 
 #: Top-level packages a record may name without ``--trust-record``; checked to lie in this distribution.
@@ -43,8 +45,7 @@ _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 
 
 def _short(v: Any, limit: int = 120) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return short_repr(v, limit)
 
 
 def _distribution_root() -> Path:
