@@ -4,6 +4,10 @@ Replays the weights saved in ``DIR`` (Lightning ``.ckpt`` or plain state-dict ``
 ``global_step`` inside the file or ``step=N``/``step_N`` in its name) through a simulated delayed anchor and
 prints, per fire, the rank-1 fit readings and the weight-prediction error against the stale snapshot and
 velocity extrapolation, then the decision.
+
+Checkpoints travel between people: each file is read bounded and loaded with ``weights_only=True``
+(:func:`lens_callbacks.io.safe.load_torch_checkpoint`: regular files only, a size cap, members stored
+uncompressed, tensors checked against their storage). A bad file is one line on stderr naming it, exit 2.
 """
 
 from __future__ import annotations
@@ -12,15 +16,45 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
-from ..anchor import Rank1TrajProjector, load_checkpoints, replay
+import torch
 
-__all__ = ["main", "build_parser"]
+from ..anchor import Rank1TrajProjector, replay
+from ..anchor.gate import step_of
+from ..io.safe import ReadLimits, load_torch_checkpoint
+from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+
+__all__ = ["main", "build_parser", "read_checkpoints"]
+
+
+def read_checkpoints(directory: Path, prefix: str = "", limits: Optional[ReadLimits] = None) -> dict[int, dict[str, torch.Tensor]]:
+    """Like :func:`lens_callbacks.anchor.load_checkpoints`, with every file read through the bounded loader.
+
+    Floating tensors of every ``*.ckpt``/``*.pt``/``*.pth`` (a Lightning checkpoint's ``state_dict`` or a
+    plain state dict), keyed by step; ``prefix`` keeps only keys that start with it.
+
+    Raises:
+        ValueError: a file that is not a regular file, too large, not a ``torch.save`` archive, refused by
+            ``weights_only=True``, or holding a tensor that views more than its storage; names the file.
+    """
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    files = sorted(p for p in Path(directory).iterdir() if p.suffix in (".ckpt", ".pt", ".pth"))
+    for p in files:
+        obj: Any = load_torch_checkpoint(p, limits, "checkpoint")
+        sd = obj.get("state_dict", obj) if isinstance(obj, Mapping) else None
+        if not isinstance(sd, Mapping):
+            continue
+        step = step_of(p, obj if isinstance(obj, Mapping) else None)
+        if step is None:
+            continue
+        out[step] = {k: v for k, v in sd.items()
+                     if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineArgumentParser(
         prog="lens-callbacks anchor-gate",
         description="Replay saved checkpoints through a delayed anchor and score the rank-1 projection.",
     )
@@ -38,16 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix", default="", help="only tensors whose name starts with this")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary and every fire's readings here")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_debug_flag(ap)
     return ap
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.directory.is_dir():
-        print(f"`directory` must be a directory of checkpoints, got {str(args.directory)!r}.", file=sys.stderr)
+        print(f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {str(args.directory)!r}.", file=sys.stderr)
         return 2
     try:
-        weights = load_checkpoints(args.directory, args.prefix)
+        weights = read_checkpoints(args.directory, args.prefix)
         projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
                                        r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim,
                                        retro_gate=not args.no_retro_gate)
@@ -61,17 +96,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             except ImportError:  # tqdm ships with lightning; without it, no bar
                 progress = None
         report = replay(weights, args.cadence, args.delay_K, projector=projector, progress=progress)
-    except ValueError as e:
-        print(f"anchor-gate: {e}", file=sys.stderr)
-        return 2
-    print(report.render())
-    if args.json is not None:
-        payload = {
-            "summary": {**report.to_dict(""), "decision": report.decision, "reason": report.reason,
-                        "cadence": report.cadence, "delay_K": report.delay_K},
-            "fires": [r.to_dict("") for r in report.readings],
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
+        print(report.render())
+        if args.json is not None:
+            payload = {
+                "summary": {**report.to_dict(""), "decision": report.decision, "reason": report.reason,
+                            "cadence": report.cadence, "delay_K": report.delay_K},
+                "fires": [r.to_dict("") for r in report.readings],
+            }
+            args.json.write_text(json.dumps(payload, indent=2))
+    except Exception as e:  # a bad checkpoint or argument is one line naming it, never a traceback
+        return report_error("lens-callbacks anchor-gate", e, args.debug)
     return 0
 
 

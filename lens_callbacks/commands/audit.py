@@ -13,17 +13,20 @@ importable (the working directory is put on ``sys.path``, as for ``lens-callback
 implement ``credit_terms(batch)``, and its rollout batch is rebuilt from the recorded trajectories by
 ``module.make_rollout_batch(trajectories)`` or by the record's ``batch_builder``
 (``fn(module, trajectories, meta) -> batch``, named when the record was written).
+
+Records are shared, and importing a module runs its code: by default only ``lens_callbacks.*`` and the
+``examples`` package shipped beside it are imported; ``--allow-module PKG`` or ``--trust-record`` allow
+more (see :mod:`lens_callbacks.io.trust` and docs/security.md). Everything is checked before anything the
+record names is called. Every bad input is one line on stderr naming the file and field, exit status 2;
+a reading the replay cannot make exactly is a refusal, exit status 3.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import math
 import os
-import sys
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -33,40 +36,89 @@ from ..credit.partition import PARTITIONS, resolve_partition
 from ..credit.report import CreditReport
 from ..credit.trajectories import by_role, by_turn
 from ..io.records import RunRecord
+from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
+from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, report_error
 
 __all__ = ["audit_record", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
 
 AUDIT_PARTITIONS = {**PARTITIONS, "by_turn": by_turn, "by_role": by_role}
 
 
-def _import(path: str) -> Any:
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    mod, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(
-            f"the record's module {path!r} could not be imported ({err}); run from the directory it was trained in."
-        ) from err
+def _trust(record: RunRecord) -> TrustPolicy:
+    return getattr(record, "trust", None) or TrustPolicy()
+
+
+def _manifest_where(record: RunRecord) -> str:
+    return str(record.run_dir / "record.json")
 
 
 def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.Module:
-    """Rebuild the recorded module from its class path and init args, with the policy of checkpoint ``step``."""
-    path = record.manifest.get("module")
-    if not path:
-        raise ValueError(f"{record.run_dir}/record.json names no `module`; it was not written by RunRecordCallback.")
-    cls = _import(path)
-    args = dict(record.manifest.get("init_args", {}))
-    args.update(overrides)
-    # LightningCLI adds bookkeeping keys such as `_class_path` to hparams; pass only what __init__ takes.
-    sig = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
-        args = {k: v for k, v in args.items() if k in sig}
-    module = cls(**args)
-    module.load_state_dict(record.load_policy(step))
+    """Rebuild the recorded module from its class path and init args, with the policy of checkpoint ``step``.
+
+    The class path must pass ``record.trust`` (:class:`~lens_callbacks.io.trust.TrustPolicy`) and name a
+    ``torch.nn.Module`` subclass with ``credit_terms``; the init args must fit its signature, every parameter
+    present. All of it is checked before the class is called.
+    """
+    where = _manifest_where(record)
+    for field in ("module", "init_args"):
+        if field not in record.manifest:
+            raise ValueError(f"{where}: field `{field}` is missing; the module cannot be rebuilt without it "
+                             "(records written by RunRecordCallback hold it).")
+    cls = resolve_module_class(record.manifest["module"], _trust(record), where)
+    args = dict(record.manifest["init_args"]) if isinstance(record.manifest["init_args"], dict) else record.manifest["init_args"]
+    if isinstance(args, dict):
+        args.update(overrides)
+    args = check_init_args(cls, args, where)
+    builder = record.manifest.get("batch_builder")
+    if builder:  # checked now, before the module's own code runs
+        resolve_batch_builder(builder, _trust(record), where)
+    try:
+        module = cls(**args)
+    except Exception as err:
+        raise ValueError(f"{where}: building {cls.__qualname__} from `init_args` failed ({type(err).__name__}: {err}).") from None
+    _load_policy_into(module, record, step)
     return module
+
+
+def _load_policy_into(module: torch.nn.Module, record: RunRecord, step: int) -> None:
+    from ..io.records import policy_path
+
+    state = record.load_policy(step)
+    try:
+        module.load_state_dict(state)
+    except Exception as err:  # missing/unexpected keys, wrong shapes
+        raise ValueError(f"{policy_path(record.run_dir, step)}: the policy checkpoint does not fit {type(module).__name__} "
+                         f"({type(err).__name__}: {err}).") from None
+
+
+def _vocab_size(module: torch.nn.Module) -> Optional[int]:
+    """The policy's vocabulary: its input embeddings' rows (Hugging Face), else its first ``nn.Embedding``."""
+    for m in module.modules():
+        get = getattr(m, "get_input_embeddings", None)
+        if callable(get):
+            try:
+                emb = get()
+            except Exception:  # not every module that has the method implements it
+                continue
+            if isinstance(emb, torch.nn.Embedding):
+                return int(emb.num_embeddings)
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return int(m.num_embeddings)
+    return None
+
+
+def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where: str) -> None:
+    """Refuse recorded token ids the policy cannot embed (negative or beyond its vocabulary)."""
+    vocab = _vocab_size(module)
+    for k, traj in enumerate(trajectories):
+        for j, turn in enumerate(traj.turns):
+            ids = turn.token_ids or ()
+            bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+            if bad:
+                raise ValueError(f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {bad[0]}, outside the policy's "
+                                 f"vocabulary 0..{vocab - 1 if vocab is not None else '?'}.")
 
 
 def _make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -137,10 +189,14 @@ def _plain_value(v: Any) -> Any:
 
 def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
     """The module's rollout batch of a recorded step (``make_rollout_batch`` or the record's builder)."""
+    from ..io.records import step_path
+
     trajs = record.trajectories(step)
+    check_token_ids(module, trajs, str(step_path(record.run_dir, step)))
     builder = record.manifest.get("batch_builder")
     if builder:
-        return _import(builder)(module, trajs, record.step_meta(step))
+        fn = resolve_batch_builder(builder, _trust(record), _manifest_where(record))
+        return fn(module, trajs, record.step_meta(step))
     make = getattr(module, "make_rollout_batch", None)
     if make is None:
         raise ValueError(
@@ -151,7 +207,8 @@ def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
 
 
 def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusal]:
-    if float(record.manifest.get("init_args", {}).get("dropout", 0.0) or 0.0) <= 0.0:
+    dropout = record.manifest.get("init_args", {}).get("dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or float(dropout) <= 0.0:
         return None
     unseeded = [s for s in steps if "dropout_seed" not in record.step_meta(s)]
     if unseeded:
@@ -165,7 +222,7 @@ def _with_policy(record: RunRecord, step: int, module: Optional[torch.nn.Module]
     """``module`` (rebuilt from the record when None) holding the policy of checkpoint ``step``."""
     if module is None:
         return load_module(record, step)
-    module.load_state_dict(record.load_policy(step))
+    _load_policy_into(module, record, step)
     return module
 
 
@@ -183,7 +240,7 @@ def replay_to(
         return blocker
     if not _stateless(opt) and start != 0:
         start = 0
-        m.load_state_dict(record.load_policy(0))
+        _load_policy_into(m, record, 0)
     missing = [s for s in range(start, step) if s not in set(record.steps)]
     if missing:
         return Refusal("missing_steps", f"steps {missing[:5]} between checkpoint {start} and step {step} are not recorded.",
@@ -208,6 +265,11 @@ def replay_to(
         for s in it:
             batch = rebuild_batch(m, record, s)
             lrs = record.step_meta(s).get("lr")
+            if lrs is not None and len(lrs) != len(opt.param_groups):
+                from ..io.records import meta_path
+
+                raise ValueError(f"{meta_path(record.run_dir, s)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
+                                 f"{len(opt.param_groups)} param groups.")
             if lrs is not None:  # the rates the recorded step used (an LR scheduler may have moved them)
                 for g, lr in zip(opt.param_groups, lrs):
                     g["lr"] = lr
@@ -229,6 +291,7 @@ def audit_record(
     progress: bool = True,
     keep_grads: bool = False,
     module: Optional[torch.nn.Module] = None,
+    trust: Optional[TrustPolicy] = None,
 ) -> Union[CreditReport, Refusal]:
     """Re-audit one recorded step: rebuild the weights at ``step``, rebuild its batch, disintegrate.
 
@@ -241,12 +304,14 @@ def audit_record(
         progress: show a progress bar over the replayed steps.
         keep_grads: attach ``g_full`` and ``Σ g_S`` to the report.
         module: reuse an already built module (its weights are replaced).
+        trust: what the record's ``module``/``batch_builder`` may name (default: this package and its
+            ``examples`` only; see :class:`~lens_callbacks.io.trust.TrustPolicy`).
 
     Returns:
         The :class:`CreditReport` of that step, or a :class:`Refusal` when the weights at ``step`` cannot
         be rebuilt exactly.
     """
-    record = RunRecord(run_dir)
+    record = RunRecord(run_dir, trust=trust)
     if step not in record.steps:
         raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
     part = AUDIT_PARTITIONS.get(partition) if isinstance(partition, str) else None
@@ -267,31 +332,63 @@ def _renamed(report: CreditReport, name: str) -> CreditReport:
     return replace(report, partition=name)
 
 
-def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="lens-callbacks audit", description="Re-audit one step of a run record and print the report.")
+def _check_replay_fields(record: RunRecord) -> None:
+    """What an exact replay reads from the manifest must be there: a missing field is an error, not a default."""
+    where = _manifest_where(record)
+    man = record.manifest
+    for field in ("module", "init_args", "optimizer", "trainer"):
+        if field not in man:
+            raise ValueError(f"{where}: field `{field}` is missing; records written by RunRecordCallback hold it.")
+    missing = [k for k in ("gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches", "precision", "world_size")
+               if k not in man["trainer"]]
+    if missing:
+        raise ValueError(f"{where}: field `trainer` is missing {missing}; the replay needs every one of them.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineArgumentParser(
+        prog="lens-callbacks audit",
+        description="Re-audit one step of a run record and print the report. A record names code (its `module` and "
+        "`batch_builder`); by default only modules of lens_callbacks and of the examples package shipped with it are "
+        "imported. Importing a module runs its code, so allow anything else (--allow-module, --trust-record) only for "
+        "records you trust. A bad input is one line on stderr and exit status 2; a refused reading exit status 3.",
+    )
     p.add_argument("run_dir", help="a run record directory (record.json, trajectories/, policy_step_000000.pt)")
     p.add_argument("--step", type=int, default=None, help="the step to audit (default: the last recorded)")
     p.add_argument("--partition", default="by_rollout", help=f"one of {sorted(AUDIT_PARTITIONS)} or an import path")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16 or native")
     p.add_argument("--no-progress", action="store_true", help="hide the replay progress bar")
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
+    p.add_argument("--allow-module", action="append", default=[], metavar="PKG",
+                   help="also import record `module`/`batch_builder` paths under this package (repeatable); "
+                   "default: lens_callbacks and its examples only")
+    p.add_argument("--trust-record", action="store_true",
+                   help="import whatever the record names (runs that code: only for records you trust)")
+    add_debug_flag(p)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    p = build_parser()
     a = p.parse_args(list(argv))
-    try:  # a bad directory, step, partition or dtype is a message and exit status 2, not a traceback
-        record = RunRecord(a.run_dir)
+    prog = "lens-callbacks audit"
+    try:  # every bad input is one line naming the file and field, exit status 2, never a traceback
+        trust = TrustPolicy(tuple(a.allow_module), a.trust_record)
+        record = RunRecord(a.run_dir, trust=trust)
         if not record.steps:
             raise ValueError(f"{a.run_dir}: the record holds no steps; record at least one training step.")
+        _check_replay_fields(record)
         step = record.steps[-1] if a.step is None else a.step
-        report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress)
-    except (OSError, ValueError) as err:
-        print(f"lens-callbacks audit: {err}", file=sys.stderr)
-        return 2
-    if isinstance(report, Refusal):
-        print(report.render())
-        return 3
-    if a.json:
-        d = report.to_dict("credit/")
-        print(json.dumps({k: (v if math.isfinite(v) else None) for k, v in d.items()}, indent=2))
-    else:
-        print(f"step {step} of {a.run_dir}")
-        print(report.render())
+        report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
+        if isinstance(report, Refusal):
+            print(report.render())
+            return EXIT_REFUSED
+        if a.json:
+            d = report.to_dict("credit/")
+            text = json.dumps({k: (v if math.isfinite(v) else None) for k, v in d.items()}, indent=2)
+        else:
+            text = f"step {step} of {a.run_dir}\n" + report.render()
+    except Exception as err:
+        return report_error(prog, err, a.debug)
+    print(text)
     return 0

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+
+    parser = OneLineArgumentParser(
         prog="lens-callbacks process",
         description="Audit every group of a run record (a directory with trajectories/) or a SkyRL dump "
         "(a global_step_N_training_input.pkl, or a directory of them) for the process reward its outcomes induce.",
@@ -18,22 +18,19 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--groups", type=int, default=0, help="also print the first N groups' readings")
     parser.add_argument("--json", action="store_true", help="print the aggregate numbers as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_debug_flag(parser)
     args = parser.parse_args(list(argv))
 
-    from ..io.skyrl import SkyRLDumpError
     from ..process import audit_groups, load_groups
 
-    try:
+    try:  # a bad record or dump is one line naming the file and field, exit 2
         groups, source = load_groups(args.path)
-    except (OSError, ValueError, SkyRLDumpError) as err:
-        print(f"lens-callbacks process: {err}", file=sys.stderr)
-        return 2
-    audit = audit_groups(groups, source=source, progress=not args.no_progress and len(groups) > 50)
-    if args.json:
-        print(json.dumps(audit.numbers(), indent=2, sort_keys=True))
-    else:
-        print(audit.render())
-        for reading in audit.readings[: max(args.groups, 0)]:
-            print()
-            print(reading.render())
+        audit = audit_groups(groups, source=source, progress=not args.no_progress and len(groups) > 50)
+        if args.json:
+            text = json.dumps(audit.numbers(), indent=2, sort_keys=True)
+        else:
+            text = "\n".join([audit.render(), *("\n" + r.render() for r in audit.readings[: max(args.groups, 0)])])
+    except Exception as err:
+        return report_error("lens-callbacks process", err, args.debug)
+    print(text)
     return 0

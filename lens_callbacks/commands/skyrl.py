@@ -2,31 +2,29 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+
+    parser = OneLineArgumentParser(
         prog="lens-callbacks skyrl",
         description="Read a SkyRL global_step_N_training_input.pkl through a restricted unpickler (skyrl is "
         "never imported, nothing the file names is called) and print its summary.",
     )
     parser.add_argument("path", help="a SkyRL dump file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_debug_flag(parser)
     args = parser.parse_args(list(argv))
 
-    from ..io.skyrl import SkyRLDumpError, read_skyrl_dump
+    from ..io.skyrl import read_skyrl_dump
 
-    try:
+    try:  # a bad dump is one line naming the file and field (or the limit it exceeded), exit 2
         dump = read_skyrl_dump(args.path)
-    except (OSError, SkyRLDumpError) as err:
-        print(f"lens-callbacks skyrl: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(dump.summary(), indent=2))
-    else:
-        print(dump.render())
+        text = json.dumps(dump.summary(), indent=2) if args.json else dump.render()
+    except Exception as err:
+        return report_error("lens-callbacks skyrl", err, args.debug)
+    print(text)
     return 0

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from ..credit.trajectories import ROLES, ToolCall, Trajectory, Turn
+from .safe import ReadLimits, load_torch_checkpoint, read_regular_file, short_repr
 
 __all__ = [
     "TRAJECTORY_SCHEMA",
@@ -120,7 +121,9 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
             raise ValueError(f"{w}: `role` must be one of {ROLES}, got {role!r}.")
         ids = t.get("token_ids")
         if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {ids!r}.")
+            raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {_short(ids)}.")
+        if ids and min(ids) < 0:
+            raise ValueError(f"{w}: `token_ids` must be token ids >= 0, got {min(ids)}.")
         call = t.get("tool_call")
         if call is not None:
             if not isinstance(call, Mapping):
@@ -130,9 +133,13 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
         if trained is not None and not isinstance(trained, bool):
             raise ValueError(f"{w}: `trained` must be true/false, got {trained!r}.")
         turns.append(Turn(role, _need(t, "text", (str,), w), None if ids is None else tuple(ids), trained, call))
+    reward = float(_need(d, "reward", (int, float), where))
+    if not math.isfinite(reward):
+        # JSON has no NaN; 1e400 parses as inf. An audit of a non-finite reward is a table of NaN.
+        raise ValueError(f"{where}: field `reward` must be finite, got {d['reward']!r}.")
     return Trajectory(
         turns=tuple(turns),
-        reward=float(_need(d, "reward", (int, float), where)),
+        reward=reward,
         group=int(_need(d, "group", (int,), where)),
         rollout=int(_need(d, "rollout", (int,), where)),
         prompt_id=str(_need(d, "prompt_id", (str,), where)),
@@ -152,20 +159,45 @@ def write_trajectories(path: PathLike, trajectories: Iterable[Trajectory], step:
     return path
 
 
-def read_trajectories(path: PathLike) -> list[Trajectory]:
-    """Read a ``.jsonl`` file of trajectories; errors name the file and line."""
+def _short(v: Any, limit: int = 120) -> str:
+    return short_repr(v, limit)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (a record never holds NaN or Infinity)")
+
+
+def _loads(text: str, where: str) -> Any:
+    """``json.loads`` that refuses NaN/Infinity and turns every failure (depth, huge ints) into one ValueError."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply).") from None
+    except ValueError as err:
+        raise ValueError(f"{where}: not valid JSON ({' '.join(str(err).split())[:200]}).") from None
+
+
+def _read_text(path: Path, what: str, limits: Optional[ReadLimits] = None) -> str:
+    data = read_regular_file(path, limits, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: the {what} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+
+
+def read_trajectories(path: PathLike, limits: Optional[ReadLimits] = None) -> list[Trajectory]:
+    """Read a ``.jsonl`` file of trajectories; errors name the file and line.
+
+    The read is bounded (a regular file under ``limits.max_file_bytes``; see :mod:`lens_callbacks.io.safe`).
+    """
     path = Path(path)
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path.name}:{n}"
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err}).") from err
-            out.append(trajectory_from_json(d, where))
+    # Lines end at "\n" only, as when a file is iterated: str.splitlines would also split inside strings (U+0085, U+2028).
+    for n, line in enumerate(_read_text(path, "trajectory file", limits).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{n}"
+        out.append(trajectory_from_json(_loads(line, where), where))
     return out
 
 
@@ -257,20 +289,107 @@ class RunRecordWriter:
         os.replace(tmp, self.run_dir / _MANIFEST)
 
 
-class RunRecord:
-    """Reads a run record written by :class:`RunRecordWriter`."""
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
-    def __init__(self, run_dir: PathLike) -> None:
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_step_list(man: Mapping[str, Any], key: str, where: str) -> None:
+    v = man[key]
+    if not isinstance(v, list):
+        raise ValueError(f"{where}: field `{key}` must be a list of step numbers, got {type(v).__name__}.")
+    for i, s in enumerate(v):
+        if not _is_int(s) or s < 0 or s > 10**12:
+            raise ValueError(f"{where}: field `{key}[{i}]` must be a step number (an int >= 0), got {_short(s)}.")
+
+
+#: trainer settings an exact replay depends on, and what each must be.
+_TRAINER_FIELDS = {
+    "gradient_clip_val": ("a finite number >= 0 or null", lambda v: v is None or (_is_number(v) and v >= 0)),
+    "gradient_clip_algorithm": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "accumulate_grad_batches": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "precision": ("a string or int", lambda v: isinstance(v, str) or _is_int(v)),
+    "world_size": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+}
+
+
+def check_manifest(man: Any, where: str) -> dict[str, Any]:
+    """Validate the types of a ``record.json`` (every field a reader uses); errors name the field."""
+    if not isinstance(man, dict):
+        raise ValueError(f"{where}: the manifest must be a JSON object, got {type(man).__name__}.")
+    if man.get("schema") != RECORD_SCHEMA:
+        raise ValueError(f"{where}: `schema` must be {RECORD_SCHEMA!r}, got {_short(man.get('schema'))}.")
+    if "trajectory_schema" in man and man["trajectory_schema"] != TRAJECTORY_SCHEMA:
+        raise ValueError(f"{where}: field `trajectory_schema` must be {TRAJECTORY_SCHEMA!r}, got {_short(man['trajectory_schema'])}.")
+    for key in ("steps", "checkpoints"):
+        if key not in man:
+            raise ValueError(f"{where}: field `{key}` is missing.")
+        _check_step_list(man, key, where)
+    if "module" in man and not isinstance(man["module"], str):
+        raise ValueError(f"{where}: field `module` must be a class path string, got {_short(man['module'])}.")
+    if "init_args" in man and not isinstance(man["init_args"], dict):
+        raise ValueError(f"{where}: field `init_args` must be a JSON object, got {type(man['init_args']).__name__}.")
+    if man.get("batch_builder") is not None and not isinstance(man["batch_builder"], str):
+        raise ValueError(f"{where}: field `batch_builder` must be an import path string or null, got {_short(man['batch_builder'])}.")
+    if "optimizer" in man:
+        opts = man["optimizer"]
+        if not isinstance(opts, list):
+            raise ValueError(f"{where}: field `optimizer` must be a list (one entry per optimizer), got {type(opts).__name__}.")
+        for i, o in enumerate(opts):
+            if not isinstance(o, dict) or not isinstance(o.get("class", ""), str) or not isinstance(o.get("param_groups", []), list) \
+                    or not all(isinstance(g, dict) for g in o.get("param_groups", [])):
+                raise ValueError(f"{where}: field `optimizer[{i}]` must be {{'class': str, 'param_groups': [object, ...]}}, got {_short(o)}.")
+    if "trainer" in man:
+        tr = man["trainer"]
+        if not isinstance(tr, dict):
+            raise ValueError(f"{where}: field `trainer` must be a JSON object, got {type(tr).__name__}.")
+        for key, (what, ok) in _TRAINER_FIELDS.items():
+            if key in tr and not ok(tr[key]):
+                raise ValueError(f"{where}: field `trainer.{key}` must be {what}, got {_short(tr[key])}.")
+    return man
+
+
+def check_step_meta(meta: Any, where: str) -> dict[str, Any]:
+    """Validate a step's meta (``steps/step_N.json``): ``lr`` a list of finite rates >= 0, ``dropout_seed`` an int."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{where}: the step meta must be a JSON object, got {type(meta).__name__} {_short(meta)}.")
+    lr = meta.get("lr")
+    if lr is not None:
+        if not isinstance(lr, list) or not lr:
+            raise ValueError(f"{where}: field `lr` must be a list of learning rates (one per param group), got {_short(lr)}.")
+        for i, x in enumerate(lr):
+            if not _is_number(x) or x < 0:
+                raise ValueError(f"{where}: field `lr[{i}]` must be a finite number >= 0, got {_short(x)}.")
+    if "dropout_seed" in meta and not _is_int(meta["dropout_seed"]):
+        raise ValueError(f"{where}: field `dropout_seed` must be an int, got {_short(meta['dropout_seed'])}.")
+    return meta
+
+
+class RunRecord:
+    """Reads a run record written by :class:`RunRecordWriter`.
+
+    Every file is read bounded (regular files only, size caps; see :mod:`lens_callbacks.io.safe`) and
+    validated on read: the manifest's and each step meta's types, each trajectory line's fields, the
+    policy checkpoints through ``torch.load(weights_only=True)`` with their tensors checked. ``trust``
+    decides what the record's ``module``/``batch_builder`` may name (:mod:`lens_callbacks.io.trust`).
+    """
+
+    def __init__(self, run_dir: PathLike, limits: Optional[ReadLimits] = None, trust: Any = None) -> None:
+        from .trust import TrustPolicy
+
         self.run_dir = Path(run_dir)
+        self.limits = limits
+        self.trust = TrustPolicy() if trust is None else trust
         mpath = self.run_dir / _MANIFEST
-        if not mpath.is_file():
+        if not os.path.lexists(mpath):
             raise ValueError(
                 f"`run_dir` must hold a run record ({_MANIFEST}), got {str(self.run_dir)!r} without one; "
                 "write records with RunRecordCallback or RunRecordWriter."
             )
-        self.manifest: dict[str, Any] = json.loads(mpath.read_text())
-        if self.manifest.get("schema") != RECORD_SCHEMA:
-            raise ValueError(f"{mpath}: `schema` must be {RECORD_SCHEMA!r}, got {self.manifest.get('schema')!r}.")
+        self.manifest: dict[str, Any] = check_manifest(_loads(_read_text(mpath, "manifest", limits), str(mpath)), str(mpath))
 
     @property
     def steps(self) -> list[int]:
@@ -282,14 +401,16 @@ class RunRecord:
 
     def trajectories(self, step: int) -> list[Trajectory]:
         path = step_path(self.run_dir, step)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ValueError(f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing.")
-        return read_trajectories(path)
+        return read_trajectories(path, self.limits)
 
     def step_meta(self, step: int) -> dict[str, Any]:
         """What the module needs besides the trajectories to rebuild its batch (``{}`` when nothing)."""
         path = meta_path(self.run_dir, step)
-        return json.loads(path.read_text()) if path.is_file() else {}
+        if not os.path.lexists(path):
+            return {}
+        return check_step_meta(_loads(_read_text(path, "step meta", self.limits), str(path)), str(path))
 
     def iter_steps(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[int, list[Trajectory]]]:
         for s in self.steps:
@@ -298,9 +419,13 @@ class RunRecord:
 
     def load_policy(self, step: int) -> dict[str, torch.Tensor]:
         path = policy_path(self.run_dir, step)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ValueError(f"no policy checkpoint at step {step} (have {self.checkpoints}): {path} is missing.")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_checkpoint(path, self.limits, "policy checkpoint")
+        if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+            raise ValueError(f"{path}: the policy checkpoint must be a state dict (parameter name -> tensor), got "
+                             f"{type(state).__name__}.")
+        return dict(state)
 
     def nearest_checkpoint(self, step: int) -> int:
         """The latest checkpoint at or before ``step``."""

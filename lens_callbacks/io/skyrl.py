@@ -37,6 +37,18 @@ from typing import Any, Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
+from .safe import (
+    BoundedReadError,
+    ReadBudget,
+    ReadLimits,
+    _one_line,
+    check_zip,
+    read_regular_file,
+    read_zip_member,
+    scan_pickle,
+    short_repr,
+)
+
 __all__ = [
     "SkyRLDump",
     "SkyRLDumpError",
@@ -166,14 +178,16 @@ class _OuterUnpickler(pickle.Unpickler):
 class _ZipTensorUnpickler(pickle.Unpickler):
     """The ``data.pkl`` of a ``torch.save`` zip: ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``."""
 
-    def __init__(self, f: io.BufferedIOBase, path: str, load_record: Callable[[str], bytes]) -> None:
+    def __init__(self, f: io.BufferedIOBase, path: str, load_record: Callable[[str], bytes], budget: ReadBudget, key: str) -> None:
         super().__init__(f)
         self._path = path
         self._load_record = load_record
+        self._budget = budget
+        self._key = key
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return functools.partial(_rebuild_tensor_from_storage)
+            return functools.partial(_rebuild_tensor_from_storage, budget=self._budget, key=self._key, path=self._path)
         if (module, name) == ("collections", "OrderedDict"):
             return type("OrderedDict", (_OrderedDict,), {})
         if module == "torch" and name in _STORAGES:
@@ -185,21 +199,57 @@ class _ZipTensorUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Storage)):
             raise SkyRLDumpError(f"{self._path}: unexpected persistent id {pid!r} in an embedded torch.save payload.")
         _, storage, key, _location, numel = pid
-        raw = self._load_record(str(key))
+        if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage key {key!r} / element count {numel!r} must be a str and an int >= 0.")
+        # The declared element count is checked against the record's real size before anything is decoded.
+        raw = self._load_record(key)
+        if len(raw) % storage.np_dtype.itemsize:
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {key!r} holds {len(raw)} bytes, not a whole number of "
+                                 f"{storage.np_dtype.itemsize}-byte elements.")
         arr = np.frombuffer(raw, dtype=storage.np_dtype)
         if arr.size != int(numel):
             raise SkyRLDumpError(f"{self._path}: storage {key!r} holds {arr.size} elements, expected {numel}.")
         return (arr, storage)
 
 
-def _rebuild_tensor_from_storage(storage: Any, offset: int, size: Any, stride: Any, *rest: Any) -> _Tensor:
+def _ints(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or len(v) > 8 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"{what} must be a tuple of at most 8 ints, got {_short(v)}")
+    return tuple(v)
+
+
+def _short(v: Any, limit: int = 120) -> str:
+    return short_repr(v, limit)
+
+
+def _rebuild_tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str, path: str = "") -> _Tensor:
+    try:
+        return _rebuild_checked(storage, offset, size, stride, budget, key)
+    except ValueError as err:
+        if isinstance(err, BoundedReadError):
+            raise
+        raise SkyRLDumpError(f"{path}: {err}.") from None
+
+
+def _rebuild_checked(storage: Any, offset: Any, size: Any, stride: Any, budget: ReadBudget, key: str) -> _Tensor:
+    if not (isinstance(storage, tuple) and len(storage) == 2 and isinstance(storage[0], np.ndarray)):
+        raise ValueError(f"`{key}`: _rebuild_tensor_v2 got {type(storage).__name__} where a storage belongs")
     arr, st = storage
-    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    size, stride = _ints(size, f"`{key}` size"), _ints(stride, f"`{key}` stride")
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise ValueError(f"`{key}` storage offset must be an int, got {_short(offset)}")
     if len(size) != len(stride) or any(s < 0 for s in size) or any(s < 0 for s in stride):
-        raise ValueError(f"bad size/stride {size}/{stride}")
+        raise ValueError(f"`{key}` has a bad size/stride {size}/{stride}")
+    if any(st_ == 0 and n > 1 for n, st_ in zip(size, stride)):
+        raise ValueError(f"`{key}` has stride 0 in size/stride {size}/{stride}: it repeats one element, which a "
+                         "torch.save of a real batch does not write, and its copy would need memory the file does not hold")
     span = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
     if offset < 0 or span > arr.size:
-        raise ValueError(f"tensor view {size}/{stride} at offset {offset} exceeds its storage of {arr.size}")
+        raise ValueError(f"`{key}` tensor view {size}/{stride} at offset {offset} exceeds its storage of {arr.size}")
+    numel = int(np.prod(size, dtype=object)) if size else 1
+    if numel > arr.size:
+        raise ValueError(f"`{key}` views {numel} elements of a storage of {arr.size}: its strides overlap")
+    budget.charge(numel * arr.itemsize, f"`{key}` (a tensor of shape {list(size)})")
     item = arr.itemsize
     view = np.lib.stride_tricks.as_strided(
         arr[offset:], shape=size, strides=tuple(s * item for s in stride), writeable=False
@@ -207,31 +257,49 @@ def _rebuild_tensor_from_storage(storage: Any, offset: int, size: Any, stride: A
     return _Tensor(np.ascontiguousarray(view), st.torch_dtype)
 
 
-def _decode_torch_zip(data: bytes, path: str) -> _Tensor:
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+def _decode_torch_zip(data: Any, path: str, budget: ReadBudget, key: str) -> _Tensor:
+    if not isinstance(data, (bytes, bytearray)):
+        raise SkyRLDumpError(f"{path}: `{key}` data must be bytes, got {type(data).__name__}.")
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        check_zip(zf, path, len(data), budget.limits, f"`{key}` torch.save payload", stored_only=False)
         names = zf.namelist()
         pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise SkyRLDumpError(f"{path}: embedded torch.save payload has {len(pkl)} data.pkl members, expected 1.")
         prefix = pkl[0][: -len("data.pkl")]
         order = "little"
+        what = f"`{key}` torch.save payload"
         if prefix + "byteorder" in names:
-            order = zf.read(prefix + "byteorder").decode().strip()
+            order = read_zip_member(zf, prefix + "byteorder", budget, what).decode(errors="replace").strip()
         if order != "little":
-            raise SkyRLDumpError(f"{path}: embedded torch.save payload is {order}-endian; only little-endian is read.")
-        out = _ZipTensorUnpickler(io.BytesIO(zf.read(pkl[0])), path, lambda key: zf.read(f"{prefix}data/{key}")).load()
+            raise SkyRLDumpError(f"{path}: embedded torch.save payload is {_short(order)}-endian; only little-endian is read.")
+        inner = read_zip_member(zf, pkl[0], budget, what)
+        scan_pickle(inner, path, budget.limits, f"{what} data.pkl")
+
+        def load_record(name: str) -> bytes:
+            member = f"{prefix}data/{name}"
+            if member not in names:
+                raise SkyRLDumpError(f"{path}: `{key}`: the torch.save payload has no storage record {name!r}.")
+            return read_zip_member(zf, member, budget, what)
+
+        out = _ZipTensorUnpickler(io.BytesIO(inner), path, load_record, budget, key).load()
     if not isinstance(out, _Tensor):
         raise SkyRLDumpError(f"{path}: embedded torch.save payload is a {type(out).__name__}, expected one tensor.")
     return out
 
 
-def _decode_entry(key: str, entry: Any, path: str) -> Any:
+_NUMPY_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64"]
+)
+
+
+def _decode_entry(key: str, entry: Any, path: str, budget: ReadBudget, depth: int = 0) -> Any:
     """One ``batch_dict`` value → ``_Tensor``, a list of them (``tensor_list``), or None."""
     if entry is None:
         return None
     if isinstance(entry, (bytes, bytearray)):
         if zipfile.is_zipfile(io.BytesIO(entry)):
-            return _decode_torch_zip(bytes(entry), path)
+            return _decode_torch_zip(bytes(entry), path, budget, key)
         raise SkyRLDumpError(
             f"{path}: `{key}` is a raw legacy (non-zip) torch.save stream (dumps before 2026-01-28); "
             "it is not read, because decoding it safely needs torch's legacy loader."
@@ -240,17 +308,36 @@ def _decode_entry(key: str, entry: Any, path: str) -> Any:
         raise SkyRLDumpError(f"{path}: `{key}` is a {type(entry).__name__}, expected a {{'format': ...}} entry or None.")
     fmt = entry["format"]
     if fmt == "numpy":
-        dtype = np.dtype(str(entry["dtype"]))
-        if dtype.kind not in "biuf":
-            raise SkyRLDumpError(f"{path}: `{key}` has dtype {dtype}, expected a numeric dtype.")
-        shape = tuple(int(s) for s in entry["shape"])
-        arr = np.frombuffer(entry["data"], dtype=dtype.newbyteorder("<")).reshape(shape)
+        for field in ("data", "shape", "dtype"):
+            if field not in entry:
+                raise SkyRLDumpError(f"{path}: `{key}` is a numpy entry without its `{field}` field.")
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in _NUMPY_DTYPES:
+            raise SkyRLDumpError(f"{path}: `{key}` dtype must be one of {sorted(_NUMPY_DTYPES)}, got {_short(entry['dtype'])}.")
+        dtype = np.dtype(entry["dtype"])
+        try:
+            shape = _ints(entry["shape"], f"`{key}` shape")
+        except ValueError as err:
+            raise SkyRLDumpError(f"{path}: {err}.") from None
+        data = entry["data"]
+        if not isinstance(data, (bytes, bytearray)):
+            raise SkyRLDumpError(f"{path}: `{key}` data must be bytes, got {type(data).__name__}.")
+        if any(s < 0 for s in shape):
+            raise SkyRLDumpError(f"{path}: `{key}` shape {list(shape)} has a negative size.")
+        need = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
+        if need != len(data):
+            raise SkyRLDumpError(f"{path}: `{key}` shape {list(shape)} of {dtype} needs {need:,} bytes; its data holds {len(data):,}.")
+        # Every decoded array is charged, so one byte string memo-referenced by thousands of entries is refused.
+        budget.charge(need, f"`{key}` (an array of shape {list(shape)})")
+        arr = np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
         return _Tensor(arr, _torch_dtype(dtype))
     if fmt == "torch":
-        return _decode_torch_zip(entry["data"], path)
+        return _decode_torch_zip(entry.get("data"), path, budget, key)
     if fmt == "tensor_list":
-        return [_decode_entry(key, item, path) for item in entry["items"]]
-    raise SkyRLDumpError(f"{path}: `{key}` has format {fmt!r}; expected 'numpy', 'torch' or 'tensor_list'.")
+        items = entry.get("items")
+        if not isinstance(items, (list, tuple)) or depth > 0:
+            raise SkyRLDumpError(f"{path}: `{key}` tensor_list items must be a flat list of entries, got {type(items).__name__}.")
+        return [_decode_entry(key, item, path, budget, depth + 1) for item in items]
+    raise SkyRLDumpError(f"{path}: `{key}` has format {_short(fmt)}; expected 'numpy', 'torch' or 'tensor_list'.")
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
@@ -384,53 +471,78 @@ def _describe(v: Any) -> str:
     return type(v).__name__
 
 
-def read_skyrl_dump(path: PathLike) -> SkyRLDump:
+def read_skyrl_dump(path: PathLike, limits: Optional[ReadLimits] = None) -> SkyRLDump:
     """Read one SkyRL ``global_step_{N}_training_input.pkl`` without importing skyrl.
+
+    The read is bounded (:mod:`lens_callbacks.io.safe`): a regular file under the size cap; its opcodes
+    scanned before unpickling (memo indices, declared lengths, frames); every decoded array, inflated zip
+    member and tensor view charged to a budget of ``budget_factor × file size + budget_floor`` bytes.
 
     Args:
         path: the dump file.
+        limits: the read's limits (default: :meth:`ReadLimits.from_env`).
 
     Returns:
         A :class:`SkyRLDump` with the padding rows dropped and the prompt groups recovered.
 
     Raises:
         ForbiddenGlobalError: the file names a global outside :data:`ALLOWED_GLOBALS` (e.g. ``builtins.eval``).
-        SkyRLDumpError: the file is truncated, corrupt, or not a SkyRL training batch.
+        SkyRLDumpError: the file is truncated, corrupt, not a SkyRL training batch, not a regular file,
+            or beyond a limit (the message names the file, the field or the limit).
         FileNotFoundError: no such file.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        limits = limits or ReadLimits.from_env()
+        data = read_regular_file(path, limits, "SkyRL dump")
+        budget = limits.budget_for(len(data), path)
+        scan_pickle(data, path, limits, "SkyRL dump")
+    except BoundedReadError as err:
+        raise SkyRLDumpError(str(err)) from None
     try:
         obj = _OuterUnpickler(io.BytesIO(data), path).load()
     except SkyRLDumpError:
         raise
+    except BoundedReadError as err:
+        raise SkyRLDumpError(str(err)) from None
     except Exception as err:  # truncation, corrupt opcodes, stand-in misuse: never a partial batch
-        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {err}).") from err
+        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_one_line(err)}).") from err
     try:
-        return _assemble(obj, data, path)
+        return _assemble(obj, data, path, budget)
     except SkyRLDumpError:
         raise
+    except BoundedReadError as err:
+        raise SkyRLDumpError(str(err)) from None
     except Exception as err:
-        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {err}).") from err
+        raise SkyRLDumpError(f"{path}: not a readable SkyRL dump ({type(err).__name__}: {_one_line(err)}).") from err
 
 
-def _assemble(obj: Any, data: bytes, path: str) -> SkyRLDump:
+def _assemble(obj: Any, data: bytes, path: str, budget: ReadBudget) -> SkyRLDump:
     state = obj.__dict__.get("state") if isinstance(obj, _TrainingInputBatch) else obj
     if not isinstance(state, dict) or not {"batch_dict", "batch_size", "metadata"} <= set(state):
         raise SkyRLDumpError(
             f"{path}: expected a TrainingInputBatch state with batch_dict, batch_size and metadata, "
-            f"got {type(state).__name__} with keys {sorted(state)[:8] if isinstance(state, dict) else '-'}."
+            f"got {type(state).__name__} with keys {_short(sorted(map(str, state))[:8]) if isinstance(state, dict) else '-'}."
         )
-    size = int(state["batch_size"])
+    size = state["batch_size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise SkyRLDumpError(f"{path}: `batch_size` must be an int >= 1, got {_short(size)}.")
+    if state["metadata"] is not None and not isinstance(state["metadata"], dict):
+        raise SkyRLDumpError(f"{path}: `metadata` must be a dict, got {type(state['metadata']).__name__}.")
+    if not isinstance(state["batch_dict"], dict):
+        raise SkyRLDumpError(f"{path}: `batch_dict` must be a dict, got {type(state['batch_dict']).__name__}.")
     metadata = dict(state["metadata"] or {})
-    pad = int(metadata.get("pad_size", 0) or 0)
+    pad = metadata.get("pad_size", 0) or 0
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        raise SkyRLDumpError(f"{path}: metadata `pad_size` must be an int, got {_short(pad)}.")
     if not 0 <= pad < size:
         raise SkyRLDumpError(f"{path}: metadata pad_size {pad} must lie in 0 .. batch_size - 1 = {size - 1}.")
     n = size - pad
     batch: dict[str, Any] = {}
     for key, entry in dict(state["batch_dict"]).items():
-        dec = _decode_entry(key, entry, path)
+        if not isinstance(key, str):
+            raise SkyRLDumpError(f"{path}: batch_dict keys must be str, got the key {_short(key)} ({type(key).__name__}).")
+        dec = _decode_entry(key, entry, path, budget)
         if dec is None:
             batch[key] = None
         elif isinstance(dec, list):
@@ -445,6 +557,7 @@ def _assemble(obj: Any, data: bytes, path: str) -> SkyRLDump:
     for key in ("sequences", "attention_mask", "response_mask", "loss_mask", "advantages"):
         if not isinstance(batch.get(key), torch.Tensor):
             raise SkyRLDumpError(f"{path}: the dump has no `{key}` tensor; it is not a SkyRL training batch.")
+    _check_shapes(batch, path)
     layout = _detect_layout(batch, path)
     groups, source = _groups(batch, metadata, layout, n, path)
     m = _STEP_RE.search(os.path.basename(path))
@@ -458,6 +571,43 @@ def _assemble(obj: Any, data: bytes, path: str) -> SkyRLDump:
         pad_size=pad,
         group_source=source,
     )
+
+
+# Keys whose tensors are [N, S] or [N, R] when present; SkyRL's loss and this reader index them so.
+_SEQUENCE_KEYS = ("sequences", "attention_mask")
+_RESPONSE_KEYS = ("response_mask", "loss_mask", "advantages", "returns", "action_log_probs", "base_action_log_probs",
+                  "rollout_logprobs", "values")
+
+
+def _check_shapes(batch: dict[str, Any], path: str) -> None:
+    """The shapes, dtypes and values every later reading relies on; a bad one names its key."""
+    seq = batch["sequences"]
+    if seq.dim() != 2 or seq.shape[1] < 1:
+        raise SkyRLDumpError(f"{path}: `sequences` must be [rows, S] with S >= 1, got shape {list(seq.shape)}.")
+    if seq.dtype.is_floating_point or seq.dtype == torch.bool:
+        raise SkyRLDumpError(f"{path}: `sequences` must hold integer token ids, got {str(seq.dtype).replace('torch.', '')}.")
+    N, S = seq.shape
+    if N and int(seq.min()) < 0:
+        raise SkyRLDumpError(f"{path}: `sequences` holds a negative token id ({int(seq.min())}).")
+    R = batch["response_mask"].shape[1] if batch["response_mask"].dim() == 2 else -1
+    for key in _SEQUENCE_KEYS + _RESPONSE_KEYS:
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        want = [N, S] if key in _SEQUENCE_KEYS else [N, R]
+        if list(t.shape) != want or (key not in _SEQUENCE_KEYS and not 1 <= R <= S):
+            raise SkyRLDumpError(
+                f"{path}: `{key}` must have shape {'[rows, S]' if key in _SEQUENCE_KEYS else '[rows, R] with 1 <= R <= S'} = "
+                f"{want if R >= 1 else '[rows, R]'}, got {list(t.shape)} (sequences is {[N, S]}; rows counted after the padding rows are dropped)."
+            )
+    for key in ("advantages", "loss_mask"):
+        t = batch[key]
+        if t.dtype.is_floating_point:
+            bad = ~torch.isfinite(t.float() if t.dtype == torch.bfloat16 else t)
+            if bool(bad.any()):
+                r, c = (int(x) for x in bad.nonzero()[0])
+                raise SkyRLDumpError(f"{path}: `{key}` holds {int(bad.sum())} non-finite values (first at row {r}, column {c}: "
+                                     f"{float(t[r, c])}); a step trained on them cannot be read.")
 
 
 def _detect_layout(batch: dict[str, Any], path: str) -> str:
@@ -484,9 +634,28 @@ def _prompt_tokens(batch: dict[str, Any], row: int, layout: str) -> list[int]:
     return [int(x) for x in seq[: S - R][att[: S - R]].tolist()]
 
 
+def _check_boundaries(bounds: Any, n: int, path: str) -> None:
+    # Checked before any range is built: [(0, 3e8)] would otherwise materialise 3e8 row indices.
+    ok = isinstance(bounds, (list, tuple)) and len(bounds) <= n
+    prev = 0
+    if ok:
+        for b in bounds:
+            if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                    and b[0] == prev and prev < b[1] <= n):
+                ok = False
+                break
+            prev = b[1]
+    if not ok or prev != n:
+        raise SkyRLDumpError(
+            f"{path}: metadata `policy_prompt_boundaries` {_short(bounds)} must be (start, end) int pairs that cover "
+            f"rows 0 .. {n - 1} in order, once each."
+        )
+
+
 def _groups(batch: dict[str, Any], metadata: dict[str, Any], layout: str, n: int, path: str) -> tuple[list[list[int]], str]:
     bounds = metadata.get("policy_prompt_boundaries")
     if bounds:
+        _check_boundaries(bounds, n, path)
         groups = [list(range(int(a), int(b))) for a, b in bounds]
         covered = [r for g in groups for r in g]
         if covered != list(range(n)):

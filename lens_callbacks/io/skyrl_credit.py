@@ -182,4 +182,22 @@ def audit_skyrl_dump(
 ) -> CreditReport:
     """Disintegrate a dumped SkyRL step's policy gradient at ``policy``'s weights (``by_rollout``, ``by_group``, …)."""
     source = SkyRLCreditSource(policy, loss_reduction)
-    return disintegrate(source, skyrl_credit_batch(dump, token_map, rows), partition, dtype=dtype)
+    batch = skyrl_credit_batch(dump, token_map, rows)
+    _check_vocabulary(policy, batch.input_ids)
+    return disintegrate(source, batch, partition, dtype=dtype)
+
+
+def _check_vocabulary(policy: nn.Module, input_ids: torch.Tensor) -> None:
+    """Token ids the policy cannot embed are an error naming the id, not an index error deep in a forward."""
+    vocab = None
+    get = getattr(policy, "get_input_embeddings", None)
+    emb = get() if callable(get) else next((m for m in policy.modules() if isinstance(m, nn.Embedding)), None)
+    if isinstance(emb, nn.Embedding):
+        vocab = int(emb.num_embeddings)
+    hi, lo = int(input_ids.max()), int(input_ids.min())
+    if lo < 0 or (vocab is not None and hi >= vocab):
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"token id {bad} of the dump lies outside the policy's vocabulary 0..{(vocab or 0) - 1}; pass "
+            "`token_map=compact_vocabulary(dump)` to map the dump's ids onto a smaller policy."
+        )

@@ -100,3 +100,10 @@ def test_reductions_and_rows(setup):
         SkyRLCreditSource(policy, "mean")
     with pytest.raises(ValueError, match="token_map"):
         skyrl_credit_batch(dump, {1: 0})
+
+
+def test_token_ids_beyond_the_policys_vocabulary_are_an_error_naming_the_id(setup):
+    dump, _, policy = setup
+    with pytest.raises(ValueError, match=r"token id 151645 .* outside the policy's vocabulary 0\.\.") as err:
+        audit_skyrl_dump(policy, dump, "by_rollout")  # the dump's raw Qwen ids, no token_map
+    assert "compact_vocabulary" in str(err.value)

@@ -1,0 +1,381 @@
+"""Bounded reads of files other people wrote: regular files only, size caps, a pickle pre-scan, a budget.
+
+Every reader in :mod:`lens_callbacks.io` (SkyRL dumps, run records, policy checkpoints) and the offline
+commands go through this module, so that a hostile or careless file can neither hang a reader (a FIFO,
+a device, ``/dev/zero`` behind a symlink) nor make it allocate far more than the file holds (a memo
+index of 2**27 in a 9-byte pickle, a stride-0 view of 2**28 elements, a deflated zip member of 1.5 GiB).
+
+The limits (:class:`ReadLimits`) default to a ceiling on file size and, per read, an allocation budget of
+``budget_factor × file size + budget_floor`` bytes. Each can be raised for files one trusts, through the
+``limits=`` argument of a reader or the environment variables ``LENS_MAX_FILE_MB``,
+``LENS_READ_BUDGET_FACTOR`` and ``LENS_READ_BUDGET_FLOOR_MB`` (see docs/security.md). A refusal is a
+:class:`BoundedReadError` (a ``ValueError``) whose message names the file, what exceeded which limit,
+and how to raise it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickletools
+import reprlib
+import stat
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+__all__ = [
+    "ReadLimits",
+    "ReadBudget",
+    "BoundedReadError",
+    "open_regular_file",
+    "read_regular_file",
+    "scan_pickle",
+    "read_zip_member",
+    "load_torch_checkpoint",
+    "check_tensor_views",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_MiB = 1 << 20
+
+
+class BoundedReadError(ValueError):
+    """A file refused before it could hang the reader or exhaust memory; the message names file and limit."""
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BoundedReadError(f"`{name}` must be a number, got {raw!r}; unset it to use the default {default:g}.") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise BoundedReadError(f"`{name}` must be a finite number > 0, got {raw!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """What one read may cost.
+
+    Attributes:
+        max_file_bytes: the largest file read at all (default 2 GiB; ``LENS_MAX_FILE_MB``).
+        budget_factor: the allocation budget per read is ``budget_factor × file size + budget_floor``
+            (default 4; ``LENS_READ_BUDGET_FACTOR``). It is charged with every decoded array, every
+            decompressed zip member and every tensor view a file asks for.
+        budget_floor: see ``budget_factor`` (default 64 MiB; ``LENS_READ_BUDGET_FLOOR_MB``).
+        max_pickle_opcodes: the most opcodes one pickle may hold (default 2,000,000). SkyRL dumps and
+            checkpoints hold a few hundred to a few thousand: their tensors are single byte strings.
+        max_zip_members: the most members one zip archive may hold (default 100,000).
+    """
+
+    max_file_bytes: int = 2048 * _MiB
+    budget_factor: float = 4.0
+    budget_floor: int = 64 * _MiB
+    max_pickle_opcodes: int = 2_000_000
+    max_zip_members: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"`{name}` must be an int > 0, got {v!r}.")
+        f = self.budget_factor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f < float("inf"):
+            raise ValueError(f"`budget_factor` must be a finite number > 0, got {f!r}.")
+
+    @classmethod
+    def from_env(cls) -> "ReadLimits":
+        """The defaults, overridden by ``LENS_MAX_FILE_MB``, ``LENS_READ_BUDGET_FACTOR``, ``LENS_READ_BUDGET_FLOOR_MB``."""
+        d = cls()
+        return cls(
+            max_file_bytes=int(_env_number("LENS_MAX_FILE_MB", d.max_file_bytes / _MiB) * _MiB),
+            budget_factor=_env_number("LENS_READ_BUDGET_FACTOR", d.budget_factor),
+            budget_floor=int(_env_number("LENS_READ_BUDGET_FLOOR_MB", d.budget_floor / _MiB) * _MiB),
+            max_pickle_opcodes=d.max_pickle_opcodes,
+            max_zip_members=d.max_zip_members,
+        )
+
+    def budget_for(self, file_bytes: int, path: str) -> "ReadBudget":
+        return ReadBudget(int(self.budget_factor * file_bytes) + self.budget_floor, path, self)
+
+
+def _mib(n: float) -> str:
+    return f"{n / _MiB:.1f} MiB"
+
+
+class ReadBudget:
+    """The bytes one read may still allocate; :meth:`charge` refuses, naming what, once they run out."""
+
+    def __init__(self, total: int, path: str, limits: ReadLimits) -> None:
+        self.total, self.used, self.path, self.limits = int(total), 0, path, limits
+
+    @property
+    def left(self) -> int:
+        return self.total - self.used
+
+    def charge(self, nbytes: int, what: str) -> None:
+        nbytes = int(nbytes)
+        if nbytes < 0 or nbytes > self.left:
+            raise BoundedReadError(
+                f"{self.path}: {what} needs {_mib(nbytes)}, beyond the read budget of {_mib(self.total)} "
+                f"({self.limits.budget_factor:g} x file size + {_mib(self.limits.budget_floor)}; {_mib(self.used)} already "
+                "used); raise LENS_READ_BUDGET_FACTOR or LENS_READ_BUDGET_FLOOR_MB only for a file you trust."
+            )
+        self.used += nbytes
+
+
+def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> tuple[int, int]:
+    """Open a regular file for reading; return ``(fd, size)``. The caller closes ``fd``.
+
+    Symlinks are resolved and the target is checked again: a FIFO, socket, device or directory is refused
+    without blocking (the file is opened ``O_NONBLOCK`` and checked with ``fstat`` on that descriptor, so it
+    cannot be swapped between the check and the read). Its size must be at most ``limits.max_file_bytes``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        BoundedReadError: not a regular file, or larger than the cap.
+    """
+    limits = limits or ReadLimits.from_env()
+    shown = os.fspath(path)
+    real = os.path.realpath(shown)
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{shown}: no such {what}.") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BoundedReadError(f"{shown}: the {what} must be a regular file, got {_kind(st.st_mode)}"
+                               + (f" (resolved to {real})" if real != os.path.abspath(shown) else "") + ".")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as err:
+        raise BoundedReadError(f"{shown}: the {what} cannot be opened ({err.strerror or err}).") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BoundedReadError(f"{shown}: the {what} must be a regular file, got {_kind(st.st_mode)}.")
+        if st.st_size > limits.max_file_bytes:
+            raise BoundedReadError(
+                f"{shown}: the {what} is {_mib(st.st_size)}, above the cap of {_mib(limits.max_file_bytes)}; "
+                "raise LENS_MAX_FILE_MB if you trust it."
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, int(st.st_size)
+
+
+def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> bytes:
+    """The bytes of a regular file, at most ``limits.max_file_bytes`` of them (see :func:`open_regular_file`).
+
+    Raises:
+        FileNotFoundError: no such file.
+        BoundedReadError: not a regular file, or larger than the cap (also when it grows past it while read).
+    """
+    limits = limits or ReadLimits.from_env()
+    shown = os.fspath(path)
+    fd, size = open_regular_file(shown, limits, what)
+    try:
+        chunks, total = [], 0
+        # One read of the whole declared size first: a single chunk joins without a copy. Later reads only
+        # notice a file that grew after fstat.
+        want = size + 1
+        while True:
+            chunk = os.read(fd, max(1, min(want, limits.max_file_bytes + 1 - total)))
+            want = _MiB
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limits.max_file_bytes:  # the file grew while it was read
+                raise BoundedReadError(f"{shown}: the {what} grew past the cap of {_mib(limits.max_file_bytes)} while being read.")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
+
+
+def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, what: str = "pickle") -> int:
+    """Walk a pickle's opcodes without running any of them; refuse what its bytes cannot honestly hold.
+
+    Refused: a memo index beyond the entries stored so far (the C unpickler would grow its memo table to
+    that index: 2**27 costs 2 GiB), a memo read of an entry never stored, a declared length beyond the
+    bytes that remain (``pickletools`` reads at most what is there), a frame longer than the rest of the
+    file, more than ``limits.max_pickle_opcodes`` opcodes, and a stream that ends without ``STOP``.
+
+    Returns:
+        The number of opcodes.
+    """
+    limits = limits or ReadLimits.from_env()
+    memo = 0
+    n = 0
+    stopped = False
+    size = len(data)
+    try:
+        for op, arg, pos in pickletools.genops(io.BytesIO(data)):
+            n += 1
+            if n > limits.max_pickle_opcodes:
+                raise BoundedReadError(f"{path}: the {what} holds more than {limits.max_pickle_opcodes:,} opcodes; refused as a "
+                                       "time bomb (a SkyRL dump or checkpoint holds a few thousand).")
+            name = op.name
+            if name == "MEMOIZE":
+                memo += 1
+            elif name in _MEMO_PUTS:
+                idx = int(arg)
+                if idx < 0 or idx > memo:
+                    raise BoundedReadError(f"{path}: the {what} stores memo index {idx} at byte {pos} while only {memo} "
+                                           "entries exist; refused (a memo table that large costs memory the file does not hold).")
+                if idx == memo:
+                    memo += 1
+            elif name in _MEMO_GETS:
+                idx = int(arg)
+                if idx < 0 or idx >= memo:
+                    raise BoundedReadError(f"{path}: the {what} reads memo index {idx} at byte {pos}, which was never stored.")
+            elif name == "FRAME" and int(arg) > size - pos:
+                raise BoundedReadError(f"{path}: the {what} is truncated or corrupt: it declares a frame of {int(arg):,} bytes at "
+                                       f"byte {pos}; only {size - pos:,} remain.")
+            elif name == "STOP":
+                stopped = True
+                break
+    except BoundedReadError:
+        raise
+    except ValueError as err:  # a declared length beyond the data, an unknown opcode, a bad line
+        raise BoundedReadError(f"{path}: the {what} is corrupt or truncated ({_one_line(err)}).") from None
+    if not stopped:
+        raise BoundedReadError(f"{path}: the {what} is truncated (it ends without STOP).")
+    return n
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 100
+_REPR.maxlevel = 3
+
+
+def short_repr(value: Any, limit: int = 120) -> str:
+    """A bounded ``repr`` for messages about hostile values: no recursion limit, no megabyte strings."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a stand-in whose repr fails
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_zip_member(zf: zipfile.ZipFile, name: str, budget: ReadBudget, what: str) -> bytes:
+    """One member of a zip archive, its declared size charged to ``budget`` before it is inflated."""
+    info = zf.getinfo(name)
+    budget.charge(info.file_size, f"{what} (zip member {name!r}, {info.file_size:,} bytes once inflated)")
+    with zf.open(info) as f:
+        # zipfile stops inflating at the declared size and checks the CRC, so a lying header cannot exceed it.
+        return f.read(info.file_size + 1)
+
+
+def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimits, what: str, stored_only: bool) -> None:
+    """Member count, and (for archives ``torch.save`` writes, all ``ZIP_STORED``) sizes within the file."""
+    infos = zf.infolist()
+    if len(infos) > limits.max_zip_members:
+        raise BoundedReadError(f"{path}: the {what} holds {len(infos):,} zip members, more than {limits.max_zip_members:,}.")
+    if stored_only:
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise BoundedReadError(
+                    f"{path}: member {info.filename!r} of the {what} is compressed (method {info.compress_type}); torch.save "
+                    "stores members uncompressed, and a compressed one could inflate far beyond the file."
+                )
+            if info.file_size > file_bytes:
+                raise BoundedReadError(f"{path}: member {info.filename!r} of the {what} declares {info.file_size:,} bytes, "
+                                       f"more than the whole file ({file_bytes:,}).")
+
+
+def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "checkpoint", _depth: int = 0) -> int:
+    """Refuse tensors that view more elements than their storage holds (stride 0 included); count them.
+
+    A stride-0 view of shape ``(14, 2**24)`` over one element costs nothing until someone copies it; the
+    first copy allocates gigabytes. Every tensor's ``numel × element size`` is charged to ``budget``.
+    """
+    import torch
+
+    if _depth > 64:
+        raise BoundedReadError(f"{path}: the {what} nests containers more than 64 deep.")
+    n = 0
+    if isinstance(obj, torch.Tensor):
+        sizes, strides = tuple(obj.shape), tuple(obj.stride())
+        if any(st == 0 and sz > 1 for sz, st in zip(sizes, strides)):
+            raise BoundedReadError(f"{path}: a tensor of the {what} has shape {list(sizes)} with stride {list(strides)}: stride 0 "
+                                   "repeats one element; refused, since a copy of it would allocate memory the file does not hold.")
+        need = obj.numel() * obj.element_size()
+        have = obj.untyped_storage().nbytes()
+        if need > have:
+            raise BoundedReadError(f"{path}: a tensor of the {what} of shape {list(sizes)} views {need:,} bytes of a storage "
+                                   f"that holds {have:,}; refused (overlapping strides).")
+        budget.charge(need, f"a tensor of the {what} of shape {list(sizes)}")
+        return 1
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            n += check_tensor_views(v, path, budget, what, _depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            n += check_tensor_views(v, path, budget, what, _depth + 1)
+    return n
+
+
+def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint") -> Any:
+    """``torch.load(..., weights_only=True)`` of a file, bounded and checked before and after.
+
+    Before: a regular file under the size cap (:func:`open_regular_file`); a ``torch.save`` zip archive (the
+    legacy pre-1.6 stream is refused) whose members are stored uncompressed and no larger than the file; its
+    ``data.pkl`` passes :func:`scan_pickle`. Checks and load read the one descriptor opened and checked, so the
+    file cannot be swapped in between, and the weights are not held in memory twice. After:
+    :func:`check_tensor_views` on everything loaded. Any failure is a :class:`BoundedReadError` naming the file.
+    """
+    import torch
+
+    limits = limits or ReadLimits.from_env()
+    shown = os.fspath(path)
+    fd, size = open_regular_file(shown, limits, what)
+    with os.fdopen(fd, "rb") as f:
+        budget = limits.budget_for(size, shown)
+        if f.read(4) != b"PK\x03\x04":
+            raise BoundedReadError(f"{shown}: the {what} is not a torch.save zip archive (it does not start with a zip header); "
+                                   "legacy torch.save streams and other formats are not read.")
+        f.seek(0)
+        try:
+            with zipfile.ZipFile(f) as zf:
+                check_zip(zf, shown, size, limits, what, stored_only=True)
+                pkls = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
+                if len(pkls) != 1:
+                    raise BoundedReadError(f"{shown}: the {what} holds {len(pkls)} data.pkl members, expected 1.")
+                scan_pickle(read_zip_member(zf, pkls[0], budget, what), shown, limits, f"{what}'s data.pkl")
+        except BoundedReadError:
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, KeyError) as err:
+            raise BoundedReadError(f"{shown}: the {what} is not a readable zip archive ({_one_line(err)}).") from None
+        f.seek(0)
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as err:  # weights_only refusals, corrupt records, bad persistent ids: one message
+            raise BoundedReadError(f"{shown}: the {what} cannot be loaded with weights_only=True ({type(err).__name__}: "
+                                   f"{_one_line(err)}).") from None
+    check_tensor_views(obj, shown, budget, what)
+    return obj
