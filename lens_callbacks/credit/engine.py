@@ -178,6 +178,8 @@ def disintegrate(
     keep_grads: bool = False,
     keep_parts: bool = False,
     preserve_rng: bool = True,
+    engine: str = "auto",
+    readings: str = "all",
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts, one backward pass per part.
 
@@ -200,6 +202,13 @@ def disintegrate(
         keep_parts: also attach every ``g_S`` (memory ``m × |θ|``; for tests and small models).
         preserve_rng: run under ``torch.random.fork_rng`` so dropout in the audit does not consume the
             training run's random stream.
+        engine: ``"auto"`` (default: ``"ghost"`` for parts that are unions of whole rows, ``"jvp"`` for
+            within-row parts with ``readings="projected"`` where installed, else ``"reference"``),
+            ``"reference"`` (the engine documented here, the oracle), ``"ghost"`` or ``"jvp"``. See
+            :mod:`lens_callbacks.credit.engines`; ``report.engine`` names the one that ran.
+        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; an engine may then skip
+            the norms). The reference engine always makes all readings, and the Gram of the parts
+            (``report.gram``) only with ``keep_parts``.
 
     Returns:
         A :class:`CreditReport`.
@@ -226,6 +235,14 @@ def disintegrate(
         raise ValueError(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
+    if engine != "reference":
+        fast = _dispatch(
+            module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
+            reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
+            preserve_rng=preserve_rng,
+        )
+        if fast is not None:
+            return fast
     with _preserved_rng(module, preserve_rng):
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
         part = spec if isinstance(spec, Partition) else spec(terms)
@@ -306,7 +323,53 @@ def disintegrate(
         partition=_partition_name(partition),
         reason=reason,
         grads=grads,
+        engine="reference",
+        readings="all",
+        gram=_gram(kept) if keep_parts else None,
     )
+
+
+def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
+    """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
+    return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
+
+
+def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng):
+    """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
+    import dataclasses
+
+    from .engines import check_engine, choose_engine, get_engine
+    from .engines.ghost import NotRowSeparable, RowInteraction
+
+    check_engine(engine, readings)
+    if keep_parts and engine != "auto":
+        raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
+    name = "reference" if keep_parts else (choose_engine(spec, readings) if engine == "auto" else engine)
+    if name == "ghost":
+        try:
+            return get_engine("ghost")(
+                module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
+                keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
+            )
+        except (NotRowSeparable, RowInteraction) as err:
+            if engine != "auto":
+                raise
+            # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
+            within = isinstance(err, NotRowSeparable) and readings == "projected"
+            name = "jvp" if within and "jvp" in _engines_available() else "reference"
+    if name == "jvp":
+        report = get_engine("jvp")(
+            module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
+            preserve_rng=preserve_rng, readings=readings,
+        )
+        return dataclasses.replace(report, engine="jvp", readings=readings)
+    return None
+
+
+def _engines_available() -> tuple[str, ...]:
+    from .engines import available_engines
+
+    return available_engines()
 
 
 def _reference(
