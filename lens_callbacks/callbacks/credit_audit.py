@@ -25,6 +25,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
+from lens_callbacks.credit.engines import check_engine
+from lens_callbacks.credit.engines.ghost import RideAlong
 from lens_callbacks.credit.partition import resolve_partition
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
@@ -33,6 +35,8 @@ from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.refusal import Refusal
 
 __all__ = ["CreditAuditCallback"]
+
+CAPTURES = ("separate", "training_step")
 
 LAST_REPORT_FILE = "credit_last.txt"
 
@@ -58,6 +62,16 @@ class CreditAuditCallback(Callback):
         log_figure: log the heatmap figure when matplotlib is importable.
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
+        engine: ``"auto"`` (default: the fastest exact engine for the partition), ``"reference"``,
+            ``"ghost"`` (one pass, row partitions) or ``"jvp"``; see :mod:`lens_callbacks.credit.engines`.
+            Logged as ``credit/engine/<name>`` = 1 and in the table.
+        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; cheaper on some engines).
+        capture: ``"separate"`` (default: the audit re-runs ``credit_terms`` in its own pass) or
+            ``"training_step"``: the one-pass engine's hooks ride on the training step's own forward
+            and backward, ``g_full`` is the trainer's ``.grad``, and the audit adds only the per-layer
+            reductions. Where that cannot be checked (the loss is not ``terms.sum()``, gradient
+            accumulation, several processes, manual optimization, a parameter outside the covered
+            layers) the step is audited by the separate pass instead, and a warning says so once.
 
     Attributes:
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
@@ -81,8 +95,14 @@ class CreditAuditCallback(Callback):
         log_figure: bool = True,
         print_last_report: bool = False,
         prefix: str = "credit/",
+        engine: str = "auto",
+        readings: str = "all",
+        capture: str = "separate",
     ) -> None:
         super().__init__()
+        check_engine(engine, readings)  # raises, naming the valid engines and readings
+        if capture not in CAPTURES:
+            raise ValueError(f"`capture` must be one of {list(CAPTURES)}, got {capture!r}.")
         if not (isinstance(partition, str) and "." in partition):
             resolve_partition(partition)  # an unknown name raises here, naming the valid ones
         # An import path is resolved in setup: the error still comes before any step runs.
@@ -103,6 +123,13 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
+        self.engine = engine
+        self.readings = readings
+        self.capture = capture
+        self._ride: Optional[RideAlong] = None
+        self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
+        self._ride_warned = False
+        self.n_ride_along = 0
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -141,20 +168,70 @@ class CreditAuditCallback(Callback):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
+        self._ride_blocked = None
+        if self.capture == "training_step":
+            if trainer.world_size > 1:
+                self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
+            elif trainer.accumulate_grad_batches > 1:
+                self._ride_blocked = "gradient accumulation: `.grad` sums several micro-batches"
+            elif not pl_module.automatic_optimization:
+                self._ride_blocked = "manual optimization: the callback does not see the loss's backward"
 
     # ---- the audit --------------------------------------------------------------------------------
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        self._stop_ride()
+        if self.capture == "training_step" and self._ride_blocked is None and trainer.global_step % self.every_n_steps == 0:
+            self._ride = RideAlong(pl_module).start()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._ride is not None:
+            self._ride.on_loss(loss)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batch = None
+        self._stop_ride()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_ride()
+
+    def _stop_ride(self) -> None:
+        if self._ride is not None:
+            self._ride.clear()
+            self._ride = None
+
+    def _read(self, trainer: Trainer, pl_module: LightningModule) -> Union[CreditReport, Refusal]:
+        """The ride-along reading when this step rode along and its contract held; else the separate pass."""
+        why = self._ride_blocked if self.capture == "training_step" else None
+        ride, self._ride = self._ride, None
+        if ride is not None:
+            try:
+                got = ride.report(
+                    self._partition_fn if self._partition_fn is not None else resolve_partition(self.partition),
+                    partition_name=self.partition if isinstance(self.partition, str) else "custom",
+                    readings=self.readings, keep_grads=self.keep_grads,
+                )
+            except Exception as err:  # a user-data failure must not end the training run
+                got = f"{type(err).__name__}: {err}"
+            finally:
+                ride.clear()
+            if isinstance(got, CreditReport):
+                self.n_ride_along += 1
+                return got
+            why = got
+        if why is not None and not self._ride_warned:
+            self._ride_warned = True
+            warnings.warn(
+                f"credit audit: capture='training_step' falls back to a separate pass ({why}).", RuntimeWarning, stacklevel=2
+            )
+        return self.audit(pl_module, self._batch)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
-        reading = self.audit(pl_module, self._batch)
+        reading = self._read(trainer, pl_module)
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self.n_refusals += 1
@@ -191,6 +268,8 @@ class CreditAuditCallback(Callback):
                     dtype=self.dtype,
                     reference_grads=self._reference,
                     keep_grads=self.keep_grads,
+                    engine=self.engine,
+                    readings=self.readings,
                 )
         except Exception as err:  # a user-data failure must not end the training run
             return Refusal(
@@ -207,6 +286,7 @@ class CreditAuditCallback(Callback):
             report.conservation_error, report.grad_match, report.full_grad_norm, report.ok,
         )
         extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0}
+        extra.update(engine_values(report))
         return self._flatten(out, report.part_names, extra=extra)
 
     def _flatten(self, out: dict[str, torch.Tensor], names: tuple[str, ...], extra: Optional[dict] = None, prefix: Optional[str] = None) -> dict[str, float]:
@@ -276,6 +356,9 @@ class CreditAuditCallback(Callback):
         log_text(trainer, f"{self.prefix}table", text, step)
         if self.log_figure and self._history and trainer.global_rank == 0:
             log_figure(trainer, f"{self.prefix}heatmap", self._heatmap(), step)
+        report = self.last_report
+        if self.log_figure and report is not None and report.gram is not None and trainer.global_rank == 0:
+            log_figure(trainer, f"{self.prefix}interference", interference_figure(report, self.max_logged_parts), step)
 
     def _heatmap(self):
         """Projected share per part (rows) over audited steps (columns), first ``max_logged_parts`` parts."""
@@ -325,3 +408,37 @@ class CreditAuditCallback(Callback):
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
                 setattr(self.metric, name, value.to(cur.device, cur.dtype))
+
+
+def engine_values(report: CreditReport) -> dict[str, float]:
+    """Which engine made the reading and which readings it holds (``engine/<name>`` = 1), and the
+    interference matrix's summary (``interference/min_cosine``, ``mean_cosine``, ``negative_pair_fraction``)."""
+    out = {f"engine/{report.engine}": 1.0, f"readings/{report.readings}": 1.0}
+    for key, v in report.interference_summary().items():
+        out[f"interference/{key}"] = v
+    return out
+
+
+def interference_figure(report: CreditReport, max_parts: int = 64):
+    """The interference matrix (cosine of part gradients) of one report as a matplotlib figure; None without matplotlib."""
+    cos = report.interference()
+    if cos is None:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    k = max(1, min(max_parts, cos.shape[0]))
+    grid = cos[:k, :k].numpy()
+    fig, ax = plt.subplots(figsize=(min(10, 2 + 0.25 * k), min(9, 1.5 + 0.25 * k)))
+    im = ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    names = list(report.part_names[:k])
+    ax.set_xticks(range(k), labels=names, fontsize=5, rotation=90)
+    ax.set_yticks(range(k), labels=names, fontsize=5)
+    ax.set_title(f"interference: cos(g_S, g_S') ({report.engine})")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return fig

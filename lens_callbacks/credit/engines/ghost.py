@@ -432,8 +432,27 @@ def disintegrate_ghost(
         with torch.enable_grad():
             loss = terms.terms.sum()
             report = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
-    g_full, total_list, dots, gram, diff_sq, coverage = report
+    grad_match = None
+    g_full = report[0]
+    if reference_grads is not None:
+        ref = _reference(module, names, reference_grads)
+        if ref is not None:
+            full_norm = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+    return build_report(
+        report, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
+        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads,
+    )
 
+
+def build_report(
+    reduced: tuple, names: Sequence[str], part_names: Sequence[str], readings: str, *, grad_match: Optional[float],
+    dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
+) -> CreditReport:
+    """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
+    g_full, total_list, dots, gram, diff_sq, coverage = reduced
+    m = len(part_names)
     full_sq = math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full)
     full_norm = math.sqrt(full_sq)
     reason = None
@@ -459,31 +478,25 @@ def disintegrate_ghost(
         projected = tuple(float("nan") for _ in dots_l)
         conservation = float("nan") if not math.isfinite(full_sq) else math.sqrt(diff_sq)
         cancellation = float("nan")
-    grad_match = None
-    if reference_grads is not None:
-        ref = _reference(module, names, reference_grads)
-        if ref is not None:
-            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
-            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
     grads = None
     if keep_grads:
         grads = CreditGrads(tuple(names), [g.detach() for g in g_full], [t.detach() for t in total_list])
     return CreditReport(
-        part_names=part.names,
+        part_names=tuple(part_names),
         projected_share=projected,
         norm_share=norm_share,
         part_norm=part_norm,
         cancellation=cancellation,
         conservation_error=conservation,
         grad_match=grad_match,
-        dtype=used,
-        n_trained=terms.n_trained,
+        dtype=dtype,
+        n_trained=n_trained,
         full_grad_norm=full_norm,
-        loss=float(loss.detach()),
-        partition=_partition_name(partition),
+        loss=loss,
+        partition=partition,
         reason=reason,
         grads=grads,
-        engine="ghost",
+        engine=engine,
         readings=readings,
         gram=None if gram is None else tuple(tuple(float(v) for v in row) for row in gram.tolist()),
         coverage=coverage,
@@ -649,3 +662,144 @@ def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallba
             f"part {k}'s gradient by its own backward disagrees with the one-pass pieces ({err:.3e} relative): rows "
             "of this batch interact (a cross-row term in the loss or a module that mixes rows). Use engine='reference'."
         )
+
+
+# ---- riding on the training step's own forward and backward ----------------------------------------
+
+
+class RideAlong:
+    """The one-pass engine's hooks installed for a training step's own forward and backward.
+
+    ``start()`` installs the layer hooks and wraps the module's ``credit_terms`` so that only its
+    forward is captured (not, e.g., sampling under ``no_grad``); ``on_loss(loss)`` is called with the
+    loss about to be backpropagated; after the backward, ``report(...)`` reads ``g_full`` from the
+    parameters' ``.grad`` and adds only the per-layer reductions. ``stop()`` removes everything; nothing
+    is kept between steps. The step itself is not changed: hooks return no new value or gradient (a
+    broadcast position embedding is expanded to the batch, with the same values and the same backward
+    reduction).
+
+    The contract it checks before it reads anything: ``credit_terms`` ran exactly once with grad, the
+    loss equals ``terms.sum()`` and its gradient with respect to ``terms`` is one everywhere, every
+    trainable parameter is covered by the hooks, the partition keeps rows whole, and the captured pieces
+    add up to ``.grad``. Any failure returns a string naming it (the caller falls back to a separate
+    pass) rather than a reading.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.cap = RowCapture(module)
+        self.calls = 0
+        self.terms: Optional[CreditTerms] = None
+        self.terms_grad_ones: Optional[bool] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.edges: Optional[dict[int, int]] = None
+        self._orig: Any = None
+        self._had_attr = False
+
+    def start(self) -> "RideAlong":
+        self.cap.install()
+        orig = getattr(self.module, "credit_terms")
+        self._orig = orig
+        self._had_attr = "credit_terms" in self.module.__dict__
+
+        def credit_terms(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return orig(*args, **kwargs)
+            self.cap.active = True
+            try:
+                t = orig(*args, **kwargs)
+            finally:
+                self.cap.active = False
+            self.calls += 1
+            self.terms = t
+            if isinstance(t, CreditTerms) and t.terms.requires_grad:
+                t.terms.register_hook(self._terms_grad)
+            return t
+
+        object.__setattr__(self.module, "credit_terms", credit_terms)
+        return self
+
+    def _terms_grad(self, g: torch.Tensor) -> None:
+        ones = bool(torch.all(g == 1))
+        self.terms_grad_ones = ones if self.terms_grad_ones is None else (self.terms_grad_ones and ones)
+        return None
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """Called with the loss before its backward: the graph's edges are counted while it exists."""
+        self.loss = loss.detach()
+        leaves = [p for p in self.module.parameters() if p.requires_grad]
+        self.edges = _leaf_edges(loss, leaves) if loss.requires_grad else {}
+
+    def stop(self) -> None:
+        self.cap.remove()
+        if self._orig is not None:
+            if self._had_attr:
+                object.__setattr__(self.module, "credit_terms", self._orig)
+            else:
+                self.module.__dict__.pop("credit_terms", None)
+            self._orig = None
+        seal(self.cap.uses)
+
+    def clear(self) -> None:
+        self.stop()
+        self.cap.clear()
+        self.terms = None
+        self.loss = None
+        self.edges = None
+
+    def report(
+        self,
+        partition_fn: Callable[[CreditTerms], Partition],
+        *,
+        partition_name: str = "",
+        readings: str = "all",
+        memory_budget: Optional[int] = None,
+        keep_grads: bool = False,
+    ) -> Union[CreditReport, str]:
+        """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read."""
+        self.stop()
+        if self.calls != 1 or self.terms is None:
+            return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
+        if self.loss is None or self.edges is None:
+            return "no backward of the training loss was seen in this step (manual optimization, or no loss)."
+        t = self.terms
+        total = t.terms.detach().sum()
+        tol = _tolerance(t.terms.dtype)
+        if self.terms_grad_ones is not True or not bool(
+            torch.isclose(self.loss.to(total.dtype), total, rtol=tol, atol=tol * float(t.terms.detach().abs().sum()))
+        ):
+            return (
+                f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
+                "every term, so the captured gradients are not the terms' gradients."
+            )
+        part = partition_fn(t.detached())
+        part.check_covers(t.trained)
+        ids = part.ids.to(t.terms.device)  # [B, T]
+        rp = row_parts(Partition(ids, part.names))
+        if rp is None:
+            return "the partition puts positions of one row in different parts; riding along needs whole rows."
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [n for n, _ in named]
+        leaves = [p for _, p in named]
+        B = int(t.terms.shape[0])
+        by_leaf = plan_uses(self.cap.uses, leaves, B, self.edges)
+        missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
+        if missing:
+            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+        g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
+        reduced = reduce_pieces(
+            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
+        )
+        full = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+        err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
+        if not err <= 10 * tol:
+            return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
+        used = str(t.terms.dtype).replace("torch.", "")
+        return build_report(
+            reduced, names, part.names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
+            loss=float(self.loss), partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads,
+        )
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
