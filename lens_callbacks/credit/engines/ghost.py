@@ -205,6 +205,12 @@ class RowCapture:
 
     def _normalised(self, mod: nn.Module, rule: str, x: torch.Tensor) -> torch.Tensor:
         """``x̂`` by the layer's own forward with weight one and bias zero: the same arithmetic as training."""
+        if rule == "layernorm":
+            with torch.no_grad():
+                return torch.nn.functional.layer_norm(x.detach(), mod.normalized_shape, None, None, mod.eps)
+        if type(mod) is getattr(nn, "RMSNorm", None):
+            with torch.no_grad():
+                return torch.nn.functional.rms_norm(x.detach(), mod.normalized_shape, None, mod.eps)
         self._inner = True
         try:
             with torch.no_grad():
@@ -237,6 +243,12 @@ def _rows(t: torch.Tensor, B: int) -> torch.Tensor:
     return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
 
 
+def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
+    """Rows ``sel`` of ``t`` seen as ``[B, n, d]``; no copy when every row is selected."""
+    r = _rows(t, B)
+    return r if sel.numel() == B else r[sel]
+
+
 def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Optional[torch.Tensor]:
     """This use's contribution to ``param`` for the ``c`` parts of the chunk (``rp``: chunk-local part per row)."""
     a, g = use.a, use.b
@@ -245,27 +257,33 @@ def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Opt
     B = rp.shape[0]
     sel = (rp >= 0).nonzero().squeeze(1)  # rows in the chunk
     dst = rp[sel]  # [r]
+    is_w = param is use.weight
+    if use.rule in ("linear", "conv1d") and is_w and sel.numel() == c and bool((dst == torch.arange(c, device=dst.device)).all()):
+        # One row per part, in order (by_rollout): the per-row product is the piece itself.
+        G = _take(g, sel, B)  # [c, n, out]
+        A = _take(a, sel, B).to(g.dtype)  # [c, n, in]
+        return torch.bmm(G.transpose(1, 2), A) if use.rule == "linear" else torch.bmm(A.transpose(1, 2), G)
     out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
     if sel.numel() == 0:
         return out
-    is_w = param is use.weight
     if use.rule == "linear":
-        G = _rows(g, B)[sel]  # [r, n, out]
+        G = _take(g, sel, B)  # [r, n, out]
         if is_w:
-            A = _rows(a, B)[sel].to(g.dtype)  # [r, n, in]
+            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
             out.index_add_(0, dst, torch.bmm(G.transpose(1, 2), A))  # [r, out, in]
         else:
             out.index_add_(0, dst, G.sum(1))  # [r, out]
     elif use.rule == "conv1d":
-        G = _rows(g, B)[sel]  # [r, n, out]
+        G = _take(g, sel, B)  # [r, n, out]
         if is_w:
-            A = _rows(a, B)[sel].to(g.dtype)  # [r, n, in]
+            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
             out.index_add_(0, dst, torch.bmm(A.transpose(1, 2), G))  # [r, in, out]
         else:
             out.index_add_(0, dst, G.sum(1))  # [r, out]
     elif use.rule == "embedding":
-        G = _rows(g, B)[sel]  # [r, n, d]
-        ids = a.reshape(B, -1)[sel]  # [r, n]
+        G = _take(g, sel, B)  # [r, n, d]
+        ids = a.reshape(B, -1)
+        ids = ids if sel.numel() == B else ids[sel]  # [r, n]
         keep = torch.ones_like(ids, dtype=torch.bool)
         pad = use.module.padding_idx
         if pad is not None:
@@ -273,9 +291,9 @@ def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Opt
         part_of = dst[:, None].expand_as(ids)  # [r, n]
         out.index_put_((part_of[keep], ids[keep]), G[keep], accumulate=True)
     elif use.rule in ("layernorm", "rmsnorm"):
-        G = _rows(g, B)[sel]  # [r, n, d]
+        G = _take(g, sel, B)  # [r, n, d]
         if is_w:
-            X = _rows(use.xhat, B)[sel].to(g.dtype)  # [r, n, d]
+            X = _take(use.xhat, sel, B).to(g.dtype)  # [r, n, d]
             out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
         else:
             out.index_add_(0, dst, G.sum(1))  # [r, d]
@@ -334,6 +352,14 @@ class _Accum:
 
     def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
         gf = g_full.reshape(-1)  # [n]
+        if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
+            P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
+            self.dots += (P @ gf.to(P.dtype)).double()
+            if self.gram is not None:
+                self.gram += (P @ P.T).double()
+            total = P.sum(0)
+            self.diff_sq += float(torch.sum((total.double() - gf.double()) ** 2))
+            return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
