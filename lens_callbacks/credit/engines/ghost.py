@@ -342,6 +342,11 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
     return out
 
 
+def _sq(x: torch.Tensor) -> float:
+    """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
+    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+
+
 class _Accum:
     """Per-part readings accumulated parameter by parameter (float64)."""
 
@@ -358,7 +363,7 @@ class _Accum:
             if self.gram is not None:
                 self.gram += (P @ P.T).double()
             total = P.sum(0)
-            self.diff_sq += float(torch.sum((total.double() - gf.double()) ** 2))
+            self.diff_sq += _sq(total - gf.to(total.dtype))
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
@@ -375,7 +380,7 @@ class _Accum:
                     self.gram[idx[:, None], jdx[None, :]] += block
                     self.gram[jdx[:, None], idx[None, :]] += block.T
             del P
-        self.diff_sq += float(torch.sum((total.double() - gf.double()) ** 2))
+        self.diff_sq += _sq(total - gf.to(total.dtype))
         return total.view_as(g_full) if keep_sum else None
 
 
@@ -479,7 +484,7 @@ def build_report(
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
     g_full, total_list, dots, gram, diff_sq, coverage = reduced
     m = len(part_names)
-    full_sq = math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full)
+    full_sq = math.fsum(_sq(g) for g in g_full)
     full_norm = math.sqrt(full_sq)
     reason = None
     if not math.isfinite(full_sq):
