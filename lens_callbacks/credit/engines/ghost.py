@@ -182,19 +182,22 @@ class RowCapture:
                 return None
             if out.dim() < 2 or x.dim() < 1:
                 return None
-            ret = None
+            w = getattr(mod, "weight", None)
+            b = getattr(mod, "bias", None)
+            b = b if isinstance(b, torch.Tensor) else None
             lead = int(out.shape[0])
+            if lead > 1 and self.batch == 0:
+                self.batch = lead
+            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
+                return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
+            ret = None
             if rule == "embedding" and lead == 1 and self.batch > 1:
                 # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
                 # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
                 out = out.expand(self.batch, *out.shape[1:])
                 x = x.expand(self.batch, *x.shape[1:])
                 ret = out
-            elif lead > 1 and self.batch == 0:
-                self.batch = lead
-            w = getattr(mod, "weight", None)
-            b = getattr(mod, "bias", None)
-            use = _Use(rule, mod, w, b if isinstance(b, torch.Tensor) else None, x.detach())
+            use = _Use(rule, mod, w, b, x.detach())
             if rule in ("layernorm", "rmsnorm"):
                 use.xhat = self._normalised(mod, rule, x)
             out.register_hook(use.grad_hook)
@@ -630,13 +633,22 @@ def reduce_pieces(
     acc = _Accum(m, readings == "all", device)
     totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
     coverage: dict[str, int] = {}
+    local_rows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def rows_of(chunk: list[int]) -> torch.Tensor:
+        """Chunk-local part id of each row (``-1`` outside the chunk), shared by every parameter."""
+        key = tuple(chunk)
+        if key not in local_rows:
+            local = torch.full((m,), -1, dtype=torch.long, device=device)
+            local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
+            local_rows[key] = torch.where(rp >= 0, local[rp.clamp(min=0)], rp)  # [B]
+        return local_rows[key]
+
     for i, us in by_leaf.items():
         p = leaves[i]
 
         def pieces(chunk: list[int], p=p, us=us) -> torch.Tensor:
-            local = torch.full((m,), -1, dtype=torch.long, device=device)
-            local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
-            rloc = torch.where(rp >= 0, local[rp.clamp(min=0)], rp)  # [B]
+            rloc = rows_of(chunk)  # [B]
             acc_p = None
             for u in us:
                 piece = _use_pieces(u, p, rloc, len(chunk))
