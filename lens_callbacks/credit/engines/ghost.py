@@ -465,17 +465,17 @@ def disintegrate_ghost(
         B = int(terms.terms.shape[0])
         with torch.enable_grad():
             loss = terms.terms.sum()
-            report = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
     grad_match = None
-    g_full = report[0]
+    g_full = reduced[0]
     if reference_grads is not None:
         ref = _reference(module, names, reference_grads)
         if ref is not None:
-            full_norm = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+            full_norm = math.sqrt(math.fsum(_sq(g) for g in g_full))
             ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
             grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
     return build_report(
-        report, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
+        reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
         loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads,
     )
 
