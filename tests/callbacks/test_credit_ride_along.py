@@ -136,3 +136,17 @@ def test_bad_arguments_name_the_options():
         CreditAuditCallback(engine="fast")
     with pytest.raises(ValueError, match="`readings` must be one of"):
         CreditAuditCallback(readings="norms")
+
+
+def test_projected_readings_ride_along():
+    ride = CreditAuditCallback(capture="training_step", readings="projected", log_figure=False)
+    separate = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="reference", log_figure=False)
+    pairs = _Pairs(ride, separate)
+    _fit([ride, separate, pairs], steps=2, seed=1)
+    for r, s in pairs.rows:
+        assert r.readings == "projected" and r.gram is None and all(math.isnan(x) for x in r.norm_share)
+        assert s.engine == "reference"
+        if s.ok:
+            for a, b in zip(r.projected_share, s.projected_share):
+                assert a == pytest.approx(b, abs=1e-5)
+    assert ride.last_values["credit/readings/projected"] == 1.0
