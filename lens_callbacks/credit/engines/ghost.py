@@ -347,7 +347,7 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
 
 def _sq(x: torch.Tensor) -> float:
     """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
-    return float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2
+    return float(torch.sum(x.double() ** 2))
 
 
 class _Accum:
