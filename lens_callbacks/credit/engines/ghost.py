@@ -830,6 +830,8 @@ class RideAlong:
         if missing:
             return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
         g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
+        if keep_grads:
+            g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
         reduced = reduce_pieces(
             self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
         )
