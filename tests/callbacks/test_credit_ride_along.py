@@ -150,3 +150,32 @@ def test_projected_readings_ride_along():
             for a, b in zip(r.projected_share, s.projected_share):
                 assert a == pytest.approx(b, abs=1e-5)
     assert ride.last_values["credit/readings/projected"] == 1.0
+
+
+class _Readings(Callback):
+    def __init__(self, check):
+        self.check, self.seen = check, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(self.check.last_reading)
+
+
+def test_ride_along_parts_hold_against_real_sgd_steps():
+    from lens_callbacks.callbacks import ConservationCheckCallback
+    from lens_callbacks.credit.conservation import ConservationReading
+
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    check = ConservationCheckCallback(log_figure=False)
+    rec = _Readings(check)
+    pl.seed_everything(2, verbose=False)
+    m = GRPOModule(**{**SMALL, "dropout": 0.0}, optimizer="sgd", lr=0.5, dtype="float64")
+    pl.Trainer(
+        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ride, check, rec],
+    ).fit(m, AdditionDataModule(batch_size=2, data_seed=2))
+    assert ride.n_ride_along == 6 and ride.keep_grads
+    made = [r for r in rec.seen if isinstance(r, ConservationReading)]
+    assert len(rec.seen) == 6 and len(made) >= 2  # the rest: equal rewards, a zero gradient (refused)
+    for r in made:
+        assert r.source == "credit_parts"
+        assert r.relative_error <= 1e-8  # Σ_S g_S from the captured pieces against θ_before − θ_after over η
