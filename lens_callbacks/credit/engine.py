@@ -235,6 +235,7 @@ def disintegrate(
         raise ValueError(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
+    _check_engine(engine, readings)
     if engine != "reference":
         fast = _dispatch(
             module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
@@ -338,10 +339,9 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
     import dataclasses
 
-    from .engines import check_engine, choose_engine, get_engine
+    from .engines import choose_engine, get_engine
     from .engines.ghost import NotRowSeparable, RowInteraction
 
-    check_engine(engine, readings)
     if keep_parts and engine != "auto":
         raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
     name = "reference" if keep_parts else (choose_engine(spec, readings) if engine == "auto" else engine)
@@ -364,6 +364,12 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
         )
         return dataclasses.replace(report, engine="jvp", readings=readings)
     return None
+
+
+def _check_engine(engine: str, readings: str) -> None:
+    from .engines import check_engine
+
+    check_engine(engine, readings)
 
 
 def _engines_available() -> tuple[str, ...]:
