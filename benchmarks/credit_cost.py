@@ -1,17 +1,26 @@
-"""Cost of the credit audit on the GRPO example policy: audited step / plain step, and peak extra memory.
+"""Cost of the credit audit, every engine side by side with its peers: audit / plain step, and peak memory.
 
-For ``m`` = 8, 32, 64 rollouts (``by_rollout``: one part per rollout, ``G = 8`` per prompt) it times, in
-one process and interleaved so that machine load hits both alike:
+Policies (built offline, random weights, float32): a transformers GPT-2 (2 layers, width 128, tied
+embeddings, eager attention) and a Llama-style LlamaForCausalLM (2 layers, width 128, RMSNorm,
+rotary). One rollout per row, ``T = 48`` positions (8 prompt + 40 trained), ``m`` rows = ``m`` parts
+(``by_rollout``), random advantages. For ``m`` = 8, 32, 64 it times, in one process and interleaved
+so that machine load hits every candidate alike:
 
-- the plain training step on a fixed rollout batch (forward, backward, Adam step), and the whole
-  example step (sampling the rollouts + the training step);
-- the audit: :func:`disintegrate` with ``reference_grads="grad"`` (one forward, ``m + 1`` backward passes).
+- the plain training step (forward, backward, Adam step);
+- ``reference``: :func:`disintegrate` with ``engine="reference"`` (one forward, ``m + 1`` backward passes);
+- ``ghost``: ``engine="ghost"``, a separate pass (one forward, one backward, per-layer reductions);
+- ``ride``: the training step with the ghost hooks riding on it (:class:`RideAlong`), reported as
+  (audited step − plain step) / plain step;
+- ``vmap``: torch.func ``vmap(grad)`` per-row gradients, then the same readings (dots with g_full,
+  norms, Gram) from the ``m × |θ|`` matrix;
+- ``opacus``: Opacus ``GradSampleModule`` per-sample gradients (its functorch path covers GPT-2's
+  ``Conv1D``), then the same readings; needs the optional ``bench`` extra.
 
-Reported as ratios of medians. Peak extra memory is read from the profiler's allocation events: the
-largest sum of bytes allocated inside the measured call and still alive, matched by address (so
-frees of older tensors do not offset it); the same number for the plain forward+backward is beside it.
+Every figure is a ratio of medians taken in the same run with ``torch.set_num_threads(1)``. Peak extra
+memory is read from the profiler's allocation events (bytes allocated inside the call and alive at once,
+matched by address), at the largest ``m``.
 
-Usage: ``python benchmarks/credit_cost.py [--repeats 7] [--write docs/performance.md]``
+Usage: ``python benchmarks/credit_cost.py [--repeats 5] [--parts 8 32 64] [--write docs/performance.md]``
 """
 
 from __future__ import annotations
@@ -24,16 +33,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.grpo import GRPOModule  # noqa: E402
-from lens_callbacks.credit import disintegrate  # noqa: E402
+from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate  # noqa: E402
+from lens_callbacks.credit.engines.ghost import RideAlong  # noqa: E402
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
+ENGINES = ("reference", "ghost", "ghost_projected", "ride", "ride_projected", "vmap", "opacus")
+VOCAB, T, PROMPT = 64, 48, 8
 
 
 def peak_alloc_bytes(fn) -> int:
@@ -64,97 +77,339 @@ def peak_alloc_bytes(fn) -> int:
     return peak
 
 
-def measure(m: int, repeats: int, seed: int = 0) -> dict:
-    G = 8
-    torch.manual_seed(seed)
-    module = GRPOModule(group_size=G, dropout=0.1)  # the example's policy: GPT-2, 2 layers, 32 wide
-    module.train()
-    opt = module.configure_optimizers()
-    pairs = torch.randint(0, 10, (m // G, 2))  # [P, 2]
-    rb, _ = module.sample_rollouts(pairs)
-    # An untrained policy often earns equal rewards in a group (zero advantages, zero gradient): fix
-    # non-zero advantages so every configuration audits a real gradient.
-    rb.advantages = torch.randn(rb.batch_size, generator=torch.Generator().manual_seed(seed))  # [B]
-    n_params = sum(p.numel() for p in module.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+def make_model(kind: str, seed: int = 0, positions: int = 64) -> nn.Module:
+    """A random-initialised transformers causal LM of the benchmark's shape (``"gpt2"`` or ``"llama"``)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(
+                vocab_size=VOCAB, n_positions=positions, n_embd=128, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            )
+            cfg._attn_implementation = "eager"
+            return GPT2LMHeadModel(cfg)
+        if kind == "llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(
+                vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+            )
+            cfg._attn_implementation = "eager"
+            return LlamaForCausalLM(cfg)
+    raise ValueError(f"`kind` must be 'gpt2' or 'llama', got {kind!r}.")
+
+
+class Policy(nn.Module):
+    """GRPO terms over a causal LM: ``terms[k, t] = -A_k log π(y_kt) / (n_trained)`` on trained positions."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def logp(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits  # [B, T, V]
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
+        return nn.functional.pad(lp, (1, 0))  # [B, T]
+
+    def credit_terms(self, batch: Any) -> CreditTerms:
+        ids, adv, trained = batch[:3]
+        lp = self.logp(ids)  # [B, T]
+        terms = torch.where(trained, -adv[:, None] * lp / trained.sum(), torch.zeros_like(lp))  # [B, T]
+        segment = batch[3] if len(batch) > 3 else None  # [B, T] turn ids (the episode benchmark)
+        return CreditTerms(terms, trained, torch.arange(ids.shape[0]), torch.arange(ids.shape[0]), segment)
+
+
+def make_batch(m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (m, T), generator=g)  # [m, T]
+    adv = torch.randn(m, generator=g)  # [m]
+    trained = torch.zeros(m, T, dtype=torch.bool)  # [m, T]
+    trained[:, PROMPT:] = True
+    return ids, adv, trained
+
+
+def readings_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dots with g_full and the Gram from an ``[m, |θ|]`` matrix of per-row gradients (what the peers give)."""
+    g_full = rows.sum(0)  # [|θ|]
+    return rows @ g_full, rows @ rows.T  # [m], [m, m]
+
+
+def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int = 0, memory: bool = True) -> dict:
+    policy = Policy(make_model(kind, seed))
+    policy.train()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    batch = make_batch(m, seed)
+    ids, adv, trained = batch
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for _, p in named)
+    param_bytes = sum(p.numel() * p.element_size() for _, p in named)
+    z = trained.sum()
 
     def train_step():
         opt.zero_grad()
-        loss = module.credit_terms(rb).terms.sum()
-        loss.backward()
+        policy.credit_terms(batch).terms.sum().backward()
         opt.step()
 
     def fwd_bwd():
-        module.zero_grad(set_to_none=True)
-        module.credit_terms(rb).terms.sum().backward()
+        policy.zero_grad(set_to_none=True)
+        policy.credit_terms(batch).terms.sum().backward()
 
-    def audit():
-        return disintegrate(module, rb, "by_rollout", reference_grads="grad")
+    def ride_step(readings="all"):
+        ride = RideAlong(policy).start()
+        try:
+            opt.zero_grad()
+            loss = policy.credit_terms(batch).terms.sum()
+            ride.on_loss(loss)
+            loss.backward()
+            out = ride.report(by_rollout, partition_name="by_rollout", readings=readings)
+            opt.step()
+        finally:
+            ride.clear()
+        if not hasattr(out, "projected_share"):
+            raise RuntimeError(f"the ride-along audit fell back: {out}")
+        return out
 
-    def sample():
-        module.sample_rollouts(pairs)
+    def vmap_audit():
+        params = {n: p.detach() for n, p in named}
+
+        def row_loss(p, row_ids, a, tr):
+            logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
+            lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
+            return -(a * lp * tr[1:]).sum() / z
+
+        with torch.random.fork_rng(devices=[]):
+            per = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+        rows = torch.cat([per[n].reshape(m, -1) for n, _ in named], dim=1)  # [m, |θ|]
+        return readings_from_rows(rows)
+
+    gsm = None
+    if "opacus" in engines:
+        try:
+            from opacus import GradSampleModule
+        except ImportError:
+            engines = tuple(e for e in engines if e != "opacus")
+        else:
+            opacus_model = make_model(kind, seed)
+            opacus_model.load_state_dict(policy.model.state_dict())
+            opacus_model.train()
+            gsm = GradSampleModule(opacus_model)  # its hooks live on opacus_model's layers
+            opacus_policy = Policy(opacus_model)
+            opacus_named = [p for p in opacus_model.parameters() if p.requires_grad]
+
+    def opacus_audit():
+        for p in opacus_named:
+            p.grad_sample = None
+            p.grad = None
+        with torch.random.fork_rng(devices=[]):
+            opacus_policy.credit_terms(batch).terms.sum().backward()
+        rows = torch.cat([p.grad_sample.reshape(m, -1) for p in opacus_named], dim=1)  # [m, |θ|]
+        return readings_from_rows(rows)
+
+    audits: dict[str, Callable[[], Any]] = {
+        "reference": lambda: disintegrate(policy, batch, "by_rollout", engine="reference", reference_grads="grad"),
+        "ghost": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", reference_grads="grad"),
+        "ghost_projected": lambda: disintegrate(
+            policy, batch, "by_rollout", engine="ghost", reference_grads="grad", readings="projected"
+        ),
+        "vmap": vmap_audit,
+        "opacus": opacus_audit,
+    }
+    audits = {k: v for k, v in audits.items() if k in engines}
 
     def clock(fn) -> float:
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t
+        return time.perf_counter() - t0
 
-    train_step(), fwd_bwd(), audit(), sample()  # warm-up (allocations, Adam state)
-    t_train, t_audit, t_sample = [], [], []
+    train_step(), fwd_bwd()  # warm-up (allocations, Adam state)
+    for fn in audits.values():
+        fn()
+    rides = {k: (lambda r=("projected" if k == "ride_projected" else "all"): ride_step(r)) for k in ("ride", "ride_projected") if k in engines}
+    for fn in rides.values():
+        fn()
+    t_train: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in list(audits) + list(rides)}
     for _ in range(repeats):
-        t_sample.append(clock(sample))
         t_train.append(clock(train_step))
+        for k, fn in rides.items():
+            times[k].append(clock(fn))
         fwd_bwd()  # .grad of this batch at the current weights, as at on_before_optimizer_step
-        t_audit.append(clock(audit))
+        for k, fn in audits.items():
+            times[k].append(clock(fn))
+    tr = statistics.median(t_train)
+    row: dict[str, Any] = {"kind": kind, "m": m, "B": m, "T": T, "n_params": n_params, "param_bytes": param_bytes}
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        row[f"{k}_over_train"] = (med - tr) / tr if k.startswith("ride") else med / tr
     fwd_bwd()
-    report = audit()
-    mem_audit = peak_alloc_bytes(audit)
-    mem_plain = peak_alloc_bytes(fwd_bwd)
-    tr, au, sa = (statistics.median(x) for x in (t_train, t_audit, t_sample))
-    return {
-        "m": m,
-        "B": rb.batch_size,
-        "T": int(rb.input_ids.shape[1]),
-        "n_trained": report.n_trained,
-        "n_params": n_params,
-        "audit_over_train": au / tr,
-        "audited_over_plain_train": (tr + au) / tr,
-        "audited_over_plain_example": (sa + tr + au) / (sa + tr),
-        "mem_audit": mem_audit,
-        "mem_plain": mem_plain,
-        "param_bytes": param_bytes,
-        "conservation_error": report.conservation_error,
-        "grad_match": report.grad_match,
-    }
+    ghost = disintegrate(policy, batch, "by_rollout", engine="ghost", reference_grads="grad")
+    row["conservation_error"] = ghost.conservation_error
+    row["grad_match"] = ghost.grad_match
+    row["n_trained"] = ghost.n_trained
+    row["audited_over_plain_train"] = 1.0 + row.get("ghost_over_train", float("nan"))
+    if "reference" in audits:
+        ref = audits["reference"]()
+        row["max_share_gap"] = max(abs(a - b) for a, b in zip(ref.projected_share, ghost.projected_share))
+    if not memory:
+        return row
+    row["mem_plain"] = peak_alloc_bytes(fwd_bwd)
+    for k in audits:
+        if k == "ghost_projected":
+            continue
+        fwd_bwd()
+        row[f"mem_{k}"] = peak_alloc_bytes(audits[k])
+    row["mem_audit"] = row.get("mem_ghost", 0)
+    if "ride" in engines:
+        # The ride-along step against the plain training step (both include forward, backward and Adam).
+        def plain():
+            train_step()
+
+        row["mem_ride"] = peak_alloc_bytes(ride_step)
+        row["mem_train"] = peak_alloc_bytes(plain)
+    return row
+
+
+def measure_episode(repeats: int, kind: str = "gpt2", turns: int = 40, turn_len: int = 12, seed: int = 0) -> dict:
+    """One 40-turn episode (one row, ``turns × turn_len`` positions), ``by_segment``: the within-row path.
+
+    The one-pass engine does not apply (every part lies inside the one row); times the reference engine
+    and, where installed, the forward-mode ``jvp`` engine (``readings="projected"``) against a plain step.
+    """
+    from lens_callbacks.credit.engines import available_engines
+
+    L = turns * turn_len
+    policy = Policy(make_model(kind, seed, positions=L))
+    policy.train()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, L), generator=g)  # [1, L]
+    trained = torch.ones(1, L, dtype=torch.bool)  # [1, L]
+    trained[:, 0] = False
+    segment = (torch.arange(L) // turn_len)[None].clone()  # [1, L]
+    segment[~trained] = -1
+    batch = (ids, torch.ones(1), trained, segment)
+
+    def train_step():
+        opt.zero_grad()
+        policy.credit_terms(batch).terms.sum().backward()
+        opt.step()
+
+    audits = {"reference": lambda: disintegrate(policy, batch, "by_segment", engine="reference")}
+    if "jvp" in available_engines():
+        audits["jvp"] = lambda: disintegrate(policy, batch, "by_segment", engine="jvp", readings="projected")
+    train_step()
+    for fn in audits.values():
+        fn()
+    t_train: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in audits}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        train_step()
+        t_train.append(time.perf_counter() - t0)
+        for k, fn in audits.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    tr = statistics.median(t_train)
+    row: dict[str, Any] = {"kind": kind, "turns": turns, "T": L}
+    for k, ts in times.items():
+        row[f"{k}_over_train"] = statistics.median(ts) / tr
+    return row
+
+
+def episode_table(rows: list[dict]) -> str:
+    lines = [
+        "",
+        "Within-row parts: one 40-turn episode (one row, 40 × 12 positions, `by_segment`, 40 parts); audit time /",
+        "step time. The one-pass engine does not apply here (all parts lie in one row); `jvp` is the forward-mode",
+        "engine (`readings=\"projected\"`), shown where installed.",
+        "",
+        "| policy | turns | T | reference | jvp |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        jvp = r.get("jvp_over_train")
+        lines.append(
+            f"| {r['kind']} | {r['turns']} | {r['T']} | {r['reference_over_train']:.2f} | {'not installed' if jvp is None else f'{jvp:.2f}'} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], repeats: int) -> str:
     r0 = rows[0]
     lines = [
-        f"Policy: the GRPO example's GPT-2 (2 layers, width 32, {r0['n_params']:,} parameters, dropout 0.1), float32 audit,",
-        f"`by_rollout`, G = 8 rollouts per prompt; {repeats} interleaved repeats, medians, `torch.set_num_threads(1)`.",
-        "\"train step\" = forward + backward + Adam step on the rollout batch; \"example step\" adds sampling the",
-        "rollouts (what `GRPOModule.training_step` does). Memory: peak bytes allocated inside the call and alive at once,",
-        "also in units of the parameters' bytes.",
+        "Policies: transformers GPT-2 (2 layers, width 128, tied embeddings, eager attention) and Llama-style",
+        "(LlamaForCausalLM, 2 layers, width 128, RMSNorm, rotary), random weights, float32; one rollout per row,",
+        f"T = {T} (40 trained positions per row), `by_rollout` with m parts = m rows; {repeats} interleaved repeats",
+        "in one process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam on the",
+        "same batch. Columns: audit time / step time for a separate pass; for `ride`, the extra time of the",
+        "audited step over the plain step, (audited − plain) / plain. `vmap` = torch.func `vmap(grad)` per-row",
+        "gradients + the same readings; `opacus` = Opacus `GradSampleModule` per-sample gradients + the same",
+        "readings. Every engine makes all readings (projected and norm shares, cancellation, Gram).",
         "",
-        "| m parts | rows × positions | trained | audit / train step | audited / plain train step | audited / plain example step | audit peak extra memory | plain fwd+bwd peak | audit peak / plain peak | conservation_error |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | m | params | reference | ghost | ghost, projected only | ride (extra) | ride, projected only (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def f(r, k):
+        v = r.get(f"{k}_over_train")
+        return "—" if v is None else f"{v:.2f}"
+
     for r in rows:
+        gap = r.get("max_share_gap")
         lines.append(
-            f"| {r['m']} | {r['B']} × {r['T']} | {r['n_trained']} | {r['audit_over_train']:.1f} | "
-            f"{r['audited_over_plain_train']:.1f} | {r['audited_over_plain_example']:.2f} | "
-            f"{r['mem_audit'] / 1024:.0f} KiB ({r['mem_audit'] / r['param_bytes']:.1f} × params) | "
-            f"{r['mem_plain'] / 1024:.0f} KiB ({r['mem_plain'] / r['param_bytes']:.1f} × params) | "
-            f"{r['mem_audit'] / r['mem_plain']:.2f} | {r['conservation_error']:.1e} |"
+            f"| {r['kind']} | {r['m']} | {r['n_params']:,} | {f(r, 'reference')} | {f(r, 'ghost')} | {f(r, 'ghost_projected')} | "
+            f"{f(r, 'ride')} | {f(r, 'ride_projected')} | "
+            f"{f(r, 'vmap')} | {f(r, 'opacus')} | {r['conservation_error']:.1e} | {'—' if gap is None else f'{gap:.1e}'} |"
         )
-    lines += [
-        "",
-        "The reference engine takes one backward pass per part plus one for g_full, so its time grows linearly",
-        "in m. Its memory is one forward's activations (here they grow with m only because the parts are the",
-        "rows of the batch) plus a few parameter-sized buffers, never m of them: the audit's peak stays within",
-        "a small factor of the plain forward+backward's. `every_n_steps` divides the amortised time cost.",
-    ]
+    mem_rows = [r for r in rows if "mem_plain" in r]
+    if mem_rows:
+        lines += [
+            "",
+            "Peak memory allocated inside the call and alive at once, in units of the parameters' bytes (float32):",
+            "",
+            "| policy | m | plain fwd+bwd | reference | ghost | vmap | opacus | plain step | ride-along step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+
+        def mm(r, k):
+            v = r.get(f"mem_{k}")
+            return "—" if v is None else f"{v / r['param_bytes']:.1f}"
+
+        for r in mem_rows:
+            lines.append(
+                f"| {r['kind']} | {r['m']} | {mm(r, 'plain')} | {mm(r, 'reference')} | {mm(r, 'ghost')} | {mm(r, 'vmap')} | "
+                f"{mm(r, 'opacus')} | {mm(r, 'train')} | {mm(r, 'ride')} |"
+            )
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict]) -> str:
+    """The goal (issue: ≤ 1.3× a step as a separate pass, ≤ 0.5× riding along, flat in m) against the rows."""
+
+    def span(key):
+        vals = [r[key] for r in rows if key in r]
+        return (min(vals), max(vals)) if vals else None
+
+    lines = ["", "Against the goal (exact readings for `by_rollout` at m = 8, 32, 64):", ""]
+    for key, goal, label in (
+        ("ghost_over_train", 1.3, "separate pass, all readings (`ghost`)"),
+        ("ghost_projected_over_train", 1.3, "separate pass, projected shares only"),
+        ("ride_over_train", 0.5, "riding on the training step, all readings (extra over the plain step)"),
+        ("ride_projected_over_train", 0.5, "riding on the training step, projected shares only (extra)"),
+    ):
+        sp = span(key)
+        if sp is None:
+            continue
+        met = "meets it" if sp[1] <= goal else ("meets it only in part" if sp[0] <= goal else "falls short")
+        lines.append(f"- {label}: {sp[0]:.2f}–{sp[1]:.2f}× a step against ≤ {goal}× — {met}.")
+    peers = [min(r.get("vmap_over_train", float("inf")), r.get("opacus_over_train", float("inf"))) for r in rows]
+    ghost = [r.get("ghost_over_train", float("inf")) for r in rows]
+    ahead = sum(g < p for g, p in zip(ghost, peers))
+    lines.append(f"- ahead of the fastest peer (vmap or Opacus) as a separate pass in {ahead} of {len(rows)} rows.")
     return "\n".join(lines)
 
 
@@ -173,15 +428,22 @@ def write_section(path: Path, body: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", type=int, nargs="+", default=[8, 32, 64])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--policies", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument("--write", type=Path, default=None, help="markdown file whose credit-audit section is replaced")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    for m in args.parts:
-        if m % 8:
-            ap.error(f"`--parts` must be multiples of 8 (G = 8 rollouts per prompt), got {m!r}.")
-    rows = [measure(m, args.repeats) for m in args.parts]
-    body = table(rows, args.repeats)
+    rows = []
+    for kind in args.policies:
+        for m in args.parts:
+            rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts)))
+            print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+    body = table(rows, args.repeats) + "\n" + verdict(rows)
+    if not args.no_episode:
+        episodes = [measure_episode(args.repeats, kind) for kind in args.policies]
+        body += "\n" + episode_table(episodes)
     print(body)
     if args.write is not None:
         write_section(args.write, body)

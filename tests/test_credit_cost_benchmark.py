@@ -38,11 +38,13 @@ def test_measure_and_section_writer(tmp_path):
     pytest.importorskip("transformers")
     bench = _bench()
     torch.set_num_threads(1)
-    row = bench.measure(8, repeats=1)
+    row = bench.measure(8, repeats=1, engines=("reference", "ghost", "ride"))
     assert row["m"] == 8 and row["B"] == 8 and row["audited_over_plain_train"] > 1.0
-    assert row["conservation_error"] < 1e-5 and row["mem_audit"] > 0
+    assert row["reference_over_train"] > 0 and row["ride_over_train"] > -1.0
+    assert row["conservation_error"] < 1e-5 and row["mem_audit"] > 0 and row["mem_ride"] > 0
+    assert row["max_share_gap"] < 1e-5  # the ghost engine's shares against the reference engine's (float32)
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n\n" + bench.SECTION + "\n\nold\n\n## Other\n\nkept\n")
     bench.write_section(doc, bench.table([row], 1))
     text = doc.read_text()
-    assert "old" not in text and "## Other\n\nkept" in text and "| 8 | 8 × " in text
+    assert "old" not in text and "## Other\n\nkept" in text and "| gpt2 | 8 | " in text

@@ -32,6 +32,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
+from lens_callbacks.credit.engines import check_engine
+from lens_callbacks.credit.engines.ghost import RideAlong
 from lens_callbacks.credit.partition import POSITIONAL_PARTITIONS, resolve_partition
 from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
 from lens_callbacks.credit.report import CreditReport
@@ -42,6 +44,8 @@ from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.refusal import Refusal
 
 __all__ = ["CreditAuditCallback"]
+
+CAPTURES = ("separate", "training_step")
 
 LAST_REPORT_FILE = "credit_last.txt"
 
@@ -87,6 +91,17 @@ class CreditAuditCallback(Callback):
         precision_context: evaluate ``credit_terms`` under ``trainer.precision_plugin.forward_context()``
             (autocast for mixed precision), as ``training_step`` runs; False audits outside it.
 
+        engine: ``"auto"`` (default: the fastest exact engine for the partition), ``"reference"``,
+            ``"ghost"`` (one pass, row partitions) or ``"jvp"``; see :mod:`lens_callbacks.credit.engines`.
+            Logged as ``credit/engine/<name>`` = 1 and in the table.
+        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; cheaper on some engines).
+        capture: ``"separate"`` (default: the audit re-runs ``credit_terms`` in its own pass) or
+            ``"training_step"``: the one-pass engine's hooks ride on the training step's own forward
+            and backward, ``g_full`` is the trainer's ``.grad``, and the audit adds only the per-layer
+            reductions. Where that cannot be checked (the loss is not ``terms.sum()``, gradient
+            accumulation, several processes, manual optimization, a parameter outside the covered
+            layers) the step is audited by the separate pass instead, and a warning says so once.
+
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
     per extra partition, and ``credit/ledger/<book>/<partition>/<part>`` for every stable-name
@@ -121,8 +136,14 @@ class CreditAuditCallback(Callback):
         update_shares: bool = False,
         scope: str = "global",
         precision_context: bool = True,
+        engine: str = "auto",
+        readings: str = "all",
+        capture: str = "separate",
     ) -> None:
         super().__init__()
+        check_engine(engine, readings)  # raises, naming the valid engines and readings
+        if capture not in CAPTURES:
+            raise ValueError(f"`capture` must be one of {list(CAPTURES)}, got {capture!r}.")
         if scope not in ("global", "rank"):
             raise ValueError(f"`scope` must be 'global' or 'rank', got {scope!r}.")
         partition, extra_partitions = _split_partitions(partition, extra_partitions)
@@ -154,6 +175,13 @@ class CreditAuditCallback(Callback):
         self.precision_context = bool(precision_context)
         self._global = False  # set in setup: a multi-rank run read as one global step
         self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
+        self.engine = engine
+        self.reading_set = readings  # which readings the engine makes ("all" | "projected")
+        self.capture = capture
+        self._ride: Optional[RideAlong] = None
+        self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
+        self._ride_warned = False
+        self.n_ride_along = 0
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
@@ -194,6 +222,14 @@ class CreditAuditCallback(Callback):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
+        self._ride_blocked = None
+        if self.capture == "training_step":
+            if trainer.world_size > 1:
+                self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
+            elif trainer.accumulate_grad_batches > 1:
+                self._ride_blocked = "gradient accumulation: `.grad` sums several micro-batches"
+            elif not pl_module.automatic_optimization:
+                self._ride_blocked = "manual optimization: the callback does not see the loss's backward"
         self._setup_distributed(trainer, pl_module)
 
     def _setup_distributed(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -208,11 +244,53 @@ class CreditAuditCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        self._stop_ride()
+        if self.capture == "training_step" and self._ride_blocked is None and trainer.global_step % self.every_n_steps == 0:
+            self._ride = RideAlong(pl_module).start()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._ride is not None:
+            self._ride.on_loss(loss)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._update_before is not None:
             self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
+        self._stop_ride()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_ride()
+
+    def _stop_ride(self) -> None:
+        if self._ride is not None:
+            self._ride.clear()
+            self._ride = None
+
+    def _read(self, trainer: Trainer, pl_module: LightningModule) -> Union[CreditReport, Refusal]:
+        """The ride-along reading when this step rode along and its contract held; else the separate pass."""
+        why = self._ride_blocked if self.capture == "training_step" else None
+        ride, self._ride = self._ride, None
+        if ride is not None:
+            try:
+                got = ride.report(
+                    self._partition_fn if self._partition_fn is not None else resolve_partition(self.partition),
+                    partition_name=self.partition if isinstance(self.partition, str) else "custom",
+                    readings=self.reading_set, keep_grads=self.keep_grads,
+                )
+            except Exception as err:  # a user-data failure must not end the training run
+                got = f"{type(err).__name__}: {err}"
+            finally:
+                ride.clear()
+            if isinstance(got, CreditReport):
+                self.n_ride_along += 1
+                return got
+            why = got
+        if why is not None and not self._ride_warned:
+            self._ride_warned = True
+            warnings.warn(
+                f"credit audit: capture='training_step' falls back to a separate pass ({why}).", RuntimeWarning, stacklevel=2
+            )
+        return self.audit(pl_module, self._batch)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
         step = trainer.global_step
@@ -222,9 +300,10 @@ class CreditAuditCallback(Callback):
 
         self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
         if self._global or self._sharded:
+            self._stop_ride()
             reading = self._audit_distributed(trainer, pl_module, self._batch)
         else:
-            reading = self.audit(pl_module, self._batch)
+            reading = self._read(trainer, pl_module)
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self._drop_recorded()
@@ -297,6 +376,8 @@ class CreditAuditCallback(Callback):
                     reference_grads=self._reference,
                     keep_grads=self.keep_grads,
                     forward_context=self._forward_context(pl_module),
+                    engine=self.engine,
+                    readings=self.reading_set,
                 )
         except Exception as err:  # a user-data failure must not end the training run
             return Refusal(
@@ -361,6 +442,7 @@ class CreditAuditCallback(Callback):
             report.conservation_error, report.grad_match, report.full_grad_norm, report.ok,
         )
         extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0}
+        extra.update(engine_values(report))
         return self._flatten(out, report.part_names, extra=extra)
 
     def _flatten(self, out: dict[str, torch.Tensor], names: tuple[str, ...], extra: Optional[dict] = None, prefix: Optional[str] = None) -> dict[str, float]:
@@ -432,6 +514,9 @@ class CreditAuditCallback(Callback):
         if self.log_figure and self._history and trainer.global_rank == 0:
             log_figure(trainer, f"{self.prefix}heatmap", self._heatmap(), step)
         self._log_reading_views(trainer, step)
+        report = self.last_report
+        if self.log_figure and report is not None and report.gram is not None and trainer.global_rank == 0:
+            log_figure(trainer, f"{self.prefix}interference", interference_figure(report, self.max_logged_parts), step)
 
     def _heatmap(self):
         """Projected share per part (rows) over audited steps (columns), first ``max_logged_parts`` parts."""
@@ -577,3 +662,36 @@ def _split_partitions(partition: Any, extra: Optional[Sequence[str]]) -> tuple[A
             raise ValueError("`partition` must name at least one partition, got an empty list.")
         return partition[0], list(partition[1:]) + extra_list
     return partition, extra_list
+
+def engine_values(report: CreditReport) -> dict[str, float]:
+    """Which engine made the reading and which readings it holds (``engine/<name>`` = 1), and the
+    interference matrix's summary (``interference/min_cosine``, ``mean_cosine``, ``negative_pair_fraction``)."""
+    out = {f"engine/{report.engine}": 1.0, f"readings/{report.readings}": 1.0}
+    for key, v in report.interference_summary().items():
+        out[f"interference/{key}"] = v
+    return out
+
+
+def interference_figure(report: CreditReport, max_parts: int = 64):
+    """The interference matrix (cosine of part gradients) of one report as a matplotlib figure; None without matplotlib."""
+    cos = report.interference()
+    if cos is None:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    k = max(1, min(max_parts, cos.shape[0]))
+    grid = cos[:k, :k].numpy()
+    fig, ax = plt.subplots(figsize=(min(10, 2 + 0.25 * k), min(9, 1.5 + 0.25 * k)))
+    im = ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    names = list(report.part_names[:k])
+    ax.set_xticks(range(k), labels=names, fontsize=5, rotation=90)
+    ax.set_yticks(range(k), labels=names, fontsize=5)
+    ax.set_title(f"interference: cos(g_S, g_S') ({report.engine})")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    return fig

@@ -181,6 +181,8 @@ def disintegrate(
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     params: Optional[Mapping[str, torch.Tensor]] = None,
     forward_context: Optional[Callable[[], Any]] = None,
+    engine: str = "auto",
+    readings: str = "all",
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts, one backward pass per part.
 
@@ -214,6 +216,13 @@ def disintegrate(
             tensors gathered from sharded ones).
         forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
             (e.g. a trainer's autocast), so the audit evaluates the function the step trained.
+        engine: ``"auto"`` (default: ``"ghost"`` for parts that are unions of whole rows, ``"jvp"`` for
+            within-row parts with ``readings="projected"`` where installed, else ``"reference"``),
+            ``"reference"`` (the engine documented here, the oracle), ``"ghost"`` or ``"jvp"``. See
+            :mod:`lens_callbacks.credit.engines`; ``report.engine`` names the one that ran.
+        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; an engine may then skip
+            the norms). The reference engine always makes all readings, and the Gram of the parts
+            (``report.gram``) only with ``keep_parts``.
 
     Returns:
         A :class:`CreditReport`.
@@ -240,6 +249,17 @@ def disintegrate(
         raise ValueError(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
+    _check_engine(engine, readings)
+    if project_onto is not None and engine not in ("auto", "reference"):
+        raise ValueError(f"`project_onto` needs engine='reference' (or 'auto'), got engine={engine!r}.")
+    if engine != "reference" and project_onto is None:
+        fast = _dispatch(
+            module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
+            reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
+            preserve_rng=preserve_rng, params=params, forward_context=forward_context,
+        )
+        if fast is not None:
+            return fast
     with _preserved_rng(module, preserve_rng):
         with (forward_context() if forward_context is not None else contextlib.nullcontext()):
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
@@ -330,6 +350,9 @@ def disintegrate(
         partition=_partition_name(partition),
         reason=reason,
         grads=grads,
+        engine="reference",
+        readings="all",
+        gram=_gram(kept) if keep_parts else None,
     )
 
 
@@ -351,6 +374,61 @@ def _onto(leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.
         else:
             out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
     return out
+def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
+    """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
+    return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
+
+
+def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None):
+    """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine.
+
+    ``params`` and ``forward_context`` reach the one-pass engine; the forward-mode engine takes neither,
+    so with either set ``"auto"`` reads within-row parts with the reference engine.
+    """
+    import dataclasses
+
+    from .engines import choose_engine, get_engine
+    from .engines.ghost import NotRowSeparable, RowInteraction
+
+    if keep_parts and engine != "auto":
+        raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
+    name = "reference" if keep_parts else (choose_engine(spec, readings) if engine == "auto" else engine)
+    if name == "ghost":
+        try:
+            return get_engine("ghost")(
+                module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
+                keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
+                params=params, forward_context=forward_context,
+            )
+        except (NotRowSeparable, RowInteraction) as err:
+            if engine != "auto":
+                raise
+            # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
+            within = isinstance(err, NotRowSeparable) and readings == "projected"
+            name = "jvp" if within and "jvp" in _engines_available() else "reference"
+    if name == "jvp" and (params is not None or forward_context is not None):
+        if engine != "auto":
+            raise ValueError("engine='jvp' takes neither `params` nor `forward_context`; use engine='reference' or 'auto'.")
+        return None
+    if name == "jvp":
+        report = get_engine("jvp")(
+            module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
+            preserve_rng=preserve_rng, readings=readings,
+        )
+        return dataclasses.replace(report, engine="jvp", readings=readings)
+    return None
+
+
+def _check_engine(engine: str, readings: str) -> None:
+    from .engines import check_engine
+
+    check_engine(engine, readings)
+
+
+def _engines_available() -> tuple[str, ...]:
+    from .engines import available_engines
+
+    return available_engines()
 
 
 def _reference(

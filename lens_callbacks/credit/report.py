@@ -65,6 +65,40 @@ class CreditReport:
     partition: str = ""
     reason: Optional[str] = None
     grads: Optional[CreditGrads] = field(default=None, repr=False, compare=False)
+    engine: str = "reference"
+    readings: str = "all"
+    gram: Optional[tuple[tuple[float, ...], ...]] = field(default=None, repr=False)
+    coverage: Optional[tuple[tuple[str, int], ...]] = None
+
+    def interference(self) -> Optional[torch.Tensor]:
+        """The interference matrix: ``cos(g_S, g_S') = <g_S, g_S'> / (‖g_S‖ ‖g_S'‖)``, ``[m, m]`` float64.
+
+        Negative entries are pairs of parts that pull against each other; None when the engine made no
+        Gram (``readings="projected"``, or the reference engine without ``keep_parts``). A part with a
+        zero gradient has NaN cosines.
+        """
+        if self.gram is None:
+            return None
+        g = torch.tensor(self.gram, dtype=torch.float64)  # [m, m]
+        n = g.diagonal().clamp(min=0).sqrt()  # [m]
+        return g / (n[:, None] * n[None, :])
+
+    def interference_summary(self) -> dict[str, float]:
+        """Scalars of the interference matrix: the most negative off-diagonal cosine, the mean one, and the
+        fraction of part pairs that pull against each other (negative cosine)."""
+        c = self.interference()
+        if c is None or c.shape[0] < 2:
+            return {}
+        m = c.shape[0]
+        off = c[~torch.eye(m, dtype=torch.bool)]  # [m * (m - 1)]
+        off = off[torch.isfinite(off)]
+        if off.numel() == 0:
+            return {}
+        return {
+            "min_cosine": float(off.min()),
+            "mean_cosine": float(off.mean()),
+            "negative_pair_fraction": float((off < 0).double().mean()),
+        }
 
     @property
     def n_parts(self) -> int:
@@ -101,6 +135,10 @@ class CreditReport:
         }
         if self.grad_match is not None:
             out[f"{prefix}grad_match"] = float(self.grad_match)
+        out[f"{prefix}engine/{self.engine}"] = 1.0
+        out[f"{prefix}readings/{self.readings}"] = 1.0
+        for key, v in self.interference_summary().items():
+            out[f"{prefix}interference/{key}"] = v
         k = self.n_parts if max_parts is None else min(max_parts, self.n_parts)
         for i in range(k):
             name = self.part_names[i]
@@ -129,4 +167,20 @@ class CreditReport:
             lines.append(f"grad_match {self.grad_match:.3e} (g_full vs the trainer's .grad)")
         if self.reason:
             lines.append(f"UNDEFINED: {self.reason}")
+        lines.append(self._engine_line())
         return "\n".join(lines)
+
+    def _engine_line(self) -> str:
+        held = "projected shares only (norms NaN)" if self.readings == "projected" else "projected and norm shares, cancellation"
+        if self.gram is not None:
+            held += ", interference matrix"
+        line = f"engine {self.engine}: {held}"
+        if self.coverage:
+            line += "; parameters covered: " + ", ".join(f"{k} {v:,}" for k, v in self.coverage)
+        summary = self.interference_summary()
+        if summary:
+            line += (
+                f"\ninterference: min cos {summary['min_cosine']:.3f}, mean cos {summary['mean_cosine']:.3f}, "
+                f"{100 * summary['negative_pair_fraction']:.1f}% of part pairs pull against each other"
+            )
+        return line

@@ -1,0 +1,857 @@
+r"""The one-pass engine for row-separable partitions: one forward, one backward, per-layer pieces.
+
+Rows of a causal-LM batch do not interact, so when every part is a union of whole rows
+(``by_rollout``, ``by_group``) a part's gradient is the sum of its rows' gradients, and each layer's
+share of it is a function of what the layer saw in the forward (its input ``A``) and what flowed back
+into its output (``B``) on those rows:
+
+- ``nn.Linear``: ``g_S(W) = Σ_{k∈S} B_kᵀ A_k``, bias ``Σ_{k∈S} Σ_t B_kt``;
+- transformers' ``Conv1D``: ``g_S(W) = Σ_{k∈S} A_kᵀ B_k``;
+- ``nn.Embedding``: ``g_S(E)[v] = Σ_{(k,t)∈S, id_kt = v} B_kt`` (``padding_idx`` rows stay zero);
+- ``nn.LayerNorm`` / RMSNorm variants: ``g_S(w) = Σ_{k∈S} Σ_t B_kt ∘ x̂_kt``, bias ``Σ B_kt``, with ``x̂``
+  the layer's own normalised input (recomputed by the layer's own arithmetic with the weight set to one).
+
+A parameter used by several layers (GPT-2's ``wte`` is also the LM head) gets the SUM of its uses' pieces,
+so the cross terms of a tied weight are exact. Each parameter's per-part pieces are assembled one
+parameter at a time, in chunks of parts under a memory budget, and reduced at once to ``<g_S, g_full>``,
+the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists.
+
+Every trainable parameter is covered exactly. A parameter is handled by the hooks only when the number
+of its uses the hooks saw equals the number of edges into it in the autograd graph of the loss; any
+other parameter (a bare ``nn.Parameter`` in a custom op, a layer with no rule) is the fallback: one
+``torch.autograd.grad`` per part for those parameters only. ``report.coverage`` counts what each path
+covered. ``g_full`` comes from the single backward by autograd; ``conservation_error`` compares the
+parts' sum, assembled from the pieces (another arithmetic path), with it.
+
+Contract: no module may mix rows. Batch-norm layers in training mode are detected and refused; a
+cross-row term in the loss is not detectable from the graph's shape (``Σ_S g_S`` still equals
+``g_full``), which is why ``verify_part`` exists: it re-derives one part by its own masked backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..partition import Partition, PartitionFn, resolve_partition
+from ..report import CreditGrads, CreditReport
+from ..terms import CreditTerms
+
+__all__ = [
+    "disintegrate_ghost",
+    "RowCapture",
+    "NotRowSeparable",
+    "RowInteraction",
+    "row_parts",
+    "row_interacting_modules",
+    "rule_for",
+]
+
+# Elements of one chunk of per-part pieces when no budget is given: at least 16 Mi elements, and never
+# less than the parameter count (so a real policy gets one parameter-sized buffer per chunk).
+_MIN_BUDGET = 1 << 24
+
+
+class NotRowSeparable(ValueError):
+    """The partition splits a row, so parts are not unions of rows."""
+
+
+class RowInteraction(ValueError):
+    """A module mixes rows of the batch, so a row's gradient is not its own."""
+
+
+# ---- the rules -------------------------------------------------------------------------------------
+
+
+def _forward_is(mod: nn.Module, cls: type) -> bool:
+    return isinstance(mod, cls) and type(mod).forward is cls.forward
+
+
+def rule_for(mod: nn.Module) -> Optional[str]:
+    """The rule that covers ``mod``'s own parameters, or None (its parameters go to the fallback)."""
+    if _forward_is(mod, nn.Linear):
+        return "linear"
+    if _forward_is(mod, nn.Embedding):
+        if mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse:
+            return "embedding"
+        return None
+    if _forward_is(mod, nn.LayerNorm):
+        if mod.elementwise_affine and len(mod.normalized_shape) == 1:
+            return "layernorm"
+        return None
+    rms = getattr(nn, "RMSNorm", None)
+    if rms is not None and _forward_is(mod, rms):
+        if mod.weight is not None and len(mod.normalized_shape) == 1:
+            return "rmsnorm"
+        return None
+    name = type(mod).__name__
+    if name == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+        return "conv1d"
+    w = getattr(mod, "weight", None)
+    # transformers' Llama/Qwen2/Mistral/T5 RMSNorm: `weight * normed(x)`. Gemma's `(1 + weight) * …` is not.
+    if name.endswith("RMSNorm") and "Gemma" not in name and isinstance(w, torch.Tensor) and w.dim() == 1:
+        if getattr(mod, "bias", None) is None:
+            return "rmsnorm"
+    return None
+
+
+def row_interacting_modules(module: nn.Module) -> list[str]:
+    """Names of submodules that mix rows of the batch in the current mode (batch-norm in training mode)."""
+    out = []
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and (mod.training or not mod.track_running_stats):
+            out.append(name or type(mod).__name__)
+    return out
+
+
+class _Use:
+    """One call of a covered layer: its parameters, its input, and the gradient at its output."""
+
+    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed")
+
+    def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
+        self.rule = rule
+        self.module = module
+        self.weight = weight
+        self.bias = bias
+        self.a = a
+        self.xhat: Optional[torch.Tensor] = None
+        self.b: Optional[torch.Tensor] = None
+        self.sealed = False
+
+    def grad_hook(self, g: torch.Tensor) -> None:
+        # Later backward passes over the same graph (the fallback's, a check's) must not add to B.
+        if self.sealed:
+            return None
+        # Accumulate: a tensor hook fires once per backward, but be exact if it ever fires twice.
+        g = g.detach()
+        self.b = g if self.b is None else self.b + g
+        return None
+
+
+class RowCapture:
+    """Forward hooks on every covered layer of ``root``; each call records a :class:`_Use`.
+
+    The forward hook saves the layer's input (detached: the same storage autograd keeps anyway) and
+    registers a hook on the layer's output that saves the gradient flowing into it. Hooks change no
+    value and no gradient; only a position embedding called with one row for the whole batch is
+    expanded to the batch (same values, same reduction in backward) so each row's gradient can be seen.
+    Capture happens only while ``active`` is true and only for outputs that require grad.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.uses: list[_Use] = []
+        self.handles: list[Any] = []
+        self.active = False
+        self.batch = 0
+        self._inner = False
+
+    def install(self) -> "RowCapture":
+        for mod in self.root.modules():
+            rule = rule_for(mod)
+            if rule is not None:
+                self.handles.append(mod.register_forward_hook(self._make_hook(rule)))
+        return self
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.active = False
+
+    def clear(self) -> None:
+        self.uses = []
+        self.batch = 0
+
+    def __enter__(self) -> "RowCapture":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def _make_hook(self, rule: str) -> Callable[..., Any]:
+        def hook(mod: nn.Module, inputs: tuple, out: Any) -> Any:
+            if not self.active or self._inner or not inputs:
+                return None
+            x = inputs[0]
+            if not isinstance(out, torch.Tensor) or not out.requires_grad or not isinstance(x, torch.Tensor):
+                return None
+            if out.dim() < 2 or x.dim() < 1:
+                return None
+            w = getattr(mod, "weight", None)
+            b = getattr(mod, "bias", None)
+            b = b if isinstance(b, torch.Tensor) else None
+            lead = int(out.shape[0])
+            if lead > 1 and self.batch == 0:
+                self.batch = lead
+            if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
+                return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
+            ret = None
+            if rule == "embedding" and lead == 1 and self.batch > 1:
+                # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
+                # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
+                out = out.expand(self.batch, *out.shape[1:])
+                x = x.expand(self.batch, *x.shape[1:])
+                ret = out
+            use = _Use(rule, mod, w, b, x.detach())
+            if rule in ("layernorm", "rmsnorm"):
+                use.xhat = self._normalised(mod, rule, x)
+            out.register_hook(use.grad_hook)
+            self.uses.append(use)
+            return ret
+
+        return hook
+
+    def _normalised(self, mod: nn.Module, rule: str, x: torch.Tensor) -> torch.Tensor:
+        """``x̂`` by the layer's own forward with weight one and bias zero: the same arithmetic as training."""
+        if rule == "layernorm":
+            with torch.no_grad():
+                return torch.nn.functional.layer_norm(x.detach(), mod.normalized_shape, None, None, mod.eps)
+        if type(mod) is getattr(nn, "RMSNorm", None):
+            with torch.no_grad():
+                return torch.nn.functional.rms_norm(x.detach(), mod.normalized_shape, None, mod.eps)
+        self._inner = True
+        try:
+            with torch.no_grad():
+                state = {"weight": torch.ones_like(mod.weight)}
+                if isinstance(getattr(mod, "bias", None), torch.Tensor):
+                    state["bias"] = torch.zeros_like(mod.bias)
+                return torch.func.functional_call(mod, state, (x.detach(),)).detach()
+        finally:
+            self._inner = False
+
+
+def row_parts(part: Partition) -> Optional[torch.Tensor]:
+    """``[B]`` part id of each row (``-1``: no trained position), or None when a row spans two parts."""
+    ids = part.ids  # [B, T]
+    B = ids.shape[0]
+    if ids.numel() == 0:
+        return torch.full((B,), -1, dtype=torch.long, device=ids.device)
+    hi = ids.max(dim=1).values  # [B]
+    big = torch.full_like(ids, int(hi.max()) + 1)
+    lo = torch.where(ids >= 0, ids, big).min(dim=1).values  # [B]
+    if not bool(((hi < 0) | (lo == hi)).all()):
+        return None
+    return hi
+
+
+# ---- per-part pieces of one parameter --------------------------------------------------------------
+
+
+def _rows(t: torch.Tensor, B: int) -> torch.Tensor:
+    return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
+
+
+def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
+    """Rows ``sel`` of ``t`` seen as ``[B, n, d]``; no copy when every row is selected."""
+    r = _rows(t, B)
+    return r if sel.numel() == B else r[sel]
+
+
+def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Optional[torch.Tensor]:
+    """This use's contribution to ``param`` for the ``c`` parts of the chunk (``rp``: chunk-local part per row)."""
+    a, g = use.a, use.b
+    if g is None:
+        return None
+    B = rp.shape[0]
+    sel = (rp >= 0).nonzero().squeeze(1)  # rows in the chunk
+    dst = rp[sel]  # [r]
+    is_w = param is use.weight
+    if use.rule in ("linear", "conv1d") and is_w and sel.numel() == c and bool((dst == torch.arange(c, device=dst.device)).all()):
+        # One row per part, in order (by_rollout): the per-row product is the piece itself.
+        G = _take(g, sel, B)  # [c, n, out]
+        A = _take(a, sel, B).to(g.dtype)  # [c, n, in]
+        return torch.bmm(G.transpose(1, 2), A) if use.rule == "linear" else torch.bmm(A.transpose(1, 2), G)
+    out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
+    if sel.numel() == 0:
+        return out
+    if use.rule == "linear":
+        G = _take(g, sel, B)  # [r, n, out]
+        if is_w:
+            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
+            out.index_add_(0, dst, torch.bmm(G.transpose(1, 2), A))  # [r, out, in]
+        else:
+            out.index_add_(0, dst, G.sum(1))  # [r, out]
+    elif use.rule == "conv1d":
+        G = _take(g, sel, B)  # [r, n, out]
+        if is_w:
+            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
+            out.index_add_(0, dst, torch.bmm(A.transpose(1, 2), G))  # [r, in, out]
+        else:
+            out.index_add_(0, dst, G.sum(1))  # [r, out]
+    elif use.rule == "embedding":
+        G = _take(g, sel, B)  # [r, n, d]
+        ids = a.reshape(B, -1)
+        ids = ids if sel.numel() == B else ids[sel]  # [r, n]
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        pad = use.module.padding_idx
+        if pad is not None:
+            keep = ids != pad  # the padding row gets no gradient, as in F.embedding's backward
+        part_of = dst[:, None].expand_as(ids)  # [r, n]
+        out.index_put_((part_of[keep], ids[keep]), G[keep], accumulate=True)
+    elif use.rule in ("layernorm", "rmsnorm"):
+        G = _take(g, sel, B)  # [r, n, d]
+        if is_w:
+            X = _take(use.xhat, sel, B).to(g.dtype)  # [r, n, d]
+            out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
+        else:
+            out.index_add_(0, dst, G.sum(1))  # [r, d]
+    else:  # pragma: no cover - rule_for names every rule handled here
+        raise ValueError(f"no per-part rule for {use.rule!r}")
+    return out
+
+
+def _leaf_edges(root: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[int, int]:
+    """Number of graph edges into each leaf's AccumulateGrad node, reachable from ``root``."""
+    want = {id(x) for x in leaves}
+    count: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root.grad_fn] if root.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                if id(var) in want:
+                    count[id(var)] = count.get(id(var), 0) + 1
+                continue
+            stack.append(nxt)
+    return count
+
+
+def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[int]]:
+    """Consecutive parts packed so that a chunk's per-row pieces hold at most ``budget`` elements."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    load = 0
+    for i, r in enumerate(rows_per_part):
+        need = max(1, r) * numel
+        if cur and load + need > budget:
+            out.append(cur)
+            cur, load = [], 0
+        cur.append(i)
+        load += need
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _sq(x: torch.Tensor) -> float:
+    """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
+    return float(torch.sum(x.double() ** 2))
+
+
+class _Accum:
+    """Per-part readings accumulated parameter by parameter (float64)."""
+
+    def __init__(self, m: int, gram: bool, device: torch.device) -> None:
+        self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
+        self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if gram else None  # [m, m]
+        self.diff_sq = 0.0
+
+    def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
+        gf = g_full.reshape(-1)  # [n]
+        if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
+            P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
+            self.dots += (P @ gf.to(P.dtype)).double()
+            if self.gram is not None:
+                self.gram += (P @ P.T).double()
+            total = P.sum(0)
+            self.diff_sq += _sq(total - gf.to(total.dtype))
+            return total.view_as(g_full) if keep_sum else None
+        total = torch.zeros_like(gf)
+        for i, ci in enumerate(chunks):
+            P = pieces(ci).reshape(len(ci), -1)  # [c, n]
+            idx = torch.tensor(ci, device=self.dots.device)
+            self.dots[idx] += (P @ gf.to(P.dtype)).double()
+            total += P.sum(0).to(total.dtype)
+            if self.gram is not None:
+                self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
+                for cj in chunks[i + 1 :]:
+                    Q = pieces(cj).reshape(len(cj), -1)  # [c', n]
+                    jdx = torch.tensor(cj, device=self.dots.device)
+                    block = (P @ Q.T).double()  # [c, c']
+                    self.gram[idx[:, None], jdx[None, :]] += block
+                    self.gram[jdx[:, None], idx[None, :]] += block.T
+            del P
+        self.diff_sq += _sq(total - gf.to(total.dtype))
+        return total.view_as(g_full) if keep_sum else None
+
+
+# ---- the engine ------------------------------------------------------------------------------------
+
+
+def disintegrate_ghost(
+    module: nn.Module,
+    batch: Any,
+    partition: Union[str, PartitionFn, Partition] = "by_rollout",
+    *,
+    dtype: Any = "float32",
+    reference_grads: Any = None,
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    keep_grads: bool = False,
+    preserve_rng: bool = True,
+    readings: str = "all",
+    memory_budget: Optional[int] = None,
+    verify_part: bool = False,
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+    forward_context: Optional[Callable[[], Any]] = None,
+) -> CreditReport:
+    r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
+
+    Args:
+        module: an ``nn.Module`` implementing ``credit_terms(batch) -> CreditTerms``.
+        batch: what ``credit_terms`` takes.
+        partition: a partition whose parts are unions of whole rows (``"by_rollout"``, ``"by_group"``, …).
+        dtype: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"native"``.
+        reference_grads: as in :func:`~lens_callbacks.credit.disintegrate` (gives ``grad_match``).
+        terms_fn: use this instead of ``module.credit_terms``.
+        keep_grads: attach ``g_full`` and ``Σ_S g_S`` (assembled from the pieces) to ``report.grads``.
+        preserve_rng: run under ``torch.random.fork_rng``.
+        readings: ``"all"`` (shares, norms, cancellation and the interference matrix ``report.gram``) or
+            ``"projected"`` (projected shares only: no Gram is formed; norms are NaN).
+        memory_budget: elements one chunk of per-part pieces may hold (default ``max(|θ|, 16 Mi)``).
+        verify_part: also take the largest part's gradient by its own masked backward and check the
+            engine's ``<g_S, g_full>`` and ``‖g_S‖`` against it: catches a loss that mixes rows.
+        params: name → tensor to evaluate the terms at instead of the live parameters.
+        forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
+            (e.g. a trainer's autocast).
+
+    Returns:
+        A :class:`CreditReport` with ``engine="ghost"``.
+
+    Raises:
+        NotRowSeparable: the partition splits a row (use ``engine="reference"`` or ``"jvp"``).
+        RowInteraction: a module mixes rows (batch-norm in training mode), or ``verify_part`` failed.
+    """
+    from ..engine import _diff_norm, _partition_name, _preserved_rng, _reference, evaluate_terms
+
+    if readings not in ("all", "projected"):
+        raise ValueError(f"`readings` must be one of ['all', 'projected'], got {readings!r}.")
+    mixing = row_interacting_modules(module)
+    if mixing:
+        raise RowInteraction(
+            f"modules {mixing[:5]!r} mix rows of the batch (batch-norm in training mode), so a row's gradient is "
+            "not its own: the one-pass engine would be wrong. Use engine='reference', or put them in eval mode."
+        )
+    spec = resolve_partition(partition)
+    cap = RowCapture(module)
+    with _preserved_rng(module, preserve_rng):
+        cap.install()
+        cap.active = True
+        try:
+            with (forward_context() if forward_context is not None else contextlib.nullcontext()):
+                terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
+        finally:
+            cap.remove()
+        part = spec if isinstance(spec, Partition) else spec(terms)
+        if not isinstance(part, Partition):
+            raise TypeError(
+                f"`partition` callable must return a Partition, got {type(part).__name__}; return "
+                "Partition(ids, names) or Partition.from_masks(masks, names)."
+            )
+        part.check_covers(terms.trained)
+        ids = part.ids.to(terms.terms.device)  # [B, T]
+        rp = row_parts(Partition(ids, part.names))
+        if rp is None:
+            raise NotRowSeparable(
+                f"`partition` ({_partition_name(partition)}) puts positions of one row in different parts; the "
+                "one-pass engine needs parts that are unions of whole rows. Use engine='reference' (or 'jvp')."
+            )
+        m = part.n_parts
+        B = int(terms.terms.shape[0])
+        with torch.enable_grad():
+            loss = terms.terms.sum()
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
+    grad_match = None
+    g_full = reduced[0]
+    if reference_grads is not None:
+        ref = _reference(module, names, reference_grads)
+        if ref is not None:
+            full_norm = math.sqrt(math.fsum(_sq(g) for g in g_full))
+            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+    return build_report(
+        reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
+        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads,
+    )
+
+
+def build_report(
+    reduced: tuple, names: Sequence[str], part_names: Sequence[str], readings: str, *, grad_match: Optional[float],
+    dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
+) -> CreditReport:
+    """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
+    g_full, total_list, dots, gram, diff_sq, coverage = reduced
+    m = len(part_names)
+    full_sq = math.fsum(_sq(g) for g in g_full)
+    full_norm = math.sqrt(full_sq)
+    reason = None
+    if not math.isfinite(full_sq):
+        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
+    elif full_sq == 0.0:
+        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    dots_l = [float(d) for d in dots.tolist()]
+    if gram is not None:
+        sq = [max(float(gram[i, i]), 0.0) for i in range(m)]
+        part_norm = tuple(math.sqrt(s) for s in sq)
+        norm_total = math.fsum(part_norm)
+        norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
+    else:
+        part_norm = tuple(float("nan") for _ in range(m))
+        norm_total = float("nan")
+        norm_share = part_norm
+    if reason is None:
+        projected = tuple(d / full_sq for d in dots_l)
+        conservation = math.sqrt(diff_sq) / full_norm
+        cancellation = norm_total / full_norm
+    else:
+        projected = tuple(float("nan") for _ in dots_l)
+        conservation = float("nan") if not math.isfinite(full_sq) else math.sqrt(diff_sq)
+        cancellation = float("nan")
+    grads = None
+    if keep_grads:
+        grads = CreditGrads(tuple(names), [g.detach() for g in g_full], [t.detach() for t in total_list])
+    return CreditReport(
+        part_names=tuple(part_names),
+        projected_share=projected,
+        norm_share=norm_share,
+        part_norm=part_norm,
+        cancellation=cancellation,
+        conservation_error=conservation,
+        grad_match=grad_match,
+        dtype=dtype,
+        n_trained=n_trained,
+        full_grad_norm=full_norm,
+        loss=loss,
+        partition=partition,
+        reason=reason,
+        grads=grads,
+        engine=engine,
+        readings=readings,
+        gram=None if gram is None else tuple(tuple(float(v) for v in row) for row in gram.tolist()),
+        coverage=coverage,
+    )
+
+
+def _run(
+    cap: RowCapture,
+    terms: CreditTerms,
+    names: Sequence[str],
+    leaves: Sequence[torch.Tensor],
+    loss: torch.Tensor,
+    rp: torch.Tensor,
+    ids: torch.Tensor,
+    m: int,
+    B: int,
+    readings: str,
+    keep_grads: bool,
+    memory_budget: Optional[int],
+    verify_part: bool,
+):
+    by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
+    fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
+    if loss.requires_grad:
+        gs = torch.autograd.grad(loss, list(leaves), retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        g_full = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
+    else:
+        g_full = [torch.zeros_like(x) for x in leaves]
+    seal(cap.uses)
+    fb = None
+    if fallback and loss.requires_grad:
+        fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
+    return reduce_pieces(
+        cap.uses, by_leaf, leaves, g_full, rp, m, readings, keep_grads, memory_budget, fallback, fb,
+        verify=(terms, ids) if verify_part else None,
+    )
+
+
+def seal(uses: Iterable[_Use]) -> None:
+    """Freeze every use's output gradient: the backward pass that defines ``B`` is over."""
+    for u in uses:
+        u.sealed = True
+
+
+def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edges: dict[int, int]) -> dict[int, list[_Use]]:
+    """Leaf index → its captured uses, for the leaves the hooks cover completely; the rest fall back."""
+    index = {id(x): i for i, x in enumerate(leaves)}
+    seen: dict[int, list[_Use]] = {}
+    bad: set[int] = set()
+    for u in uses:
+        for t in (u.weight, u.bias):
+            if t is None or id(t) not in index:
+                continue
+            i = index[id(t)]
+            seen.setdefault(i, []).append(u)
+            if u.a.shape[0] != B:
+                bad.add(i)  # the layer saw no per-row leading dimension: rows cannot be told apart
+    out = {}
+    for i, us in seen.items():
+        if i in bad or edges.get(id(leaves[i]), 0) != len(us):
+            continue  # a use the hooks did not see (or a use outside the graph): exact fallback
+        out[i] = us
+    return out
+
+
+def _fallback_parts(terms: CreditTerms, ids: torch.Tensor, fl: list[torch.Tensor], m: int, retain: bool) -> torch.Tensor:
+    """``[m, n_fallback]``: each part's gradient on the fallback parameters, one masked backward per part."""
+    rows = []
+    for i in range(m):
+        li = terms.terms.masked_select(ids == i).sum()
+        if li.requires_grad:
+            gs = torch.autograd.grad(li, fl, retain_graph=retain or i < m - 1, allow_unused=True)
+            gs = [torch.zeros_like(x) if g is None else g for x, g in zip(fl, gs)]
+        else:
+            gs = [torch.zeros_like(x) for x in fl]
+        rows.append(torch.cat([g.reshape(-1) for g in gs]))
+    return torch.stack(rows)  # [m, n_fallback]
+
+
+def reduce_pieces(
+    uses: Sequence[_Use],
+    by_leaf: dict[int, list[_Use]],
+    leaves: Sequence[torch.Tensor],
+    g_full: Sequence[torch.Tensor],
+    rp: torch.Tensor,
+    m: int,
+    readings: str,
+    keep_sum: bool,
+    memory_budget: Optional[int],
+    fallback: Sequence[int],
+    fb: Optional[torch.Tensor],
+    verify: Optional[tuple] = None,
+):
+    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts)."""
+    device = g_full[0].device if g_full else torch.device("cpu")
+    rp = rp.to(device)
+    rows_per_part = torch.bincount(rp[rp >= 0], minlength=m).tolist() if m else []
+    n_total = sum(x.numel() for x in leaves)
+    budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
+    acc = _Accum(m, readings == "all", device)
+    totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
+    coverage: dict[str, int] = {}
+    local_rows: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def rows_of(chunk: list[int]) -> torch.Tensor:
+        """Chunk-local part id of each row (``-1`` outside the chunk), shared by every parameter."""
+        key = tuple(chunk)
+        if key not in local_rows:
+            local = torch.full((m,), -1, dtype=torch.long, device=device)
+            local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
+            local_rows[key] = torch.where(rp >= 0, local[rp.clamp(min=0)], rp)  # [B]
+        return local_rows[key]
+
+    for i, us in by_leaf.items():
+        p = leaves[i]
+
+        def pieces(chunk: list[int], p=p, us=us) -> torch.Tensor:
+            rloc = rows_of(chunk)  # [B]
+            acc_p = None
+            for u in us:
+                piece = _use_pieces(u, p, rloc, len(chunk))
+                if piece is not None:
+                    acc_p = piece if acc_p is None else acc_p + piece
+            if acc_p is None:
+                acc_p = torch.zeros((len(chunk),) + tuple(p.shape), dtype=g_full[i].dtype, device=device)
+            return acc_p
+
+        chunks = _chunks(rows_per_part, p.numel(), max(1, budget // 2))
+        totals[i] = acc.add(pieces, chunks, g_full[i], keep_sum)
+        key = "+".join(sorted({u.rule for u in us}))
+        coverage[key] = coverage.get(key, 0) + p.numel()
+    if fallback:
+        gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
+        n_fb = int(gf.numel())
+        coverage["fallback"] = n_fb
+        if fb is None:
+            fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=device)
+        acc.dots += (fb @ gf.to(fb.dtype)).double()
+        if acc.gram is not None:
+            acc.gram += (fb @ fb.T).double()
+        s = fb.sum(0)
+        acc.diff_sq += float(torch.sum((s.double() - gf.double()) ** 2))
+        if keep_sum:
+            off = 0
+            for i in fallback:
+                n = leaves[i].numel()
+                totals[i] = s[off : off + n].view_as(leaves[i])
+                off += n
+    if verify is not None:
+        _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m)
+    total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep_sum else []
+    return g_full, total_list, acc.dots, acc.gram, acc.diff_sq, tuple(sorted(coverage.items()))
+
+
+def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
+    terms, ids = verify
+    if m == 0:
+        return
+    k = max(range(m), key=lambda i: rows_per_part[i])
+    li = terms.terms.masked_select(ids == k).sum()
+    if not li.requires_grad:
+        return
+    gs = torch.autograd.grad(li, list(leaves), allow_unused=True)
+    gs = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
+    dot = math.fsum(float(torch.sum(a.double() * b.double())) for a, b in zip(gs, g_full))
+    full = math.sqrt(math.fsum(float(torch.sum(b.double() ** 2)) for b in g_full)) or 1.0
+    part = math.sqrt(math.fsum(float(torch.sum(a.double() ** 2)) for a in gs))
+    tol = 1e-4 if leaves and leaves[0].dtype in (torch.float32,) else (1e-10 if leaves and leaves[0].dtype == torch.float64 else 1e-2)
+    err = abs(dot - float(acc.dots[k])) / (part * full or 1.0)
+    if err > tol:
+        raise RowInteraction(
+            f"part {k}'s gradient by its own backward disagrees with the one-pass pieces ({err:.3e} relative): rows "
+            "of this batch interact (a cross-row term in the loss or a module that mixes rows). Use engine='reference'."
+        )
+
+
+# ---- riding on the training step's own forward and backward ----------------------------------------
+
+
+class RideAlong:
+    """The one-pass engine's hooks installed for a training step's own forward and backward.
+
+    ``start()`` installs the layer hooks and wraps the module's ``credit_terms`` so that only its
+    forward is captured (not, e.g., sampling under ``no_grad``); ``on_loss(loss)`` is called with the
+    loss about to be backpropagated; after the backward, ``report(...)`` reads ``g_full`` from the
+    parameters' ``.grad`` and adds only the per-layer reductions. ``stop()`` removes everything; nothing
+    is kept between steps. The step itself is not changed: hooks return no new value or gradient (a
+    broadcast position embedding is expanded to the batch, with the same values and the same backward
+    reduction).
+
+    The contract it checks before it reads anything: ``credit_terms`` ran exactly once with grad, the
+    loss equals ``terms.sum()`` and its gradient with respect to ``terms`` is one everywhere, every
+    trainable parameter is covered by the hooks, the partition keeps rows whole, and the captured pieces
+    add up to ``.grad``. Any failure returns a string naming it (the caller falls back to a separate
+    pass) rather than a reading.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.cap = RowCapture(module)
+        self.calls = 0
+        self.terms: Optional[CreditTerms] = None
+        self.terms_grad_ones: Optional[bool] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.edges: Optional[dict[int, int]] = None
+        self._orig: Any = None
+        self._had_attr = False
+
+    def start(self) -> "RideAlong":
+        self.cap.install()
+        orig = getattr(self.module, "credit_terms")
+        self._orig = orig
+        self._had_attr = "credit_terms" in self.module.__dict__
+
+        def credit_terms(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return orig(*args, **kwargs)
+            self.cap.active = True
+            try:
+                t = orig(*args, **kwargs)
+            finally:
+                self.cap.active = False
+            self.calls += 1
+            self.terms = t
+            if isinstance(t, CreditTerms) and t.terms.requires_grad:
+                t.terms.register_hook(self._terms_grad)
+            return t
+
+        object.__setattr__(self.module, "credit_terms", credit_terms)
+        return self
+
+    def _terms_grad(self, g: torch.Tensor) -> None:
+        ones = bool(torch.all(g == 1))
+        self.terms_grad_ones = ones if self.terms_grad_ones is None else (self.terms_grad_ones and ones)
+        return None
+
+    def on_loss(self, loss: torch.Tensor) -> None:
+        """Called with the loss before its backward: the graph's edges are counted while it exists."""
+        self.loss = loss.detach()
+        leaves = [p for p in self.module.parameters() if p.requires_grad]
+        self.edges = _leaf_edges(loss, leaves) if loss.requires_grad else {}
+
+    def stop(self) -> None:
+        self.cap.remove()
+        if self._orig is not None:
+            if self._had_attr:
+                object.__setattr__(self.module, "credit_terms", self._orig)
+            else:
+                self.module.__dict__.pop("credit_terms", None)
+            self._orig = None
+        seal(self.cap.uses)
+
+    def clear(self) -> None:
+        self.stop()
+        self.cap.clear()
+        self.terms = None
+        self.loss = None
+        self.edges = None
+
+    def report(
+        self,
+        partition_fn: Callable[[CreditTerms], Partition],
+        *,
+        partition_name: str = "",
+        readings: str = "all",
+        memory_budget: Optional[int] = None,
+        keep_grads: bool = False,
+    ) -> Union[CreditReport, str]:
+        """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read."""
+        self.stop()
+        if self.calls != 1 or self.terms is None:
+            return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
+        if self.loss is None or self.edges is None:
+            return "no backward of the training loss was seen in this step (manual optimization, or no loss)."
+        t = self.terms
+        total = t.terms.detach().sum()
+        tol = _tolerance(t.terms.dtype)
+        if self.terms_grad_ones is not True or not bool(
+            torch.isclose(self.loss.to(total.dtype), total, rtol=tol, atol=tol * float(t.terms.detach().abs().sum()))
+        ):
+            return (
+                f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
+                "every term, so the captured gradients are not the terms' gradients."
+            )
+        part = partition_fn(t.detached())
+        part.check_covers(t.trained)
+        ids = part.ids.to(t.terms.device)  # [B, T]
+        rp = row_parts(Partition(ids, part.names))
+        if rp is None:
+            return "the partition puts positions of one row in different parts; riding along needs whole rows."
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [n for n, _ in named]
+        leaves = [p for _, p in named]
+        B = int(t.terms.shape[0])
+        by_leaf = plan_uses(self.cap.uses, leaves, B, self.edges)
+        missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
+        if missing:
+            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+        g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
+        if keep_grads:
+            g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
+        reduced = reduce_pieces(
+            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
+        )
+        full = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+        err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
+        if not err <= 10 * tol:
+            return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
+        used = str(t.terms.dtype).replace("torch.", "")
+        return build_report(
+            reduced, names, part.names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
+            loss=float(self.loss), partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads,
+        )
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)

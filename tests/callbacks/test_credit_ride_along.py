@@ -1,0 +1,181 @@
+"""CreditAuditCallback's engines and ``capture="training_step"`` on the GRPO example.
+
+References: training without any callback (parameters compared bit for bit), and the separate pass of
+the same step made by a second callback (``capture="separate"``) from the same ``.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.callbacks import CreditAuditCallback
+
+SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, dropout=0.1)
+
+
+def _fit(callbacks=(), steps=3, seed=0, module_cls=GRPOModule, logger=False, **kw):
+    pl.seed_everything(seed, verbose=False)
+    m = module_cls(**SMALL)
+    pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+    ).fit(m, AdditionDataModule(batch_size=2, data_seed=seed))
+    return m
+
+
+class _Pairs(Callback):
+    """Runs after both audits at each step: keeps (ride-along report, separate report, .grad snapshot)."""
+
+    def __init__(self, ride, separate):
+        self.ride, self.separate, self.rows = ride, separate, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.rows.append((self.ride.last_report, self.separate.last_report))
+
+
+def test_ride_along_training_is_bitwise_unchanged_over_20_steps():
+    plain = _fit(steps=20, seed=3)
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning: every step rode along
+        audited = _fit([ride], steps=20, seed=3)
+    assert ride.n_audits == 20 and ride.n_ride_along == 20
+    assert ride.last_report.engine == "ghost+training_step"
+    for (n, p), (_, q) in zip(plain.named_parameters(), audited.named_parameters()):
+        assert torch.equal(p, q), n
+    # hooks and the wrapper are gone after the step
+    assert "credit_terms" not in audited.__dict__
+    assert all(len(mod._forward_hooks) == 0 for mod in audited.modules())
+
+
+def test_ride_along_readings_equal_the_separate_pass():
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    # The same partition by its import path: a second callback needs its own state key.
+    separate = CreditAuditCallback(
+        partition="lens_callbacks.credit.partition.by_rollout", engine="ghost", dtype="native", log_figure=False
+    )
+    pairs = _Pairs(ride, separate)
+    _fit([ride, separate, pairs], steps=4, seed=1)
+    compared = 0
+    for r, s in pairs.rows:
+        assert r.engine == "ghost+training_step" and s.engine == "ghost"
+        assert s.grad_match is not None and s.grad_match < 1e-6  # the separate pass's g_full is the step's .grad
+        assert r.conservation_error < 1e-5
+        if not s.ok:
+            assert not r.ok
+            continue
+        compared += 1
+        for a, b in zip(r.projected_share, s.projected_share):
+            assert a == pytest.approx(b, abs=1e-5)
+        for a, b in zip(r.norm_share, s.norm_share):
+            assert a == pytest.approx(b, abs=1e-5)
+        assert r.cancellation == pytest.approx(s.cancellation, rel=1e-5)
+        gr = torch.tensor(r.gram, dtype=torch.float64)
+        gs = torch.tensor(s.gram, dtype=torch.float64)
+        assert float((gr - gs).abs().max()) <= 1e-5 * float(gs.diagonal().max())
+    assert compared >= 1
+
+
+class _ScaledLoss(GRPOModule):
+    """A loss that is not ``terms.sum()``: riding along must not read it."""
+
+    def training_step(self, batch, batch_idx):
+        return 2.0 * super().training_step(batch, batch_idx)
+
+
+def test_loss_not_terms_sum_falls_back_to_the_separate_pass_and_says_so_once():
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    with pytest.warns(RuntimeWarning, match="falls back to a separate pass") as rec:
+        _fit([ride], steps=3, seed=0, module_cls=_ScaledLoss)
+    assert sum("falls back" in str(w.message) for w in rec) == 1
+    assert ride.n_ride_along == 0 and ride.n_audits == 3
+    assert ride.last_report.engine == "ghost"  # the separate pass (auto: by_rollout → ghost)
+
+
+def test_accumulation_falls_back():
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    with pytest.warns(RuntimeWarning, match="accumulation"):
+        _fit([ride], steps=2, seed=0, accumulate_grad_batches=2)
+    assert ride.n_ride_along == 0
+
+
+def test_engine_and_interference_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    audit = CreditAuditCallback(capture="training_step", log_table_every_n_steps=1)
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    _fit([audit], steps=2, seed=1, logger=logger)
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    acc.Reload()
+    scalars = set(acc.Tags()["scalars"])
+    assert "credit/engine/ghost+training_step" in scalars and "credit/readings/all" in scalars
+    assert "credit/interference/min_cosine" in scalars
+    assert "credit/interference" in acc.Tags()["images"]
+    body = acc.Tensors("credit/table/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "engine ghost+training_step" in body
+    want = audit.last_report.interference_summary()["min_cosine"]
+    got = acc.Scalars("credit/interference/min_cosine")[-1].value
+    assert math.isclose(got, want, rel_tol=1e-6)
+
+
+def test_bad_arguments_name_the_options():
+    with pytest.raises(ValueError, match="`capture` must be one of"):
+        CreditAuditCallback(capture="backward")
+    with pytest.raises(ValueError, match="`engine` must be one of"):
+        CreditAuditCallback(engine="fast")
+    with pytest.raises(ValueError, match="`readings` must be one of"):
+        CreditAuditCallback(readings="norms")
+
+
+def test_projected_readings_ride_along():
+    ride = CreditAuditCallback(capture="training_step", readings="projected", log_figure=False)
+    separate = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="reference", log_figure=False)
+    pairs = _Pairs(ride, separate)
+    _fit([ride, separate, pairs], steps=2, seed=1)
+    for r, s in pairs.rows:
+        assert r.readings == "projected" and r.gram is None and all(math.isnan(x) for x in r.norm_share)
+        assert s.engine == "reference"
+        if s.ok:
+            for a, b in zip(r.projected_share, s.projected_share):
+                assert a == pytest.approx(b, abs=1e-5)
+    assert ride.last_values["credit/readings/projected"] == 1.0
+
+
+class _Readings(Callback):
+    def __init__(self, check):
+        self.check, self.seen = check, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(self.check.last_reading)
+
+
+def test_ride_along_parts_hold_against_real_sgd_steps():
+    from lens_callbacks.callbacks import ConservationCheckCallback
+    from lens_callbacks.credit.conservation import ConservationReading
+
+    ride = CreditAuditCallback(capture="training_step", log_figure=False)
+    check = ConservationCheckCallback(log_figure=False)
+    rec = _Readings(check)
+    pl.seed_everything(2, verbose=False)
+    m = GRPOModule(**{**SMALL, "dropout": 0.0}, optimizer="sgd", lr=0.5, dtype="float64")
+    pl.Trainer(
+        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ride, check, rec],
+    ).fit(m, AdditionDataModule(batch_size=2, data_seed=2))
+    assert ride.n_ride_along == 6 and ride.keep_grads
+    made = [r for r in rec.seen if isinstance(r, ConservationReading)]
+    assert len(rec.seen) == 6 and len(made) >= 2  # the rest: equal rewards, a zero gradient (refused)
+    for r in made:
+        assert r.source == "credit_parts"
+        assert r.relative_error <= 1e-8  # Σ_S g_S from the captured pieces against θ_before − θ_after over η
