@@ -92,6 +92,7 @@ class ConservationCheckCallback(Callback):
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
+        self.last_epoch_values: dict[str, float] = {}
 
     @property
     def state_key(self) -> str:
@@ -132,9 +133,12 @@ class ConservationCheckCallback(Callback):
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if int(self.metric.readings) == 0:
             return
-        out = {f"{self.prefix}epoch/{k}": v.float() for k, v in self.metric.compute().items()}
-        out = {k: v for k, v in out.items() if torch.isfinite(v)}
-        pl_module.log_dict(out, on_step=False, on_epoch=True, batch_size=1)
+        out = {f"{self.prefix}epoch/{k}": float(v) for k, v in self.metric.compute().items()}
+        out = {k: v for k, v in out.items() if v == v}
+        # Every rank reads the same replicated step, so the values agree across ranks already; through
+        # the loggers directly (rank 0), not pl_module.log, which would ask for a sync_dist it does not need.
+        self.last_epoch_values = out
+        log_scalars(trainer, out, max(int(trainer.global_step) - 1, 0))
         self.metric.reset()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -173,11 +177,20 @@ class ConservationCheckCallback(Callback):
         return fig
 
     def state_dict(self) -> dict[str, Any]:
-        return {"refusals_logged": sorted(self._refusals_logged), "readings_made": self.readings_made}
+        return {
+            "refusals_logged": sorted(self._refusals_logged),
+            "readings_made": self.readings_made,
+            # The epoch's counts so far: a run resumed mid-epoch reports the uninterrupted run's epoch readings.
+            "metric": {k: getattr(self.metric, k).detach().cpu().clone() for k in self.metric._defaults},
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refusals_logged = set(state_dict.get("refusals_logged", ()))
         self.readings_made = int(state_dict.get("readings_made", 0))
+        for k, v in state_dict.get("metric", {}).items():
+            if k in self.metric._defaults:
+                cur = getattr(self.metric, k)
+                setattr(self.metric, k, v.to(cur.device, cur.dtype))
 
     # ------------------------------------------------------------------ internals
 

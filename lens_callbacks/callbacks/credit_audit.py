@@ -30,6 +30,7 @@ from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
+from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
 
 __all__ = ["CreditAuditCallback"]
@@ -65,6 +66,9 @@ class CreditAuditCallback(Callback):
         last_refusal: the latest :class:`~lens_callbacks.refusal.Refusal`, if an audit was declined.
         last_values: the scalars logged for the latest audited step (name -> value).
         last_epoch_values: the epoch means logged at the latest epoch end.
+        last_epoch_shares: every part's epoch projected share at the latest epoch end, by part name
+            (a part absent at a step counts as 0 that step, so they sum to 1; the first
+            ``max_logged_parts`` are logged as ``credit/epoch/projected_share/<part>``).
 
     Scalars go to ``trainer.loggers`` at the audited step itself (``trainer.global_step``), from rank 0;
     steps that ``every_n_steps`` skips get no value rather than a repeated one.
@@ -110,6 +114,7 @@ class CreditAuditCallback(Callback):
         self.n_audits = 0
         self.n_refusals = 0
         self.metric = CreditMetric(max_parts=max_logged_parts)
+        self.part_shares = PartShares()  # epoch shares keyed by part name (docs/metrics.md)
         self._partition_fn: Any = None
         self._batch: Any = None
         self._reference: Optional[str] = "grad"
@@ -119,6 +124,7 @@ class CreditAuditCallback(Callback):
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
+        self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
 
     @property
     def state_key(self) -> str:
@@ -160,13 +166,15 @@ class CreditAuditCallback(Callback):
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
             warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
-            self.metric.update_report(None)
+            # One update per reading: forward() below adds this step to the epoch state itself.
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
             text = reading.render()
             log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
             self.last_report, self.last_report_step = reading, step
             values = self.metric_values(reading)
+            if reading.ok:
+                self.part_shares.update(reading.part_names, reading.projected_share, reading.norm_share)
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
             text = reading.render()
@@ -242,9 +250,31 @@ class CreditAuditCallback(Callback):
         )
         # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
+        values = self._epoch_part_values(trainer, values)
         self.metric.reset()
+        self.part_shares.reset()
         self.last_epoch_values = values
         log_scalars(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
+
+    def _epoch_part_values(self, trainer: Trainer, values: dict[str, float]) -> dict[str, float]:
+        """Swap the metric's position-keyed epoch shares for the name-keyed ones of :class:`PartShares`.
+
+        A part absent at a step counts as share 0 that step, so the epoch shares sum to 1 whatever parts
+        come and go (see lens_callbacks/metrics/part_shares.py).
+        """
+        acc = self.part_shares
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            states: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, acc.state_dict())  # every rank reaches this hook
+            acc = PartShares().merge(states)
+        p = f"{self.prefix}epoch/"
+        out = {k: v for k, v in values.items() if not k.startswith((f"{p}projected_share/", f"{p}norm_share/"))}
+        shares = acc.compute()
+        self.last_epoch_shares = dict(shares["projected_share"])
+        for key in ("projected_share", "norm_share"):
+            for name in list(shares[key])[: self.max_logged_parts]:
+                out[f"{p}{key}/{name}"] = shares[key][name]
+        return out
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_text is None:
@@ -314,6 +344,7 @@ class CreditAuditCallback(Callback):
             "last_report_step": self.last_report_step,
             "last_table_step": self._last_table_step,
             "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
+            "part_shares": self.part_shares.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -321,6 +352,7 @@ class CreditAuditCallback(Callback):
         self.n_refusals = int(state_dict.get("n_refusals", 0))
         self.last_report_step = int(state_dict.get("last_report_step", -1))
         self._last_table_step = state_dict.get("last_table_step")
+        self.part_shares.load_state_dict(state_dict.get("part_shares"))
         for name, value in state_dict.get("metric", {}).items():
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)
