@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ._logging import log_figure, log_scalars, log_text
+from ._mergers import grad_mergers, merger_at
 from ..credit.conservation import ConservationReading, exact_optimizer_precondition, step_conservation
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
@@ -88,6 +89,7 @@ class ConservationCheckCallback(Callback):
         self.readings_made = 0
         self._audit: Optional[Callback] = None
         self._audit_first = False
+        self._mergers: list[Any] = []
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
@@ -101,6 +103,7 @@ class ConservationCheckCallback(Callback):
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._mergers = grad_mergers(trainer)
         self._audit = None
         if self.use_credit_audit:
             cbs = list(trainer.callbacks)
@@ -259,7 +262,18 @@ class ConservationCheckCallback(Callback):
         if self._pending is None or (before_step is not None and self._pending.step >= before_step):
             return
         pend, self._pending = self._pending, None
-        if pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
+        merger = merger_at(self._mergers, pend.step)
+        if merger is not None:
+            # The optimizer applied the merger's gradient, not the module's: no claim to hold, and no violation.
+            name = type(merger).__name__
+            reading = Refusal(
+                "merged_by",
+                f"merged_by={name}: the gradient the optimizer applied was changed by {name} after the module "
+                "produced it, so the update is not θ − η·(the module's gradient).",
+                numbers={"step": pend.step, "merged_by": name},
+                remedy=f"read the steps {name} leaves alone (mode='off', or before its first fire).",
+            )
+        elif pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
             reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
         else:
             grads, source = pend.audit_grads, "credit_parts"

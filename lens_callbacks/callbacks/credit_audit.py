@@ -28,6 +28,7 @@ from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.partition import resolve_partition
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.terms import is_credit_source
+from ._mergers import grad_mergers, merger_at, pre_merge_reference
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.metrics.part_shares import PartShares
@@ -122,6 +123,9 @@ class CreditAuditCallback(Callback):
         self._last_defined: Optional[tuple[int, str]] = None  # the latest reading whose shares are defined
         self._last_table_step: Optional[int] = None
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
+        self._mergers: list[Any] = []  # callbacks that may change .grad before the optimizer step
+        self._audited_step: Optional[int] = None
+        self._merge_noted = False
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
         self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
@@ -144,6 +148,7 @@ class CreditAuditCallback(Callback):
         self._partition_fn = resolve_partition(self.partition)
         self.metric = self.metric.to(pl_module.device)
         self._reference = "grad"
+        self._mergers = grad_mergers(trainer, keep_pre_merge=True)
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
@@ -155,12 +160,29 @@ class CreditAuditCallback(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batch = None
+        step, self._audited_step = self._audited_step, None
+        if step is None or not self._mergers:
+            return
+        # Every callback's on_before_optimizer_step has run by now, wherever this one is listed.
+        merger = merger_at(self._mergers, step)
+        self.last_values[f"{self.prefix}applied_grad_differs"] = 1.0 if merger is not None else 0.0
+        log_scalars(trainer, {f"{self.prefix}applied_grad_differs": self.last_values[f"{self.prefix}applied_grad_differs"]}, step)
+        if merger is not None and not self._merge_noted:
+            self._merge_noted = True
+            log_text(
+                trainer, f"{self.prefix}note",
+                f"From step {step} on, {type(merger).__name__} merged .grad before the optimizer step "
+                f"(credit/applied_grad_differs = 1 on those steps). The credit readings describe the gradient the "
+                "module produced, before any merger; grad_match is read against that gradient.",
+                step,
+            )
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
         reading = self.audit(pl_module, self._batch)
+        self._audited_step = step
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self.n_refusals += 1
@@ -197,7 +219,7 @@ class CreditAuditCallback(Callback):
                     batch,
                     self._partition_fn if self._partition_fn is not None else self.partition,
                     dtype=self.dtype,
-                    reference_grads=self._reference,
+                    reference_grads=self._pre_merge_reference(pl_module),
                     keep_grads=self.keep_grads,
                 )
         except Exception as err:  # a user-data failure must not end the training run
@@ -207,6 +229,13 @@ class CreditAuditCallback(Callback):
                 numbers={"step": self._step_of(pl_module)},
                 remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
             )
+
+    def _pre_merge_reference(self, pl_module: LightningModule) -> Any:
+        # A merger listed before this callback has already changed .grad: compare with its pre-merge copy.
+        if self._reference != "grad" or not self._mergers:
+            return self._reference
+        ref = pre_merge_reference(self._mergers, pl_module.named_parameters(), self._step_of(pl_module))
+        return self._reference if ref is None else ref
 
     def metric_values(self, report: CreditReport) -> dict[str, float]:
         """The scalars of one report, through the metric (its ``forward`` returns this step's readings)."""
