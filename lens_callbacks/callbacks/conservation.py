@@ -95,6 +95,9 @@ class ConservationCheckCallback(Callback):
         self._refusals_logged: set[str] = set()
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
         self.last_epoch_values: dict[str, float] = {}
+        self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
+        self._epoch_of_state: Optional[int] = None  # the epoch the metric's readings belong to
+        self._epoch_last_step = 0
 
     @property
     def state_key(self) -> str:
@@ -130,10 +133,27 @@ class ConservationCheckCallback(Callback):
         with torch.no_grad():
             self._pending = self._record(step, pl_module, opt)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._close_stale_epoch(trainer)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._finish(trainer, pl_module)
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stale_epoch(trainer)
+
+    def _close_stale_epoch(self, trainer: Trainer) -> None:
+        # Resumed from a checkpoint taken after the last batch of an epoch but before its end: Lightning
+        # skips that epoch's end (and the next one's start), so its readings are closed here, at the step
+        # they belong to, before the first reading of the new epoch.
+        if self._epoch_of_state is not None and self._epoch_of_state < trainer.current_epoch:
+            self._end_epoch(trainer, self._epoch_last_step)
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end_epoch(trainer, max(int(trainer.global_step) - 1, 0))
+
+    def _end_epoch(self, trainer: Trainer, step: int) -> None:
+        self._epoch_of_state = None
         if int(self.metric.readings) == 0:
             return
         out = {f"{self.prefix}epoch/{k}": float(v) for k, v in self.metric.compute().items()}
@@ -141,7 +161,8 @@ class ConservationCheckCallback(Callback):
         # Every rank reads the same replicated step, so the values agree across ranks already; through
         # the loggers directly (rank 0), not pl_module.log, which would ask for a sync_dist it does not need.
         self.last_epoch_values = out
-        log_scalars(trainer, out, max(int(trainer.global_step) - 1, 0))
+        self.last_epoch_step = step
+        log_scalars(trainer, out, step)
         self.metric.reset()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -185,11 +206,15 @@ class ConservationCheckCallback(Callback):
             "readings_made": self.readings_made,
             # The epoch's counts so far: a run resumed mid-epoch reports the uninterrupted run's epoch readings.
             "metric": {k: getattr(self.metric, k).detach().cpu().clone() for k in self.metric._defaults},
+            "epoch_of_state": self._epoch_of_state,
+            "epoch_last_step": self._epoch_last_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refusals_logged = set(state_dict.get("refusals_logged", ()))
         self.readings_made = int(state_dict.get("readings_made", 0))
+        self._epoch_of_state = state_dict.get("epoch_of_state")
+        self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
         for k, v in state_dict.get("metric", {}).items():
             if k in self.metric._defaults:
                 cur = getattr(self.metric, k)
@@ -312,6 +337,7 @@ class ConservationCheckCallback(Callback):
     def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
         self.last_reading = reading
         self.readings_made += 1
+        self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), int(step)
         self.metric.update(reading)
         if isinstance(reading, Refusal):
             self._history.append((step, float("nan"), float("nan")))

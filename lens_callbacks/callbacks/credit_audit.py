@@ -126,6 +126,9 @@ class CreditAuditCallback(Callback):
         self._mergers: list[Any] = []  # callbacks that may change .grad before the optimizer step
         self._audited_step: Optional[int] = None
         self._merge_noted = False
+        self._epoch_of_state: Optional[int] = None  # the epoch the metric's readings belong to
+        self._epoch_last_step = 0
+        self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
         self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
@@ -157,6 +160,7 @@ class CreditAuditCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        self._close_stale_epoch(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._batch = None
@@ -183,6 +187,7 @@ class CreditAuditCallback(Callback):
             return
         reading = self.audit(pl_module, self._batch)
         self._audited_step = step
+        self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), step
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self.n_refusals += 1
@@ -271,7 +276,21 @@ class CreditAuditCallback(Callback):
 
     # ---- epoch means, text, figure, last report ---------------------------------------------------
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stale_epoch(trainer)
+
+    def _close_stale_epoch(self, trainer: Trainer) -> None:
+        # Resumed from a checkpoint taken after the last batch of an epoch but before its end: Lightning
+        # skips that epoch's end (and the next one's start), so its readings are closed here, at the step
+        # they belong to, before the first reading of the new epoch.
+        if self._epoch_of_state is not None and self._epoch_of_state < trainer.current_epoch:
+            self._end_epoch(trainer, self._epoch_last_step)
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end_epoch(trainer, max(trainer.global_step - 1, 0))
+
+    def _end_epoch(self, trainer: Trainer, step: int) -> None:
+        self._epoch_of_state = None
         if int(self.metric.n_readings) == 0:
             return
         names = self.last_report.part_names if self.last_report is not None else tuple(
@@ -283,7 +302,8 @@ class CreditAuditCallback(Callback):
         self.metric.reset()
         self.part_shares.reset()
         self.last_epoch_values = values
-        log_scalars(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
+        self.last_epoch_step = step
+        log_scalars(trainer, values, step)  # already synchronised
 
     def _epoch_part_values(self, trainer: Trainer, values: dict[str, float]) -> dict[str, float]:
         """Swap the metric's position-keyed epoch shares for the name-keyed ones of :class:`PartShares`.
@@ -374,6 +394,8 @@ class CreditAuditCallback(Callback):
             "last_table_step": self._last_table_step,
             "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
             "part_shares": self.part_shares.state_dict(),
+            "epoch_of_state": self._epoch_of_state,
+            "epoch_last_step": self._epoch_last_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -382,6 +404,8 @@ class CreditAuditCallback(Callback):
         self.last_report_step = int(state_dict.get("last_report_step", -1))
         self._last_table_step = state_dict.get("last_table_step")
         self.part_shares.load_state_dict(state_dict.get("part_shares"))
+        self._epoch_of_state = state_dict.get("epoch_of_state")
+        self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
         for name, value in state_dict.get("metric", {}).items():
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)

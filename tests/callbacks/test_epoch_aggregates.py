@@ -156,3 +156,38 @@ def test_resume_mid_epoch_gives_the_uninterrupted_epoch_readings(tmp_path):
         assert a.last_epoch_values and a.last_epoch_values == b.last_epoch_values
     assert full[1].last_epoch_values["conservation/epoch/readings"] == 6.0  # not restarted at the resume
     assert full[0].last_epoch_values["credit/epoch/undefined_fraction"] == 0.0
+
+
+class _Epochs(pl.Callback):
+    """Listed last: the epoch readings of every lens callback, keyed by the step they were logged at."""
+
+    def __init__(self, cbs):
+        self.cbs, self.rows = cbs, {}
+
+    def _take(self, trainer):
+        for cb in self.cbs:
+            if cb.last_epoch_step is not None:
+                self.rows[(type(cb).__name__, cb.last_epoch_step)] = dict(cb.last_epoch_values)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._take(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self._take(trainer)
+
+
+def test_resume_from_the_last_batch_of_an_epoch_closes_that_epoch_once(tmp_path):
+    """Lightning skips the end of an epoch whose last batch was checkpointed: the readings still come, once."""
+    def callbacks():
+        cbs = [CreditAuditCallback(partition="by_segment", dtype="float64", log_table_every_n_steps=0),
+               ConservationCheckCallback(tolerance=1e-8)]
+        return cbs + [_Epochs(cbs)]
+
+    full = callbacks()
+    _trainer(full + [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)], steps=9).fit(SegmentModule())
+    resumed = callbacks()
+    _trainer(resumed, steps=9, enable_checkpointing=False).fit(SegmentModule(), ckpt_path=str(tmp_path / "epoch=0-step=6.ckpt"))
+    assert sorted(full[2].rows) == sorted(resumed[2].rows) == [
+        ("ConservationCheckCallback", 5), ("ConservationCheckCallback", 8), ("CreditAuditCallback", 5), ("CreditAuditCallback", 8)]
+    assert full[2].rows == resumed[2].rows
+    assert resumed[2].rows[("ConservationCheckCallback", 8)]["conservation/epoch/readings"] == 3.0
