@@ -177,9 +177,11 @@ class GRPOModule(LightningModule):
     def sample_rollouts(self, pairs: torch.Tensor, generator: Optional[torch.Generator] = None) -> tuple[RolloutBatch, list[Rollout]]:
         """Sample ``group_size`` completions for each prompt ``(a, b)`` of ``pairs`` ``[P, 2]``.
 
-        ``generator`` draws the tokens and the dropout seed (``training_step`` passes :meth:`step_generator`);
-        None draws them from the global stream.
+        ``generator`` draws the tokens and the dropout seed; None: inside ``training_step`` the step's
+        :meth:`step_generator`, elsewhere the global stream.
         """
+        if generator is None:
+            generator = getattr(self, "_step_sampling", None)
         pairs = pairs.long().cpu()
         P, G = int(pairs.shape[0]), self.group_size
         texts = [prompt_text(a, b) for a, b in pairs.tolist()]
@@ -295,7 +297,12 @@ class GRPOModule(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         pairs = batch[0] if isinstance(batch, (list, tuple)) else batch  # [P, 2]
-        rb, rollouts = self.sample_rollouts(pairs, generator=self.step_generator(self.global_step))
+        # Through an attribute, not an argument: subclasses that override sample_rollouts(pairs) keep working.
+        self._step_sampling = self.step_generator(self.global_step)
+        try:
+            rb, rollouts = self.sample_rollouts(pairs)
+        finally:
+            self._step_sampling = None
         self.last_rollout_batch = rb
         self.last_rollouts = rollouts
         loss = self.credit_terms(None).terms.sum()

@@ -15,6 +15,7 @@ epoch mean of the metric, which every rank reaches.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any, Optional, Union
@@ -25,9 +26,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
-from lens_callbacks.credit.partition import resolve_partition
+from lens_callbacks.credit.partition import PARTITION_REMEDY, MissingSegmentsError, PartitionError, resolve_partition
 from lens_callbacks.credit.report import CreditReport
-from lens_callbacks.credit.terms import is_credit_source
+from lens_callbacks.credit.terms import CreditTermsError, is_credit_source
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
@@ -126,6 +127,7 @@ class CreditAuditCallback(Callback):
         self._mergers: list[Any] = []  # callbacks that may change .grad before the optimizer step
         self._audited_step: Optional[int] = None
         self._merge_noted = False
+        self._last_error: Optional[BaseException] = None
         self._epoch_of_state: Optional[int] = None  # the epoch the metric's readings belong to
         self._epoch_last_step = 0
         self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
@@ -185,7 +187,15 @@ class CreditAuditCallback(Callback):
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
+        self._last_error = None
         reading = self.audit(pl_module, self._batch)
+        if self.n_audits == 0 and isinstance(self._last_error, MissingSegmentsError):
+            # A set-up error, not a property of this step: say it once, now, rather than refuse every step.
+            raise ValueError(
+                f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
+                f"segment ids: {self._last_error} Or use partition='by_rollout'."
+            ) from self._last_error
+        reading = self._refuse_non_finite(reading, step)
         self._audited_step = step
         self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), step
         self.n_audits += 1
@@ -228,12 +238,30 @@ class CreditAuditCallback(Callback):
                     keep_grads=self.keep_grads,
                 )
         except Exception as err:  # a user-data failure must not end the training run
-            return Refusal(
-                "credit_audit",
-                f"{type(err).__name__}: {err}",
-                numbers={"step": self._step_of(pl_module)},
-                remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
-            )
+            self._last_error = err
+            numbers: dict[str, Any] = {"step": self._step_of(pl_module)}
+            condition, remedy = "credit_audit", "check what credit_terms returns for this step's batch (see docs/credit_audit.md)"
+            if isinstance(err, PartitionError):
+                condition, remedy = "partition", PARTITION_REMEDY
+            elif isinstance(err, CreditTermsError):
+                condition = f"credit_terms.{err.field}"
+                numbers.update(err.numbers)
+            return Refusal(condition, f"{type(err).__name__}: {err}", numbers=numbers, remedy=remedy)
+
+    @staticmethod
+    def _refuse_non_finite(reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
+        """A step whose loss or full gradient is not finite has no credit to split: a refusal, not an undefined reading."""
+        if isinstance(reading, Refusal) or (math.isfinite(reading.loss) and math.isfinite(reading.full_grad_norm)):
+            return reading
+        what = "loss" if not math.isfinite(reading.loss) else "full gradient"
+        return Refusal(
+            "non_finite_loss" if what == "loss" else "non_finite_gradient",
+            f"the {what} of this step is not finite (loss = {reading.loss!r}, ||g_full|| = {reading.full_grad_norm!r}); "
+            "credit is undefined and the optimizer step is likely corrupt.",
+            numbers={"step": step, "loss": reading.loss, "full_grad_norm": reading.full_grad_norm},
+            remedy="find where the loss becomes non-finite (log of 0, an overflow, a division by a zero count); "
+                   "torch.autograd.set_detect_anomaly(True) names the operation.",
+        )
 
     def _pre_merge_reference(self, pl_module: LightningModule) -> Any:
         # A merger listed before this callback has already changed .grad: compare with its pre-merge copy.
