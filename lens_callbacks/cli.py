@@ -47,7 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in OFFLINE_COMMANDS:
         mod = importlib.import_module(OFFLINE_COMMANDS[argv[0]])
         return int(mod.main(argv[1:]) or 0)
-    cli_main(argv)
+    # Arguments reach LightningCLI one way only: from sys.argv when they are the process's own (it reads
+    # them itself), as ``args`` otherwise; both at once make it warn that one of them may be a mistake.
+    cli_main(None if argv == sys.argv[1:] else argv)
     return 0
 
 

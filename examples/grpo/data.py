@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..resumable import ResumableDataLoader
+
 try:
     from lightning.pytorch import LightningDataModule
 except ImportError:  # pragma: no cover - the examples need lightning
@@ -21,6 +23,8 @@ class AdditionDataModule(LightningDataModule):
         max_operand: largest operand, 1..9 (single digits keep every prompt the same length).
         num_prompts: size of the prompt set.
         data_seed: seeds the prompt set and the shuffling (its own generator; the global RNG is untouched).
+            Epoch ``e``'s order depends on ``data_seed`` and ``e`` only, and the position within the epoch
+            is checkpointed, so a resumed run continues the data order where it stopped.
             Named apart from the module's ``seed`` so the two hparams never clash in a logger.
         num_val_prompts: size of a validation set of pairs drawn apart from the training prompts' stream
             (0: no validation). The module scores it by greedy decoding (``val/accuracy``).
@@ -56,8 +60,7 @@ class AdditionDataModule(LightningDataModule):
             self.val_dataloader = super().val_dataloader
 
     def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.data_seed + 1)
-        return DataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, generator=g)
+        return ResumableDataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, data_seed=self.data_seed + 1)
 
     def val_dataloader(self) -> DataLoader:
         # A generator of its own: a DataLoader iterator without one draws its base seed from the global

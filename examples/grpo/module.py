@@ -16,6 +16,12 @@ Dropout: a rollout batch carries a ``dropout_seed`` drawn from the global stream
 every evaluation of ``credit_terms`` on that batch runs its forward under ``fork_rng`` seeded with it.
 So an audit that re-runs the forward draws the very dropout masks the training forward drew, and
 neither consumes the training run's random stream.
+
+Resume: the sampling of step ``N`` (tokens and the dropout seed) draws from its own generator, seeded
+by the run's sampling seed and ``N`` only. The sampling seed is drawn once from the global stream when
+the fit starts (so ``seed_everything`` still picks the run) and travels in the checkpoint, and the data
+order is resumable (:class:`~examples.resumable.ResumableDataLoader`): a run killed at any step and
+resumed from its last checkpoint takes the very steps of the uninterrupted run, bit for bit.
 """
 
 from __future__ import annotations
@@ -148,12 +154,38 @@ class GRPOModule(LightningModule):
         self.temperature = float(temperature)
         self.last_rollout_batch: Optional[RolloutBatch] = None
         self.last_rollouts: list[Rollout] = []
+        self.sample_seed: Optional[int] = None  # drawn at the start of fit; kept in the checkpoint
 
     # ---- sampling -------------------------------------------------------------------------------
 
+    def step_generator(self, step: int) -> torch.Generator:
+        """The sampling generator of optimizer step ``step``: a function of the sampling seed and ``step`` only."""
+        if self.sample_seed is None:
+            self.sample_seed = int(torch.randint(0, 2**62, (1,)).item())
+        return torch.Generator(device=self.device).manual_seed((self.sample_seed + 1_000_003 * int(step)) % 2**63)
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit" and self.sample_seed is None:
+            # From the global stream, so seed_everything picks the run; a resumed run restores it from the
+            # checkpoint (on_load_checkpoint runs after setup).
+            self.sample_seed = int(torch.randint(0, 2**62, (1,)).item())
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["grpo_sample_seed"] = self.sample_seed
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if checkpoint.get("grpo_sample_seed") is not None:
+            self.sample_seed = int(checkpoint["grpo_sample_seed"])
+
     @torch.no_grad()
-    def sample_rollouts(self, pairs: torch.Tensor) -> tuple[RolloutBatch, list[Rollout]]:
-        """Sample ``group_size`` completions for each prompt ``(a, b)`` of ``pairs`` ``[P, 2]``."""
+    def sample_rollouts(self, pairs: torch.Tensor, generator: Optional[torch.Generator] = None) -> tuple[RolloutBatch, list[Rollout]]:
+        """Sample ``group_size`` completions for each prompt ``(a, b)`` of ``pairs`` ``[P, 2]``.
+
+        ``generator`` draws the tokens and the dropout seed; None: inside ``training_step`` the step's
+        :meth:`step_generator`, elsewhere the global stream.
+        """
+        if generator is None:
+            generator = getattr(self, "_step_sampling", None)
         pairs = pairs.long().cpu()
         P, G = int(pairs.shape[0]), self.group_size
         texts = [prompt_text(a, b) for a, b in pairs.tolist()]
@@ -174,7 +206,7 @@ class GRPOModule(LightningModule):
                 logits = self.policy(input_ids=ids, attention_mask=am).logits[:, -1].float() / self.temperature  # [B, V]
                 logits[:, self.pad_id] = float("-inf")
                 logits[:, self.unk_id] = float("-inf")
-                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)  # [B]
+                nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)  # [B]
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
                 ids = torch.cat([ids, nxt[:, None]], dim=1)  # [B, L]
                 done |= nxt == self.eos_id
@@ -219,8 +251,8 @@ class GRPOModule(LightningModule):
             group=torch.arange(P).repeat_interleave(G).to(device),
             rollout=torch.arange(B).to(device),
             prompt_len=lp,
-            # Drawn from the global stream so the run stays seeded; replayed by every credit_terms call.
-            dropout_seed=int(torch.randint(0, 2**62, (1,)).item()),
+            # Drawn from the step's stream so the run stays seeded; replayed by every credit_terms call.
+            dropout_seed=int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else None).item()),
             source=(pairs.sum(1) >= 10).long().repeat_interleave(G).to(device),
         )
         return batch, rollouts
@@ -273,7 +305,12 @@ class GRPOModule(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         pairs = batch[0] if isinstance(batch, (list, tuple)) else batch  # [P, 2]
-        rb, rollouts = self.sample_rollouts(pairs)
+        # Through an attribute, not an argument: subclasses that override sample_rollouts(pairs) keep working.
+        self._step_sampling = self.step_generator(self.global_step)
+        try:
+            rb, rollouts = self.sample_rollouts(pairs)
+        finally:
+            self._step_sampling = None
         self.last_rollout_batch = rb
         self.last_rollouts = rollouts
         loss = self.credit_terms(None).terms.sum()

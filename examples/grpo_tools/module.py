@@ -30,6 +30,7 @@ from lens_callbacks.credit.trajectories import (
     turn_segments,
 )
 
+from ..resumable import ResumableDataLoader
 from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .env import VOCAB, build_tokenizer, demonstration, run_episode
 
@@ -287,4 +288,5 @@ class ToolsAdditionDataModule(LightningDataModule):
         return [{"a": a, "b": b, "prompt_id": f"{a}+{b}"} for a, b in ab]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.prompts(), batch_size=self.prompts_per_step, shuffle=False, collate_fn=_collate)
+        # Resumable: a run resumed mid-epoch continues with the prompts the uninterrupted run took next.
+        return ResumableDataLoader(self.prompts(), batch_size=self.prompts_per_step, shuffle=False, collate_fn=_collate)

@@ -135,6 +135,9 @@ class AnchorProjectionCallback(Callback):
         self.dtype = dtype
         self.log_readings = bool(log_readings)
         self.figure_every_n_fires = _int("figure_every_n_fires", figure_every_n_fires, 0)
+        # Set by an audit or conservation check in the same Trainer: keep a copy of .grad before the merger,
+        # so they read the gradient the module produced whatever their place in the callback list.
+        self.keep_pre_merge = False
         self._new_projector()  # validates the fit arguments (r2_min, null_quantile, null_dim) with their names
         self._reset()
 
@@ -151,6 +154,8 @@ class AnchorProjectionCallback(Callback):
         self._batch: Any = None
         self.last_reading: Optional[AnchorReading] = None
         self.last_refusal: Optional[Refusal] = None
+        self.merged_step = -1  # the latest step whose .grad the merger changed
+        self.pre_merge_grads: Optional[dict[str, torch.Tensor]] = None  # that step's .grad before the merger
         self.readings: list[AnchorReading] = []
         self.weight_error = WeightPredictionError()
         self.gated_on = GatedOnFraction()
@@ -158,6 +163,15 @@ class AnchorProjectionCallback(Callback):
     @property
     def state_key(self) -> str:
         return self._generate_state_key(mode=self.mode, cadence=self.cadence, delay_K=self.delay_K)
+
+    @property
+    def merges_grad(self) -> bool:
+        """Whether this callback may change ``.grad`` before the optimizer step (any mode but ``"off"``)."""
+        return self.mode != "off"
+
+    def merged_at(self, step: int) -> bool:
+        """Whether the merger changed ``.grad`` at optimizer step ``step`` (``trainer.global_step`` then)."""
+        return self.merged_step == int(step)
 
     # -- hooks ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -240,6 +254,8 @@ class AnchorProjectionCallback(Callback):
                     from ._distributed import write_back_grads
 
                     write_back_grads(shards, params)
+                if count > 0:
+                    self.merged_step = step
             except Exception as e:
                 self.last_refusal = Refusal("anchor_merge", f"the merger failed: {type(e).__name__}: {e}",
                                             numbers={"step": step}, remedy=".grad was left as it was")
@@ -341,6 +357,9 @@ class AnchorProjectionCallback(Callback):
             disagree += float((torch.sign(G) * torch.sign(m) < 0).sum())
             count += G.numel()
             merged.append((p, new))
+        if self.keep_pre_merge:
+            by_param = {id(p): n for n, p in params.items()}
+            self.pre_merge_grads = {by_param[id(p)]: p.grad.detach().clone() for p, _ in merged}
         for p, new in merged:  # all or nothing: a failure above leaves every .grad as it was
             p.grad.copy_(new)
         return disagree, count

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ._logging import log_figure, log_scalars, log_text
+from ._mergers import grad_mergers, merger_at
 from ..credit.conservation import ConservationReading, exact_optimizer_precondition, step_conservation
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
@@ -88,11 +89,16 @@ class ConservationCheckCallback(Callback):
         self.readings_made = 0
         self._audit: Optional[Callback] = None
         self._audit_first = False
+        self._mergers: list[Any] = []
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
         self._refusals_logged: set[str] = set()
         self._sharded = False
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
+        self.last_epoch_values: dict[str, float] = {}
+        self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
+        self._epoch_of_state: Optional[int] = None  # the epoch the metric's readings belong to
+        self._epoch_last_step = 0
 
     @property
     def state_key(self) -> str:
@@ -105,6 +111,7 @@ class ConservationCheckCallback(Callback):
 
         check_strategy(trainer, "ConservationCheckCallback")
         self._sharded = is_sharded(pl_module)
+        self._mergers = grad_mergers(trainer)
         self._audit = None
         if self.use_credit_audit:
             cbs = list(trainer.callbacks)
@@ -138,15 +145,36 @@ class ConservationCheckCallback(Callback):
         with torch.no_grad():
             self._pending = self._record(step, pl_module, opt)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._close_stale_epoch(trainer)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._finish(trainer, pl_module)
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stale_epoch(trainer)
+
+    def _close_stale_epoch(self, trainer: Trainer) -> None:
+        # Resumed from a checkpoint taken after the last batch of an epoch but before its end: Lightning
+        # skips that epoch's end (and the next one's start), so its readings are closed here, at the step
+        # they belong to, before the first reading of the new epoch.
+        if self._epoch_of_state is not None and self._epoch_of_state < trainer.current_epoch:
+            self._end_epoch(trainer, self._epoch_last_step)
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end_epoch(trainer, max(int(trainer.global_step) - 1, 0))
+
+    def _end_epoch(self, trainer: Trainer, step: int) -> None:
+        self._epoch_of_state = None
         if int(self.metric.readings) == 0:
             return
-        out = {f"{self.prefix}epoch/{k}": v.float() for k, v in self.metric.compute().items()}
-        out = {k: v for k, v in out.items() if torch.isfinite(v)}
-        pl_module.log_dict(out, on_step=False, on_epoch=True, batch_size=1)
+        out = {f"{self.prefix}epoch/{k}": float(v) for k, v in self.metric.compute().items()}
+        out = {k: v for k, v in out.items() if v == v}
+        # Every rank reads the same replicated step, so the values agree across ranks already; through
+        # the loggers directly (rank 0), not pl_module.log, which would ask for a sync_dist it does not need.
+        self.last_epoch_values = out
+        self.last_epoch_step = step
+        log_scalars(trainer, out, step)
         self.metric.reset()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -185,11 +213,24 @@ class ConservationCheckCallback(Callback):
         return fig
 
     def state_dict(self) -> dict[str, Any]:
-        return {"refusals_logged": sorted(self._refusals_logged), "readings_made": self.readings_made}
+        return {
+            "refusals_logged": sorted(self._refusals_logged),
+            "readings_made": self.readings_made,
+            # The epoch's counts so far: a run resumed mid-epoch reports the uninterrupted run's epoch readings.
+            "metric": {k: getattr(self.metric, k).detach().cpu().clone() for k in self.metric._defaults},
+            "epoch_of_state": self._epoch_of_state,
+            "epoch_last_step": self._epoch_last_step,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._refusals_logged = set(state_dict.get("refusals_logged", ()))
         self.readings_made = int(state_dict.get("readings_made", 0))
+        self._epoch_of_state = state_dict.get("epoch_of_state")
+        self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
+        for k, v in state_dict.get("metric", {}).items():
+            if k in self.metric._defaults:
+                cur = getattr(self.metric, k)
+                setattr(self.metric, k, v.to(cur.device, cur.dtype))
 
     # ------------------------------------------------------------------ internals
 
@@ -259,7 +300,18 @@ class ConservationCheckCallback(Callback):
         if self._pending is None or (before_step is not None and self._pending.step >= before_step):
             return
         pend, self._pending = self._pending, None
-        if pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
+        merger = merger_at(self._mergers, pend.step)
+        if merger is not None:
+            # The optimizer applied the merger's gradient, not the module's: no claim to hold, and no violation.
+            name = type(merger).__name__
+            reading = Refusal(
+                "merged_by",
+                f"merged_by={name}: the gradient the optimizer applied was changed by {name} after the module "
+                "produced it, so the update is not θ − η·(the module's gradient).",
+                numbers={"step": pend.step, "merged_by": name},
+                remedy=f"read the steps {name} leaves alone (mode='off', or before its first fire).",
+            )
+        elif pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
             reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
         else:
             grads, source = pend.audit_grads, "credit_parts"
@@ -299,6 +351,7 @@ class ConservationCheckCallback(Callback):
     def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
         self.last_reading = reading
         self.readings_made += 1
+        self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), int(step)
         self.metric.update(reading)
         if isinstance(reading, Refusal):
             self._history.append((step, float("nan"), float("nan")))

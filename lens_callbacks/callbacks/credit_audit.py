@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from typing import Any, Optional, Sequence, Union
@@ -34,13 +35,21 @@ from lightning.pytorch.utilities import rank_zero_only
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.engines.ghost import RideAlong
-from lens_callbacks.credit.partition import POSITIONAL_PARTITIONS, resolve_partition
-from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.credit.partition import (
+    PARTITION_REMEDY,
+    POSITIONAL_PARTITIONS,
+    MissingSegmentsError,
+    PartitionError,
+    resolve_partition,
+)
 from lens_callbacks.credit.report import CreditReport
-from lens_callbacks.credit.terms import is_credit_source
+from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.credit.terms import CreditTermsError, is_credit_source
 from lens_callbacks.credit.update_share import update_shares as _update_shares
+from ._mergers import grad_mergers, merger_at, pre_merge_reference
 from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
+from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
 
 __all__ = ["CreditAuditCallback"]
@@ -113,6 +122,9 @@ class CreditAuditCallback(Callback):
         last_refusal: the latest :class:`~lens_callbacks.refusal.Refusal`, if an audit was declined.
         last_values: the scalars logged for the latest audited step (name -> value).
         last_epoch_values: the epoch means logged at the latest epoch end.
+        last_epoch_shares: every part's epoch projected share at the latest epoch end, by part name
+            (a part absent at a step counts as 0 that step, so they sum to 1; the first
+            ``max_logged_parts`` are logged as ``credit/epoch/projected_share/<part>``).
 
     Scalars go to ``trainer.loggers`` at the audited step itself (``trainer.global_step``), from rank 0;
     steps that ``every_n_steps`` skips get no value rather than a repeated one.
@@ -189,6 +201,7 @@ class CreditAuditCallback(Callback):
         self.n_audits = 0
         self.n_refusals = 0
         self.metric = CreditMetric(max_parts=max_logged_parts)
+        self.part_shares = PartShares()  # epoch shares keyed by part name (docs/metrics.md)
         self._partition_fn: Any = None
         self._batch: Any = None
         self._reference: Optional[str] = "grad"
@@ -196,9 +209,17 @@ class CreditAuditCallback(Callback):
         self._last_defined: Optional[tuple[int, str]] = None  # the latest reading whose shares are defined
         self._last_table_step: Optional[int] = None
         self._history: list[tuple[int, tuple[str, ...], tuple[float, ...]]] = []
+        self._mergers: list[Any] = []  # callbacks that may change .grad before the optimizer step
+        self._audited_step: Optional[int] = None
+        self._merge_noted = False
+        self._last_error: Optional[BaseException] = None
+        self._epoch_of_state: Optional[int] = None  # the epoch the metric's readings belong to
+        self._epoch_last_step = 0
+        self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
         self._init_readings(extra_partitions, log_positional_parts, concentration_top_k, noise_ema)
+        self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
 
     @property
     def state_key(self) -> str:
@@ -219,6 +240,7 @@ class CreditAuditCallback(Callback):
         self._setup_readings()
         self.metric = self.metric.to(pl_module.device)
         self._reference = "grad"
+        self._mergers = grad_mergers(trainer, keep_pre_merge=True)
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
@@ -230,6 +252,10 @@ class CreditAuditCallback(Callback):
                 self._ride_blocked = "gradient accumulation: `.grad` sums several micro-batches"
             elif not pl_module.automatic_optimization:
                 self._ride_blocked = "manual optimization: the callback does not see the loss's backward"
+            elif self._mergers:
+                self._ride_blocked = (
+                    f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
+                )
         self._setup_distributed(trainer, pl_module)
 
     def _setup_distributed(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -244,6 +270,7 @@ class CreditAuditCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        self._close_stale_epoch(trainer)
         self._stop_ride()
         if self.capture == "training_step" and self._ride_blocked is None and trainer.global_step % self.every_n_steps == 0:
             self._ride = RideAlong(pl_module).start()
@@ -257,6 +284,22 @@ class CreditAuditCallback(Callback):
             self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
         self._stop_ride()
+        step, self._audited_step = self._audited_step, None
+        if step is None or not self._mergers:
+            return
+        # Every callback's on_before_optimizer_step has run by now, wherever this one is listed.
+        merger = merger_at(self._mergers, step)
+        self.last_values[f"{self.prefix}applied_grad_differs"] = 1.0 if merger is not None else 0.0
+        log_scalars(trainer, {f"{self.prefix}applied_grad_differs": self.last_values[f"{self.prefix}applied_grad_differs"]}, step)
+        if merger is not None and not self._merge_noted:
+            self._merge_noted = True
+            log_text(
+                trainer, f"{self.prefix}note",
+                f"From step {step} on, {type(merger).__name__} merged .grad before the optimizer step "
+                f"(credit/applied_grad_differs = 1 on those steps). The credit readings describe the gradient the "
+                "module produced, before any merger; grad_match is read against that gradient.",
+                step,
+            )
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_ride()
@@ -296,6 +339,7 @@ class CreditAuditCallback(Callback):
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
+        self._last_error = None
         from ._distributed import is_sharded
 
         self._sharded = is_sharded(pl_module)  # FSDP2 shards in configure_model, after setup
@@ -304,19 +348,30 @@ class CreditAuditCallback(Callback):
             reading = self._audit_distributed(trainer, pl_module, self._batch)
         else:
             reading = self._read(trainer, pl_module)
+        if self.n_audits == 0 and isinstance(self._last_error, MissingSegmentsError):
+            # A set-up error, not a property of this step: say it once, now, rather than refuse every step.
+            raise ValueError(
+                f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
+                f"segment ids: {self._last_error} Or use partition='by_rollout'."
+            ) from self._last_error
+        reading = self._refuse_non_finite(reading, step)
+        self._audited_step = step
+        self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), step
         self.n_audits += 1
         if isinstance(reading, Refusal):
             self._drop_recorded()
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
             warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
-            self.metric.update_report(None)
+            # One update per reading: forward() below adds this step to the epoch state itself.
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
             text = reading.render()
             log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
             self.last_report, self.last_report_step = reading, step
             values = self.metric_values(reading)
+            if reading.ok:
+                self.part_shares.update(reading.part_names, reading.projected_share, reading.norm_share)
             values = self._with_readings(pl_module, reading, values, step)
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
@@ -373,19 +428,44 @@ class CreditAuditCallback(Callback):
                     batch,
                     self._partition_fn if self._partition_fn is not None else self.partition,
                     dtype=self.dtype,
-                    reference_grads=self._reference,
+                    reference_grads=self._pre_merge_reference(pl_module),
                     keep_grads=self.keep_grads,
                     forward_context=self._forward_context(pl_module),
                     engine=self.engine,
                     readings=self.reading_set,
                 )
         except Exception as err:  # a user-data failure must not end the training run
-            return Refusal(
-                "credit_audit",
-                f"{type(err).__name__}: {err}",
-                numbers={"step": self._step_of(pl_module)},
-                remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
-            )
+            self._last_error = err
+            numbers: dict[str, Any] = {"step": self._step_of(pl_module)}
+            condition, remedy = "credit_audit", "check what credit_terms returns for this step's batch (see docs/credit_audit.md)"
+            if isinstance(err, PartitionError):
+                condition, remedy = "partition", PARTITION_REMEDY
+            elif isinstance(err, CreditTermsError):
+                condition = f"credit_terms.{err.field}"
+                numbers.update(err.numbers)
+            return Refusal(condition, f"{type(err).__name__}: {err}", numbers=numbers, remedy=remedy)
+
+    @staticmethod
+    def _refuse_non_finite(reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
+        """A step whose loss or full gradient is not finite has no credit to split: a refusal, not an undefined reading."""
+        if isinstance(reading, Refusal) or (math.isfinite(reading.loss) and math.isfinite(reading.full_grad_norm)):
+            return reading
+        what = "loss" if not math.isfinite(reading.loss) else "full gradient"
+        return Refusal(
+            "non_finite_loss" if what == "loss" else "non_finite_gradient",
+            f"the {what} of this step is not finite (loss = {reading.loss!r}, ||g_full|| = {reading.full_grad_norm!r}); "
+            "credit is undefined and the optimizer step is likely corrupt.",
+            numbers={"step": step, "loss": reading.loss, "full_grad_norm": reading.full_grad_norm},
+            remedy="find where the loss becomes non-finite (log of 0, an overflow, a division by a zero count); "
+                   "torch.autograd.set_detect_anomaly(True) names the operation.",
+        )
+
+    def _pre_merge_reference(self, pl_module: LightningModule) -> Any:
+        # A merger listed before this callback has already changed .grad: compare with its pre-merge copy.
+        if self._reference != "grad" or not self._mergers:
+            return self._reference
+        ref = pre_merge_reference(self._mergers, pl_module.named_parameters(), self._step_of(pl_module))
+        return self._reference if ref is None else ref
 
     def _forward_context(self, pl_module: LightningModule) -> Any:
         from ._distributed import precision_context
@@ -470,7 +550,21 @@ class CreditAuditCallback(Callback):
 
     # ---- epoch means, text, figure, last report ---------------------------------------------------
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._close_stale_epoch(trainer)
+
+    def _close_stale_epoch(self, trainer: Trainer) -> None:
+        # Resumed from a checkpoint taken after the last batch of an epoch but before its end: Lightning
+        # skips that epoch's end (and the next one's start), so its readings are closed here, at the step
+        # they belong to, before the first reading of the new epoch.
+        if self._epoch_of_state is not None and self._epoch_of_state < trainer.current_epoch:
+            self._end_epoch(trainer, self._epoch_last_step)
+
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._end_epoch(trainer, max(trainer.global_step - 1, 0))
+
+    def _end_epoch(self, trainer: Trainer, step: int) -> None:
+        self._epoch_of_state = None
         if int(self.metric.n_readings) == 0:
             return
         names = self.last_report.part_names if self.last_report is not None else tuple(
@@ -478,10 +572,33 @@ class CreditAuditCallback(Callback):
         )
         # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
+        values = self._epoch_part_values(trainer, values)
         values = self._drop_positional(values)
         self.metric.reset()
+        self.part_shares.reset()
         self.last_epoch_values = values
-        log_scalars(trainer, values, max(trainer.global_step - 1, 0))  # already synchronised
+        self.last_epoch_step = step
+        log_scalars(trainer, values, step)  # already synchronised
+
+    def _epoch_part_values(self, trainer: Trainer, values: dict[str, float]) -> dict[str, float]:
+        """Swap the metric's position-keyed epoch shares for the name-keyed ones of :class:`PartShares`.
+
+        A part absent at a step counts as share 0 that step, so the epoch shares sum to 1 whatever parts
+        come and go (see lens_callbacks/metrics/part_shares.py).
+        """
+        acc = self.part_shares
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            states: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(states, acc.state_dict())  # every rank reaches this hook
+            acc = PartShares().merge(states)
+        p = f"{self.prefix}epoch/"
+        out = {k: v for k, v in values.items() if not k.startswith((f"{p}projected_share/", f"{p}norm_share/"))}
+        shares = acc.compute()
+        self.last_epoch_shares = dict(shares["projected_share"])
+        for key in ("projected_share", "norm_share"):
+            for name in list(shares[key])[: self.max_logged_parts]:
+                out[f"{p}{key}/{name}"] = shares[key][name]
+        return out
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last_text is None:
@@ -556,6 +673,9 @@ class CreditAuditCallback(Callback):
             "last_table_step": self._last_table_step,
             "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
             "readings": self.readings.state_dict(),
+            "part_shares": self.part_shares.state_dict(),
+            "epoch_of_state": self._epoch_of_state,
+            "epoch_last_step": self._epoch_last_step,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -564,6 +684,9 @@ class CreditAuditCallback(Callback):
         self.last_report_step = int(state_dict.get("last_report_step", -1))
         self._last_table_step = state_dict.get("last_table_step")
         self.readings.load_state_dict(state_dict.get("readings", {}))
+        self.part_shares.load_state_dict(state_dict.get("part_shares"))
+        self._epoch_of_state = state_dict.get("epoch_of_state")
+        self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
         for name, value in state_dict.get("metric", {}).items():
             if name in self.metric._defaults:
                 cur = getattr(self.metric, name)

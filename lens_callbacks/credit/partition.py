@@ -36,7 +36,23 @@ __all__ = [
     "PARTITIONS",
     "POSITIONAL_PARTITIONS",
     "resolve_partition",
+    "PartitionError",
+    "MissingSegmentsError",
+    "PARTITION_REMEDY",
 ]
+
+PARTITION_REMEDY = (
+    "fix the partition: every trained position in exactly one part, untrained ones in none (ids -1); "
+    "see docs/credit_audit.md, Partitions"
+)
+
+
+class PartitionError(ValueError):
+    """A partition that does not partition the trained positions (the remedy is in the partition, not the terms)."""
+
+
+class MissingSegmentsError(PartitionError):
+    """A segment partition (``by_segment``, ``by_turn``) on terms that carry no segment ids: a set-up error."""
 
 
 @dataclass(frozen=True)
@@ -53,20 +69,20 @@ class Partition:
 
     def __post_init__(self) -> None:
         if not isinstance(self.ids, torch.Tensor) or self.ids.dim() != 2:
-            raise ValueError(f"`ids` must be a [B, T] integer tensor, got {_desc(self.ids)}.")
+            raise PartitionError(f"`ids` must be a [B, T] integer tensor, got {_desc(self.ids)}.")
         if self.ids.is_floating_point() or self.ids.dtype == torch.bool:
-            raise ValueError(f"`ids` must be an integer tensor, got dtype {self.ids.dtype}; use `ids.long()`.")
+            raise PartitionError(f"`ids` must be an integer tensor, got dtype {self.ids.dtype}; use `ids.long()`.")
         object.__setattr__(self, "names", tuple(str(n) for n in self.names))
         if len(self.names) == 0:
-            raise ValueError("`names` must name at least one part, got an empty partition.")
+            raise PartitionError("`names` must name at least one part, got an empty partition.")
         if len(set(self.names)) != len(self.names):
             dup = sorted({n for n in self.names if self.names.count(n) > 1})
-            raise ValueError(f"`names` must be unique, got duplicates {dup!r}.")
+            raise PartitionError(f"`names` must be unique, got duplicates {dup!r}.")
         if self.ids.numel() == 0:
             return  # an empty batch: nothing to bound (check_covers still checks the shape)
         lo, hi = int(self.ids.min()), int(self.ids.max())
         if lo < -1 or hi >= len(self.names):
-            raise ValueError(
+            raise PartitionError(
                 f"`ids` must lie in -1 .. {len(self.names) - 1} (one id per name), got values in {lo} .. {hi}."
             )
 
@@ -81,21 +97,21 @@ class Partition:
     def check_covers(self, trained: torch.Tensor) -> None:
         """Raise ``ValueError`` unless every trained position is in exactly one part and no other is."""
         if tuple(trained.shape) != tuple(self.ids.shape):
-            raise ValueError(
+            raise PartitionError(
                 f"partition `ids` must have the shape of `trained` {list(trained.shape)}, got {list(self.ids.shape)}."
             )
         ids = self.ids.to(trained.device)
         uncovered = trained & (ids < 0)
         if uncovered.any():
             pos = [tuple(p) for p in uncovered.nonzero()[:5].tolist()]
-            raise ValueError(
+            raise PartitionError(
                 f"partition leaves {int(uncovered.sum())} trained position(s) in no part, e.g. (row, t) = {pos}; "
                 "every trained position must be in exactly one part."
             )
         stray = (~trained) & (ids >= 0)
         if stray.any():
             pos = [tuple(p) for p in stray.nonzero()[:5].tolist()]
-            raise ValueError(
+            raise PartitionError(
                 f"partition puts {int(stray.sum())} untrained position(s) in a part, e.g. (row, t) = {pos}; "
                 "set their id to -1."
             )
@@ -104,14 +120,14 @@ class Partition:
     def from_masks(masks: Sequence[torch.Tensor], names: Sequence[str]) -> "Partition":
         """Build a partition from one ``[B, T]`` bool mask per part; overlapping masks raise."""
         if len(masks) == 0:
-            raise ValueError("`masks` must hold at least one part mask, got an empty list.")
+            raise PartitionError("`masks` must hold at least one part mask, got an empty list.")
         if len(masks) != len(names):
-            raise ValueError(f"`names` must name each mask: got {len(masks)} masks and {len(names)} names.")
+            raise PartitionError(f"`names` must name each mask: got {len(masks)} masks and {len(names)} names.")
         stack = torch.stack([m.bool() for m in masks])  # [m, B, T]
         count = stack.sum(0)
         if (count > 1).any():
             pos = [tuple(p) for p in (count > 1).nonzero()[:5].tolist()]
-            raise ValueError(
+            raise PartitionError(
                 f"parts overlap at {int((count > 1).sum())} position(s), e.g. (row, t) = {pos}; "
                 "each position may lie in one part only."
             )
@@ -133,7 +149,7 @@ def by_rollout(terms: CreditTerms) -> Partition:
     """One part per rollout (row id in ``terms.rollout``)."""
     inv, uniq = _dense_ids(terms.rollout.cpu())
     if len(uniq) == 0:
-        raise ValueError("`by_rollout` needs at least one rollout, got an empty batch.")
+        raise PartitionError("`by_rollout` needs at least one rollout, got an empty batch.")
     ids = inv.view(-1, 1).expand_as(terms.trained).clone()
     ids[~terms.trained.cpu()] = -1
     return Partition(ids.to(terms.trained.device), tuple(f"rollout_{u}" for u in uniq))
@@ -143,7 +159,7 @@ def by_group(terms: CreditTerms) -> Partition:
     """One part per prompt group (``terms.group``)."""
     inv, uniq = _dense_ids(terms.group.cpu())
     if len(uniq) == 0:
-        raise ValueError("`by_group` needs at least one group, got an empty batch.")
+        raise PartitionError("`by_group` needs at least one group, got an empty batch.")
     ids = inv.view(-1, 1).expand_as(terms.trained).clone()
     ids[~terms.trained.cpu()] = -1
     return Partition(ids.to(terms.trained.device), tuple(f"group_{u}" for u in uniq))
@@ -156,7 +172,7 @@ def trained_segments(terms: CreditTerms) -> tuple[torch.Tensor, torch.Tensor]:
     bad = trained & (seg < 0)
     if bad.any():
         pos = [tuple(p) for p in bad.nonzero()[:5].tolist()]
-        raise ValueError(
+        raise PartitionError(
             f"`segment` is -1 at {int(bad.sum())} trained position(s), e.g. (row, t) = {pos}; every trained "
             "position needs a segment id."
         )
@@ -170,7 +186,7 @@ def by_segment(terms: CreditTerms) -> Partition:
     part answers "which turn got the credit" over the whole step.
     """
     if terms.segment is None:
-        raise ValueError(
+        raise MissingSegmentsError(
             "`by_segment` needs `CreditTerms.segment` ([B, T] turn ids), got None. Return segment ids from "
             "`credit_terms` (see `turn_segments`) or use partition='by_rollout'."
         )
@@ -178,7 +194,7 @@ def by_segment(terms: CreditTerms) -> Partition:
     vals = seg[trained]
     inv, uniq = _dense_ids(vals)
     if len(uniq) == 0:
-        raise ValueError("`by_segment` needs at least one trained position, got none.")
+        raise PartitionError("`by_segment` needs at least one trained position, got none.")
     ids = torch.full_like(seg, -1, dtype=torch.long)
     ids[trained] = inv
     names = terms.segment_names

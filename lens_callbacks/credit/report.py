@@ -162,7 +162,10 @@ class CreditReport:
         lines.append(
             f"cancellation {self.cancellation:.4f} ({100 * self.cancelled_fraction:.1f}% of per-part mass cancels)"
         )
-        lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by its own backward)")
+        if self.ok:
+            lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by its own backward)")
+        else:  # relative to a zero or non-finite ||g_full||: undefined, as the logged scalar says
+            lines.append(f"conservation_error nan (||Σ g_S − g_full|| = {self.conservation_error:.3e}, relative to ||g_full|| = {self.full_grad_norm:.3e})")
         if self.grad_match is not None:
             lines.append(f"grad_match {self.grad_match:.3e} (g_full vs the trainer's .grad)")
         if self.reason:

@@ -16,7 +16,16 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CreditTerms", "CreditSource", "is_credit_source"]
+__all__ = ["CreditTerms", "CreditSource", "is_credit_source", "CreditTermsError"]
+
+
+class CreditTermsError(ValueError):
+    """A ``CreditTerms`` field breaks the contract; ``field`` names it, ``numbers`` holds what was found."""
+
+    def __init__(self, field: str, message: str, numbers: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.numbers = dict(numbers or {})
 
 
 @dataclass
@@ -80,8 +89,19 @@ class CreditTerms:
         if not t.is_floating_point():
             raise ValueError(f"`terms` must be floating point, got dtype {t.dtype}.")
         B, T = t.shape
-        if not isinstance(self.trained, torch.Tensor) or tuple(self.trained.shape) != (B, T):
-            raise ValueError(f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(self.trained)}.")
+        tr = self.trained
+        if isinstance(tr, torch.Tensor) and tr.dim() == 2 and tr.dtype == torch.bool and tuple(tr.shape) != (B, T):
+            rows = self.rollout.shape[0] if isinstance(self.rollout, torch.Tensor) and self.rollout.dim() == 1 else None
+            if rows is None or rows == tr.shape[0]:
+                # `trained` is a well-formed mask that agrees with the rows: the computed terms are the odd one out.
+                raise CreditTermsError(
+                    "terms",
+                    f"`terms` must have the shape of `trained` [B, T] = {list(tr.shape)}, got {list(t.shape)}. Return one "
+                    "term per (row, position) of the batch, including the zeros at untrained positions.",
+                    {"terms_shape": str(list(t.shape)), "trained_shape": str(list(tr.shape))},
+                )
+        if not isinstance(tr, torch.Tensor) or tuple(tr.shape) != (B, T):
+            raise CreditTermsError("trained", f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(tr)}.")
         if self.trained.dtype != torch.bool:
             raise ValueError(f"`trained` must be bool, got dtype {self.trained.dtype}; use `mask.bool()`.")
         for name in ("rollout", "group"):
@@ -100,6 +120,21 @@ class CreditTerms:
             raise ValueError(f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
         if self.tokens is not None and (not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)):
             raise ValueError(f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
+        # The contract says untrained positions hold exactly 0: a non-zero there would enter g_full and no part.
+        # (A value check costs one device sync per construction.)
+        # A non-finite value there makes the loss non-finite, which the audit reports as such.
+        d = t.detach()
+        stray = (d != 0) & torch.isfinite(d) & ~self.trained.to(t.device)  # [B, T]
+        if bool(stray.any()):
+            n = int(stray.sum())
+            pos = [tuple(p) for p in stray.nonzero()[:5].tolist()]
+            raise CreditTermsError(
+                "terms",
+                f"`terms` must be exactly 0 at untrained positions, got {n} non-zero untrained position(s), e.g. "
+                f"(row, t) = {pos}. Mask the terms: `torch.where(trained, terms, torch.zeros_like(terms))`, or mark "
+                "those positions trained.",
+                {"untrained_nonzero": n, "first_positions": str(pos)},
+            )
         self._validate_row_labels(B)
 
     def _validate_row_labels(self, B: int) -> None:

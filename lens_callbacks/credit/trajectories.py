@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from ..refusal import Refusal
-from .partition import Partition, trained_segments
+from .partition import MissingSegmentsError, Partition, trained_segments
 from .terms import CreditTerms
 
 __all__ = [
@@ -426,7 +426,7 @@ def by_turn(terms: CreditTerms) -> Partition:
     exactly zero in the report rather than missing from it.
     """
     if terms.segment is None or terms.segment_names is None:
-        raise ValueError(
+        raise MissingSegmentsError(
             "`by_turn` needs `CreditTerms.segment` and `segment_names`, got None; return them from `credit_terms` "
             "with `segment, names = turn_segments(segments)`."
         )

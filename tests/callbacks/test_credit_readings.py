@@ -50,7 +50,7 @@ def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scala
     audit = CreditAuditCallback(partition=["by_rollout", "by_advantage_sign"], extra_partitions=["by_source", "by_reward"],
                                 dtype="float64")
     check = _Check(audit, names)
-    _fit([audit, check], steps=4, seed=2, module_kw=F64)
+    _fit([audit, check], steps=6, seed=2, module_kw=F64)
     defined = 0
     for values, report, direct, extra in check.rows:
         assert not any("rollout_" in k for k in values), sorted(k for k in values if "rollout_" in k)

@@ -341,8 +341,11 @@ def first_two_positions(terms: CreditTerms) -> Partition:
 
 
 def test_credit_terms_validation_names_the_field():
-    with pytest.raises(ValueError, match=r"`trained` must be a \[B, T\] = \[2, 3\] bool tensor"):
+    # A well-formed mask that agrees with the rows: the terms are the wrong field, not `trained`.
+    with pytest.raises(ValueError, match=r"`terms` must have the shape of `trained` \[B, T\] = \[2, 4\], got \[2, 3\]"):
         CreditTerms(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"`trained` must be a \[B, T\] = \[2, 3\] bool tensor"):
+        CreditTerms(torch.zeros(2, 3), torch.ones(3, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="`trained` must be bool"):
         CreditTerms(torch.zeros(2, 3), torch.ones(2, 3), torch.arange(2), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"`group` must be a \[B\]"):
