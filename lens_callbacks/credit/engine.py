@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .partition import Partition, PartitionFn, resolve_partition
+from .partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .report import CreditGrads, CreditReport
 from .terms import CreditTerms, is_credit_source
 
@@ -264,13 +264,7 @@ def disintegrate(
         with (forward_context() if forward_context is not None else contextlib.nullcontext()):
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
         onto = _onto(leaves, project_onto)
-        part = spec if isinstance(spec, Partition) else spec(terms)
-        if not isinstance(part, Partition):
-            raise TypeError(
-                f"`partition` callable must return a Partition, got {type(part).__name__}; return "
-                "Partition(ids, names) or Partition.from_masks(masks, names)."
-            )
-        part.check_covers(terms.trained)
+        part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)
 
         with torch.enable_grad():

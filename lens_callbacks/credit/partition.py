@@ -352,6 +352,18 @@ def resolve_partition(spec: Union[str, PartitionFn, Partition]) -> Union[Partiti
     )
 
 
+def apply_partition(spec: Union[PartitionFn, Partition], terms: CreditTerms) -> Partition:
+    """The :class:`Partition` of ``terms`` that ``spec`` (resolved) gives, checked to cover the trained positions."""
+    part = spec if isinstance(spec, Partition) else spec(terms)
+    if not isinstance(part, Partition):
+        raise TypeError(
+            f"`partition` callable must return a Partition, got {type(part).__name__}; return "
+            "Partition(ids, names) or Partition.from_masks(masks, names)."
+        )
+    part.check_covers(terms.trained)
+    return part
+
+
 def _desc(v: object) -> str:
     if isinstance(v, torch.Tensor):
         return f"a tensor of shape {list(v.shape)} and dtype {v.dtype}"

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from .engine import DTypeSpec, _dot, _grad, _partition_name, _preserved_rng, _sqnorm, evaluate_terms
-from .engines.jvp import _replayed_rng, _resolve_part, _rng_snapshot, part_sums, terms_jvp
-from .partition import Partition, PartitionFn, resolve_partition
+from .engines.jvp import _replayed_rng, _rng_snapshot, part_sums, terms_jvp
+from .partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .terms import CreditTerms
 
 __all__ = ["UpdateShareReport", "update_shares"]
@@ -197,7 +197,7 @@ def update_shares(
     with _preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=theta_before)
-        part = _resolve_part(spec, terms)
+        part = apply_partition(spec, terms)
         n_trained = terms.n_trained
         with torch.enable_grad():
             g = _grad(terms.terms.sum(), leaves, retain=False)

@@ -33,7 +33,6 @@ from ..engine import (
     DTypeSpec,
     _TermsCall,
     _diff_norm,
-    _dot,
     _grad,
     _partition_name,
     _preserved_rng,
@@ -43,7 +42,7 @@ from ..engine import (
     evaluate_terms,
     resolve_dtype,
 )
-from ..partition import Partition, PartitionFn, resolve_partition
+from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditReport
 from ..terms import CreditTerms
 
@@ -173,17 +172,6 @@ def part_sums(values: torch.Tensor, part: Partition) -> list[float]:
     return [float(x) for x in out.cpu()]
 
 
-def _resolve_part(spec: Union[PartitionFn, Partition], terms: CreditTerms) -> Partition:
-    part = spec if isinstance(spec, Partition) else spec(terms)
-    if not isinstance(part, Partition):
-        raise TypeError(
-            f"`partition` callable must return a Partition, got {type(part).__name__}; return "
-            "Partition(ids, names) or Partition.from_masks(masks, names)."
-        )
-    part.check_covers(terms.trained)
-    return part
-
-
 def disintegrate_jvp(
     module: nn.Module,
     batch: Any,
@@ -256,7 +244,7 @@ def disintegrate_jvp(
     with _preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
-        part = _resolve_part(spec, terms)
+        part = apply_partition(spec, terms)
         n_trained = terms.n_trained
         with torch.enable_grad():
             loss = terms.terms.sum()
