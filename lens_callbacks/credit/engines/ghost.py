@@ -253,16 +253,29 @@ def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
     return r if sel.numel() == B else r[sel]
 
 
-def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Optional[torch.Tensor]:
-    """This use's contribution to ``param`` for the ``c`` parts of the chunk (``rp``: chunk-local part per row)."""
+class _Rows:
+    """Which rows a chunk of parts holds, worked out once per chunk (each of these costs a device sync)."""
+
+    __slots__ = ("rp", "sel", "dst", "c", "in_order")
+
+    def __init__(self, rp: torch.Tensor, c: int) -> None:
+        self.rp = rp  # [B] chunk-local part of each row, -1 outside the chunk
+        self.c = c
+        self.sel = (rp >= 0).nonzero().squeeze(1)  # [r] rows in the chunk
+        self.dst = rp[self.sel]  # [r]
+        # One row per part, in order (by_rollout): a row's product is its part's piece.
+        self.in_order = self.sel.numel() == c and bool((self.dst == torch.arange(c, device=rp.device)).all())
+
+
+def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.Tensor]:
+    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes."""
     a, g = use.a, use.b
     if g is None:
         return None
-    B = rp.shape[0]
-    sel = (rp >= 0).nonzero().squeeze(1)  # rows in the chunk
-    dst = rp[sel]  # [r]
+    B = rows.rp.shape[0]
+    sel, dst, c = rows.sel, rows.dst, rows.c
     is_w = param is use.weight
-    if use.rule in ("linear", "conv1d") and is_w and sel.numel() == c and bool((dst == torch.arange(c, device=dst.device)).all()):
+    if use.rule in ("linear", "conv1d") and is_w and rows.in_order:
         # One row per part, in order (by_rollout): the per-row product is the piece itself.
         G = _take(g, sel, B)  # [c, n, out]
         A = _take(a, sel, B).to(g.dtype)  # [c, n, in]
@@ -348,7 +361,23 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
 
 def _sq(x: torch.Tensor) -> float:
     """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
-    return float(torch.sum(x.double() ** 2))
+    return float(_sq_t(x))
+
+
+def _sq_t(x: torch.Tensor) -> torch.Tensor:
+    """``‖x‖²`` as a float64 0-d tensor: summed on the device, read back once with the others."""
+    return torch.linalg.vector_norm(x, dtype=torch.float64) ** 2
+
+
+def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
+    """``Σ ‖x‖²`` over tensors in float64 with a single read-back."""
+    parts = [_sq_t(x) for x in xs]
+    return float(torch.stack(parts).sum()) if parts else 0.0
+
+
+def _part_sum(P: torch.Tensor) -> torch.Tensor:
+    """``P.sum(0)`` of a ``[c, n]`` block as a matrix-vector product (a column sum strides badly on a CPU)."""
+    return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
 
 
 class _Accum:
@@ -357,7 +386,7 @@ class _Accum:
     def __init__(self, m: int, gram: bool, device: torch.device) -> None:
         self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
         self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if gram else None  # [m, m]
-        self.diff_sq = 0.0
+        self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
 
     def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
         gf = g_full.reshape(-1)  # [n]
@@ -366,15 +395,15 @@ class _Accum:
             self.dots += (P @ gf.to(P.dtype)).double()
             if self.gram is not None:
                 self.gram += (P @ P.T).double()
-            total = P.sum(0)
-            self.diff_sq += _sq(total - gf.to(total.dtype))
+            total = _part_sum(P)
+            self.diff_sq += _sq_t(total - gf.to(total.dtype))
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
             self.dots[idx] += (P @ gf.to(P.dtype)).double()
-            total += P.sum(0).to(total.dtype)
+            total += _part_sum(P).to(total.dtype)
             if self.gram is not None:
                 self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
                 for cj in chunks[i + 1 :]:
@@ -384,7 +413,7 @@ class _Accum:
                     self.gram[idx[:, None], jdx[None, :]] += block
                     self.gram[jdx[:, None], idx[None, :]] += block.T
             del P
-        self.diff_sq += _sq(total - gf.to(total.dtype))
+        self.diff_sq += _sq_t(total - gf.to(total.dtype))
         return total.view_as(g_full) if keep_sum else None
 
 
@@ -478,7 +507,7 @@ def disintegrate_ghost(
     if reference_grads is not None:
         ref = _reference(module, names, reference_grads)
         if ref is not None:
-            full_norm = math.sqrt(math.fsum(_sq(g) for g in g_full))
+            full_norm = math.sqrt(_sum_sq(g_full))
             ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
             grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
     return build_report(
@@ -494,7 +523,7 @@ def build_report(
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
     g_full, total_list, dots, gram, diff_sq, coverage = reduced
     m = len(part_names)
-    full_sq = math.fsum(_sq(g) for g in g_full)
+    full_sq = _sum_sq(g_full)
     full_norm = math.sqrt(full_sq)
     reason = None
     if not math.isfinite(full_sq):
@@ -640,25 +669,25 @@ def reduce_pieces(
     acc = _Accum(m, readings == "all", device)
     totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
     coverage: dict[str, int] = {}
-    local_rows: dict[tuple[int, ...], torch.Tensor] = {}
+    local_rows: dict[tuple[int, ...], _Rows] = {}
 
-    def rows_of(chunk: list[int]) -> torch.Tensor:
-        """Chunk-local part id of each row (``-1`` outside the chunk), shared by every parameter."""
+    def rows_of(chunk: list[int]) -> _Rows:
+        """The rows of a chunk (chunk-local part id of each row, ``-1`` outside), shared by every parameter."""
         key = tuple(chunk)
         if key not in local_rows:
             local = torch.full((m,), -1, dtype=torch.long, device=device)
             local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
-            local_rows[key] = torch.where(rp >= 0, local[rp.clamp(min=0)], rp)  # [B]
+            local_rows[key] = _Rows(torch.where(rp >= 0, local[rp.clamp(min=0)], rp), len(chunk))  # [B]
         return local_rows[key]
 
     for i, us in by_leaf.items():
         p = leaves[i]
 
         def pieces(chunk: list[int], p=p, us=us) -> torch.Tensor:
-            rloc = rows_of(chunk)  # [B]
+            rows = rows_of(chunk)
             acc_p = None
             for u in us:
-                piece = _use_pieces(u, p, rloc, len(chunk))
+                piece = _use_pieces(u, p, rows)
                 if piece is not None:
                     acc_p = piece if acc_p is None else acc_p + piece
             if acc_p is None:
@@ -679,7 +708,7 @@ def reduce_pieces(
         if acc.gram is not None:
             acc.gram += (fb @ fb.T).double()
         s = fb.sum(0)
-        acc.diff_sq += float(torch.sum((s.double() - gf.double()) ** 2))
+        acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
         if keep_sum:
             off = 0
             for i in fallback:
@@ -689,7 +718,7 @@ def reduce_pieces(
     if verify is not None:
         _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m)
     total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep_sum else []
-    return g_full, total_list, acc.dots, acc.gram, acc.diff_sq, tuple(sorted(coverage.items()))
+    return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items()))
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
@@ -842,7 +871,7 @@ class RideAlong:
         reduced = reduce_pieces(
             self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
         )
-        full = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+        full = math.sqrt(_sum_sq(g_full))
         err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
         if not err <= 10 * tol:
             return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
