@@ -40,6 +40,7 @@ from torch import nn
 from ..partition import Partition, PartitionFn, resolve_partition
 from ..report import CreditGrads, CreditReport
 from ..terms import CreditTerms
+from .ghost_routes import ROUTES, choose_route, ghost_param
 
 __all__ = [
     "disintegrate_ghost",
@@ -435,6 +436,7 @@ def disintegrate_ghost(
     verify_part: bool = False,
     params: Optional[Mapping[str, torch.Tensor]] = None,
     forward_context: Optional[Callable[[], Any]] = None,
+    route: str = "auto",
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -455,6 +457,8 @@ def disintegrate_ghost(
         params: name → tensor to evaluate the terms at instead of the live parameters.
         forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
             (e.g. a trainer's autocast).
+        route: how ``Linear``/``Conv1D`` weights are read: ``"auto"`` (per layer, the cheaper of the two),
+            ``"direct"`` (per-row weight products) or ``"ghost"`` (the ghost identities, no per-row piece).
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -467,6 +471,8 @@ def disintegrate_ghost(
 
     if readings not in ("all", "projected"):
         raise ValueError(f"`readings` must be one of ['all', 'projected'], got {readings!r}.")
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}; 'auto' picks per layer by cost.")
     mixing = row_interacting_modules(module)
     if mixing:
         raise RowInteraction(
@@ -501,7 +507,7 @@ def disintegrate_ghost(
         B = int(terms.terms.shape[0])
         with torch.enable_grad():
             loss = terms.terms.sum()
-            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route)
     grad_match = None
     g_full = reduced[0]
     if reference_grads is not None:
@@ -587,6 +593,7 @@ def _run(
     keep_grads: bool,
     memory_budget: Optional[int],
     verify_part: bool,
+    route: str = "auto",
 ):
     by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
@@ -601,7 +608,7 @@ def _run(
         fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
     return reduce_pieces(
         cap.uses, by_leaf, leaves, g_full, rp, m, readings, keep_grads, memory_budget, fallback, fb,
-        verify=(terms, ids) if verify_part else None,
+        verify=(terms, ids) if verify_part else None, route=route,
     )
 
 
@@ -659,8 +666,14 @@ def reduce_pieces(
     fallback: Sequence[int],
     fb: Optional[torch.Tensor],
     verify: Optional[tuple] = None,
+    route: str = "auto",
 ):
-    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts)."""
+    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
+
+    ``route`` picks, for every ``Linear``/``Conv1D`` weight, how its per-part readings are formed:
+    ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
+    ghost identities; no per-row piece is formed). Other parameters always take the direct route.
+    """
     device = g_full[0].device if g_full else torch.device("cpu")
     rp = rp.to(device)
     rows_per_part = torch.bincount(rp[rp >= 0], minlength=m).tolist() if m else []
@@ -670,6 +683,11 @@ def reduce_pieces(
     totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
     coverage: dict[str, int] = {}
     local_rows: dict[tuple[int, ...], _Rows] = {}
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
+    B = int(rp.shape[0])
+    n_rows = sum(rows_per_part)
+    sel_dst: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def rows_of(chunk: list[int]) -> _Rows:
         """The rows of a chunk (chunk-local part id of each row, ``-1`` outside), shared by every parameter."""
@@ -695,7 +713,15 @@ def reduce_pieces(
             return acc_p
 
         chunks = _chunks(rows_per_part, p.numel(), max(1, budget // 2))
-        totals[i] = acc.add(pieces, chunks, g_full[i], keep_sum)
+        if choose_route(us, p, n_rows, m, len(chunks), acc.gram is not None, route) == "ghost":
+            if sel_dst is None:
+                sel_all = (rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
+                sel_dst = (sel_all, rp[sel_all])
+            total, diff = ghost_param(us, g_full[i], sel_dst[0], sel_dst[1], B, acc.dots, acc.gram, max(1, budget // 2))
+            acc.diff_sq += diff
+            totals[i] = total if keep_sum else None
+        else:
+            totals[i] = acc.add(pieces, chunks, g_full[i], keep_sum)
         key = "+".join(sorted({u.rule for u in us}))
         coverage[key] = coverage.get(key, 0) + p.numel()
     if fallback:
@@ -834,6 +860,7 @@ class RideAlong:
         readings: str = "all",
         memory_budget: Optional[int] = None,
         keep_grads: bool = False,
+        route: str = "auto",
     ) -> Union[CreditReport, str]:
         """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read."""
         self.stop()
@@ -869,7 +896,8 @@ class RideAlong:
         if keep_grads:
             g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
         reduced = reduce_pieces(
-            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
+            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
+            route=route,
         )
         full = math.sqrt(_sum_sq(g_full))
         err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
