@@ -360,13 +360,9 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
     return out
 
 
-def _sq(x: torch.Tensor) -> float:
-    """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
-    return float(_sq_t(x))
-
-
 def _sq_t(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖²`` as a float64 0-d tensor: summed on the device, read back once with the others."""
+    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others (the difference of
+    two nearly equal vectors is exact in their dtype)."""
     return torch.linalg.vector_norm(x, dtype=torch.float64) ** 2
 
 
