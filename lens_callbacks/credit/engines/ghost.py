@@ -593,8 +593,15 @@ def _run(
 ):
     by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route)
     if loss.requires_grad:
-        gs = torch.autograd.grad(loss, list(leaves), retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        # Each covered parameter is reduced inside the backward, as soon as its gradient exists.
+        handles = [leaves[i].register_hook(red.hook(i)) for i in by_leaf]
+        try:
+            gs = torch.autograd.grad(loss, list(leaves), retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
         g_full = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
     else:
         g_full = [torch.zeros_like(x) for x in leaves]
@@ -602,10 +609,7 @@ def _run(
     fb = None
     if fallback and loss.requires_grad:
         fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
-    return reduce_pieces(
-        cap.uses, by_leaf, leaves, g_full, rp, m, readings, keep_grads, memory_budget, fallback, fb,
-        verify=(terms, ids) if verify_part else None, route=route,
-    )
+    return red.finish(g_full, fallback, fb, (terms, ids) if verify_part else None)
 
 
 def seal(uses: Iterable[_Use]) -> None:
@@ -670,77 +674,124 @@ def reduce_pieces(
     ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
     ghost identities; no per-row piece is formed). Other parameters always take the direct route.
     """
-    device = g_full[0].device if g_full else torch.device("cpu")
-    rp = rp.to(device)
-    rows_per_part = torch.bincount(rp[rp >= 0], minlength=m).tolist() if m else []
-    n_total = sum(x.numel() for x in leaves)
-    budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
-    acc = _Accum(m, readings == "all", device)
-    totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
-    coverage: dict[str, int] = {}
-    local_rows: dict[tuple[int, ...], _Rows] = {}
-    if route not in ROUTES:
-        raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
-    B = int(rp.shape[0])
-    n_rows = sum(rows_per_part)
-    sel_dst: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route)
+    return red.finish(g_full, fallback, fb, verify)
 
-    def rows_of(chunk: list[int]) -> _Rows:
+
+class _Reducer:
+    """The per-parameter reductions of :func:`reduce_pieces`, one parameter at a time.
+
+    :meth:`hook` gives a gradient hook for a covered parameter: registered on the parameter before the
+    backward, it reduces the parameter as soon as its gradient exists (every use's output gradient is
+    captured by then: a layer's output gradient is complete before the layer's own backward runs) and
+    then drops the captured tensors no other parameter still needs, so the output gradients of the whole
+    network are never held at once. :meth:`finish` reduces whatever has not been, adds the fallback's
+    parts and returns what :func:`build_report` takes.
+    """
+
+    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
+        self.device = leaves[0].device if leaves else torch.device("cpu")
+        self.by_leaf, self.leaves, self.m, self.keep_sum, self.route = by_leaf, leaves, m, keep_sum, route
+        self.rp = rp.to(self.device)
+        self.rows_per_part = torch.bincount(self.rp[self.rp >= 0], minlength=m).tolist() if m else []
+        n_total = sum(x.numel() for x in leaves)
+        self.budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
+        self.acc = _Accum(m, readings == "all", self.device)
+        self.totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
+        self.coverage: dict[str, int] = {}
+        self.local_rows: dict[tuple[int, ...], _Rows] = {}
+        self.B = int(self.rp.shape[0])
+        self.n_rows = sum(self.rows_per_part)
+        self.sel_dst: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.done: set[int] = set()
+        self.pending: dict[int, int] = {}  # id(use) → covered parameters of it not yet reduced
+        for us in by_leaf.values():
+            for u in us:
+                self.pending[id(u)] = self.pending.get(id(u), 0) + 1
+
+    def rows_of(self, chunk: list[int]) -> _Rows:
         """The rows of a chunk (chunk-local part id of each row, ``-1`` outside), shared by every parameter."""
         key = tuple(chunk)
-        if key not in local_rows:
+        if key not in self.local_rows:
+            m, device, rp = self.m, self.device, self.rp
             local = torch.full((m,), -1, dtype=torch.long, device=device)
             local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
-            local_rows[key] = _Rows(torch.where(rp >= 0, local[rp.clamp(min=0)], rp), len(chunk))  # [B]
-        return local_rows[key]
+            self.local_rows[key] = _Rows(torch.where(rp >= 0, local[rp.clamp(min=0)], rp), len(chunk))  # [B]
+        return self.local_rows[key]
 
-    for i, us in by_leaf.items():
-        p = leaves[i]
+    def hook(self, i: int, release: bool = True) -> Callable[[torch.Tensor], None]:
+        def on_grad(g: torch.Tensor) -> None:
+            self.param(i, g.detach(), release)
+            return None
 
-        def pieces(chunk: list[int], p=p, us=us) -> torch.Tensor:
-            rows = rows_of(chunk)
+        return on_grad
+
+    def param(self, i: int, g: torch.Tensor, release: bool = False) -> None:
+        """Reduce parameter ``i`` against its full gradient ``g``."""
+        if i in self.done:
+            return
+        us, p, acc = self.by_leaf[i], self.leaves[i], self.acc
+
+        def pieces(chunk: list[int]) -> torch.Tensor:
+            rows = self.rows_of(chunk)
             acc_p = None
             for u in us:
                 piece = _use_pieces(u, p, rows)
                 if piece is not None:
                     acc_p = piece if acc_p is None else acc_p + piece
             if acc_p is None:
-                acc_p = torch.zeros((len(chunk),) + tuple(p.shape), dtype=g_full[i].dtype, device=device)
+                acc_p = torch.zeros((len(chunk),) + tuple(p.shape), dtype=g.dtype, device=self.device)
             return acc_p
 
-        chunks = _chunks(rows_per_part, p.numel(), max(1, budget // 2))
-        if choose_route(us, p, n_rows, m, len(chunks), acc.gram is not None, route) == "ghost":
-            if sel_dst is None:
-                sel_all = (rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
-                sel_dst = (sel_all, rp[sel_all])
-            total, diff = ghost_param(us, g_full[i], sel_dst[0], sel_dst[1], B, acc.dots, acc.gram, max(1, budget // 2))
+        half = max(1, self.budget // 2)
+        chunks = _chunks(self.rows_per_part, p.numel(), half)
+        if choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route) == "ghost":
+            if self.sel_dst is None:
+                sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
+                self.sel_dst = (sel_all, self.rp[sel_all])
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half)
             acc.diff_sq += diff
-            totals[i] = total if keep_sum else None
+            self.totals[i] = total if self.keep_sum else None
         else:
-            totals[i] = acc.add(pieces, chunks, g_full[i], keep_sum)
+            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum)
         key = "+".join(sorted({u.rule for u in us}))
-        coverage[key] = coverage.get(key, 0) + p.numel()
-    if fallback:
-        gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
-        n_fb = int(gf.numel())
-        coverage["fallback"] = n_fb
-        if fb is None:
-            fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=device)
-        acc.dots += (fb @ gf.to(fb.dtype)).double()
-        if acc.gram is not None:
-            acc.gram += (fb @ fb.T).double()
-        s = fb.sum(0)
-        acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
-        if keep_sum:
-            off = 0
-            for i in fallback:
-                n = leaves[i].numel()
-                totals[i] = s[off : off + n].view_as(leaves[i])
-                off += n
-    if verify is not None:
-        _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m)
-    total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep_sum else []
-    return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items()))
+        self.coverage[key] = self.coverage.get(key, 0) + p.numel()
+        self.done.add(i)
+        if release:
+            for u in us:
+                self.pending[id(u)] -= 1
+                if self.pending[id(u)] == 0:
+                    u.a = u.b = u.xhat = None  # every parameter of this use is read: let the tensors go
+
+    def finish(self, g_full, fallback, fb, verify):
+        acc, m, leaves, totals = self.acc, self.m, self.leaves, self.totals
+        for i in self.by_leaf:
+            self.param(i, g_full[i])
+        coverage = self.coverage
+        if fallback:
+            gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
+            n_fb = int(gf.numel())
+            coverage["fallback"] = n_fb
+            if fb is None:
+                fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=self.device)
+            acc.dots += (fb @ gf.to(fb.dtype)).double()
+            if acc.gram is not None:
+                acc.gram += (fb @ fb.T).double()
+            s = fb.sum(0)
+            acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
+            if self.keep_sum:
+                off = 0
+                for i in fallback:
+                    n = leaves[i].numel()
+                    totals[i] = s[off : off + n].view_as(leaves[i])
+                    off += n
+        if verify is not None:
+            _verify_one_part(verify, leaves, g_full, acc, self.rows_per_part, self.by_leaf, fallback, fb, self.rp, m)
+        keep = self.keep_sum
+        total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
+        return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items()))
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
