@@ -363,7 +363,8 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
 def _sq_t(x: torch.Tensor) -> torch.Tensor:
     """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others (the difference of
     two nearly equal vectors is exact in their dtype)."""
-    return torch.linalg.vector_norm(x, dtype=torch.float64) ** 2
+    x = x.reshape(-1).double()  # [n]; no copy when already float64
+    return torch.dot(x, x)
 
 
 def _sum_sq(xs: Iterable[torch.Tensor]) -> float:

@@ -30,6 +30,12 @@ import torch
 ROUTES = ("auto", "direct", "ghost")
 
 
+def _sq(x: torch.Tensor) -> torch.Tensor:
+    """``‖x‖²`` in float64 as a 0-d tensor (read back later with the others)."""
+    x = x.reshape(-1).double()  # [n]
+    return torch.dot(x, x)
+
+
 def _positions(u) -> int:
     """Positions per row of a use's output gradient."""
     b = u.b
@@ -116,7 +122,7 @@ def ghost_param(
     facs = [f for f in (_factors(u, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
-        return total, torch.linalg.vector_norm(total - g_full, dtype=torch.float64) ** 2
+        return total, _sq(total - g_full)
     row_dot = torch.zeros(r, dtype=g_full.dtype, device=g_full.device)  # [r]
     W = g_full.to(facs[0][0].dtype)
     for L, R in facs:
@@ -144,4 +150,4 @@ def ghost_param(
         m = gram.shape[0]
         by_part = torch.zeros(m, r, dtype=torch.float64, device=gram.device).index_add_(0, dst, rg.double())  # [m, r]
         gram.index_add_(1, dst, by_part)
-    return total, torch.linalg.vector_norm(total - g_full, dtype=torch.float64) ** 2
+    return total, _sq(total - g_full)
