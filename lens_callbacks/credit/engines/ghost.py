@@ -14,7 +14,10 @@ into its output (``B``) on those rows:
 A parameter used by several layers (GPT-2's ``wte`` is also the LM head) gets the SUM of its uses' pieces,
 so the cross terms of a tied weight are exact. Each parameter's per-part pieces are assembled one
 parameter at a time, in chunks of parts under a memory budget, and reduced at once to ``<g_S, g_full>``,
-the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists.
+the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists. A ``Linear``/``Conv1D``
+weight may instead be read by the ghost identities, without any per-row piece, where that costs less
+(:mod:`.ghost_routes`). In a separate pass each parameter is reduced inside the backward, as soon as its
+gradient exists, and the captured tensors are let go layer by layer.
 
 Every trainable parameter is covered exactly. A parameter is handled by the hooks only when the number
 of its uses the hooks saw equals the number of edges into it in the autograd graph of the loss; any
