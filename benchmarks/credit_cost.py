@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate  # noqa: E402
-from lens_callbacks.credit.engines.ghost import RideAlong  # noqa: E402
+from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  # noqa: E402
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
 ENGINES = ("reference", "ghost", "ghost_projected", "ride", "ride_projected", "vmap", "opacus")
@@ -137,7 +137,9 @@ def readings_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows @ g_full, rows @ rows.T  # [m], [m, m]
 
 
-def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int = 0, memory: bool = True) -> dict:
+def measure(
+    m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int = 0, memory: bool = True, route: str = "auto"
+) -> dict:
     policy = Policy(make_model(kind, seed))
     policy.train()
     opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
@@ -164,7 +166,7 @@ def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int
             loss = policy.credit_terms(batch).terms.sum()
             ride.on_loss(loss)
             loss.backward()
-            out = ride.report(by_rollout, partition_name="by_rollout", readings=readings)
+            out = ride.report(by_rollout, partition_name="by_rollout", readings=readings, route=route)
             opt.step()
         finally:
             ride.clear()
@@ -210,14 +212,20 @@ def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int
 
     audits: dict[str, Callable[[], Any]] = {
         "reference": lambda: disintegrate(policy, batch, "by_rollout", engine="reference", reference_grads="grad"),
-        "ghost": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", reference_grads="grad"),
-        "ghost_projected": lambda: disintegrate(
-            policy, batch, "by_rollout", engine="ghost", reference_grads="grad", readings="projected"
+        "ghost": lambda: disintegrate_ghost(policy, batch, "by_rollout", reference_grads="grad", route=route),
+        "ghost_projected": lambda: disintegrate_ghost(
+            policy, batch, "by_rollout", reference_grads="grad", readings="projected", route=route
         ),
         "vmap": vmap_audit,
         "opacus": opacus_audit,
     }
     audits = {k: v for k, v in audits.items() if k in engines}
+    if memory and "ghost" in engines:
+        # The memory goal's setting: chunks of per-part pieces held to |θ|/2 elements (budget = |θ|).
+        for k, r in (("ghost_lowmem", "all"), ("ghost_lowmem_projected", "projected")):
+            audits[k] = lambda r=r: disintegrate_ghost(
+                policy, batch, "by_rollout", reference_grads="grad", readings=r, route=route, memory_budget=n_params
+            )
 
     def clock(fn) -> float:
         t0 = time.perf_counter()
@@ -245,7 +253,7 @@ def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int
         med = statistics.median(ts)
         row[f"{k}_over_train"] = (med - tr) / tr if k.startswith("ride") else med / tr
     fwd_bwd()
-    ghost = disintegrate(policy, batch, "by_rollout", engine="ghost", reference_grads="grad")
+    ghost = disintegrate_ghost(policy, batch, "by_rollout", reference_grads="grad", route=route)
     row["conservation_error"] = ghost.conservation_error
     row["grad_match"] = ghost.grad_match
     row["n_trained"] = ghost.n_trained
@@ -257,7 +265,7 @@ def measure(m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int
         return row
     row["mem_plain"] = peak_alloc_bytes(fwd_bwd)
     for k in audits:
-        if k == "ghost_projected":
+        if k in ("ghost_projected", "ghost_lowmem"):
             continue
         fwd_bwd()
         row[f"mem_{k}"] = peak_alloc_bytes(audits[k])
@@ -371,8 +379,8 @@ def table(rows: list[dict], repeats: int) -> str:
             "",
             "Peak memory allocated inside the call and alive at once, in units of the parameters' bytes (float32):",
             "",
-            "| policy | m | plain fwd+bwd | reference | ghost | vmap | opacus | plain step | ride-along step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| policy | m | plain fwd+bwd | reference | ghost | ghost, budget \\|θ\\| | vmap | opacus | plain step | ride-along step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
 
         def mm(r, k):
@@ -381,9 +389,18 @@ def table(rows: list[dict], repeats: int) -> str:
 
         for r in mem_rows:
             lines.append(
-                f"| {r['kind']} | {r['m']} | {mm(r, 'plain')} | {mm(r, 'reference')} | {mm(r, 'ghost')} | {mm(r, 'vmap')} | "
+                f"| {r['kind']} | {r['m']} | {mm(r, 'plain')} | {mm(r, 'reference')} | {mm(r, 'ghost')} | "
+                f"{mm(r, 'ghost_lowmem_projected')} | {mm(r, 'vmap')} | "
                 f"{mm(r, 'opacus')} | {mm(r, 'train')} | {mm(r, 'ride')} |"
             )
+        low = [r for r in mem_rows if "ghost_lowmem_over_train" in r]
+        if low:
+            lines += ["", "`ghost, budget |θ|`: `memory_budget=|θ|` (chunks of per-part pieces of at most |θ|/2 elements); its time:", ""]
+            lines += [
+                f"- {r['kind']}, m = {r['m']}: {r['ghost_lowmem_over_train']:.2f}× a step with all readings, "
+                f"{r['ghost_lowmem_projected_over_train']:.2f}× with projected shares only."
+                for r in low
+            ]
     return "\n".join(lines)
 
 
@@ -432,13 +449,17 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
+    ap.add_argument(
+        "--route", default="auto", choices=["auto", "direct", "ghost"],
+        help="how the ghost engines read Linear/Conv1D weights: per layer by cost (auto), per-row products, or the ghost identities",
+    )
     ap.add_argument("--write", type=Path, default=None, help="markdown file whose credit-audit section is replaced")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for kind in args.policies:
         for m in args.parts:
-            rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts)))
+            rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts), route=args.route))
             print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
     body = table(rows, args.repeats) + "\n" + verdict(rows)
     if not args.no_episode:

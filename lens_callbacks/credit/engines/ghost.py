@@ -14,7 +14,10 @@ into its output (``B``) on those rows:
 A parameter used by several layers (GPT-2's ``wte`` is also the LM head) gets the SUM of its uses' pieces,
 so the cross terms of a tied weight are exact. Each parameter's per-part pieces are assembled one
 parameter at a time, in chunks of parts under a memory budget, and reduced at once to ``<g_S, g_full>``,
-the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists.
+the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists. A ``Linear``/``Conv1D``
+weight may instead be read by the ghost identities, without any per-row piece, where that costs less
+(:mod:`.ghost_routes`). In a separate pass each parameter is reduced inside the backward, as soon as its
+gradient exists, and the captured tensors are let go layer by layer.
 
 Every trainable parameter is covered exactly. A parameter is handled by the hooks only when the number
 of its uses the hooks saw equals the number of edges into it in the autograd graph of the loss; any
@@ -40,6 +43,7 @@ from torch import nn
 from ..partition import Partition, PartitionFn, resolve_partition
 from ..report import CreditGrads, CreditReport
 from ..terms import CreditTerms
+from .ghost_routes import ROUTES, choose_route, ghost_param
 
 __all__ = [
     "disintegrate_ghost",
@@ -253,16 +257,29 @@ def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
     return r if sel.numel() == B else r[sel]
 
 
-def _use_pieces(use: _Use, param: torch.Tensor, rp: torch.Tensor, c: int) -> Optional[torch.Tensor]:
-    """This use's contribution to ``param`` for the ``c`` parts of the chunk (``rp``: chunk-local part per row)."""
+class _Rows:
+    """Which rows a chunk of parts holds, worked out once per chunk (each of these costs a device sync)."""
+
+    __slots__ = ("rp", "sel", "dst", "c", "in_order")
+
+    def __init__(self, rp: torch.Tensor, c: int) -> None:
+        self.rp = rp  # [B] chunk-local part of each row, -1 outside the chunk
+        self.c = c
+        self.sel = (rp >= 0).nonzero().squeeze(1)  # [r] rows in the chunk
+        self.dst = rp[self.sel]  # [r]
+        # One row per part, in order (by_rollout): a row's product is its part's piece.
+        self.in_order = self.sel.numel() == c and bool((self.dst == torch.arange(c, device=rp.device)).all())
+
+
+def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.Tensor]:
+    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes."""
     a, g = use.a, use.b
     if g is None:
         return None
-    B = rp.shape[0]
-    sel = (rp >= 0).nonzero().squeeze(1)  # rows in the chunk
-    dst = rp[sel]  # [r]
+    B = rows.rp.shape[0]
+    sel, dst, c = rows.sel, rows.dst, rows.c
     is_w = param is use.weight
-    if use.rule in ("linear", "conv1d") and is_w and sel.numel() == c and bool((dst == torch.arange(c, device=dst.device)).all()):
+    if use.rule in ("linear", "conv1d") and is_w and rows.in_order:
         # One row per part, in order (by_rollout): the per-row product is the piece itself.
         G = _take(g, sel, B)  # [c, n, out]
         A = _take(a, sel, B).to(g.dtype)  # [c, n, in]
@@ -346,9 +363,22 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
     return out
 
 
-def _sq(x: torch.Tensor) -> float:
-    """``‖x‖²`` accumulated in float64 (the difference of two nearly equal vectors is exact in their dtype)."""
-    return float(torch.sum(x.double() ** 2))
+def _sq_t(x: torch.Tensor) -> torch.Tensor:
+    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others (the difference of
+    two nearly equal vectors is exact in their dtype)."""
+    x = x.reshape(-1).double()  # [n]; no copy when already float64
+    return torch.dot(x, x)
+
+
+def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
+    """``Σ ‖x‖²`` over tensors in float64 with a single read-back."""
+    parts = [_sq_t(x) for x in xs]
+    return float(torch.stack(parts).sum()) if parts else 0.0
+
+
+def _part_sum(P: torch.Tensor) -> torch.Tensor:
+    """``P.sum(0)`` of a ``[c, n]`` block as a matrix-vector product (a column sum strides badly on a CPU)."""
+    return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
 
 
 class _Accum:
@@ -357,7 +387,7 @@ class _Accum:
     def __init__(self, m: int, gram: bool, device: torch.device) -> None:
         self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
         self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if gram else None  # [m, m]
-        self.diff_sq = 0.0
+        self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
 
     def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
         gf = g_full.reshape(-1)  # [n]
@@ -366,15 +396,15 @@ class _Accum:
             self.dots += (P @ gf.to(P.dtype)).double()
             if self.gram is not None:
                 self.gram += (P @ P.T).double()
-            total = P.sum(0)
-            self.diff_sq += _sq(total - gf.to(total.dtype))
+            total = _part_sum(P)
+            self.diff_sq += _sq_t(total - gf.to(total.dtype))
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
             self.dots[idx] += (P @ gf.to(P.dtype)).double()
-            total += P.sum(0).to(total.dtype)
+            total += _part_sum(P).to(total.dtype)
             if self.gram is not None:
                 self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
                 for cj in chunks[i + 1 :]:
@@ -384,7 +414,7 @@ class _Accum:
                     self.gram[idx[:, None], jdx[None, :]] += block
                     self.gram[jdx[:, None], idx[None, :]] += block.T
             del P
-        self.diff_sq += _sq(total - gf.to(total.dtype))
+        self.diff_sq += _sq_t(total - gf.to(total.dtype))
         return total.view_as(g_full) if keep_sum else None
 
 
@@ -406,6 +436,7 @@ def disintegrate_ghost(
     verify_part: bool = False,
     params: Optional[Mapping[str, torch.Tensor]] = None,
     forward_context: Optional[Callable[[], Any]] = None,
+    route: str = "auto",
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -426,6 +457,8 @@ def disintegrate_ghost(
         params: name → tensor to evaluate the terms at instead of the live parameters.
         forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
             (e.g. a trainer's autocast).
+        route: how ``Linear``/``Conv1D`` weights are read: ``"auto"`` (per layer, the cheaper of the two),
+            ``"direct"`` (per-row weight products) or ``"ghost"`` (the ghost identities, no per-row piece).
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -438,6 +471,8 @@ def disintegrate_ghost(
 
     if readings not in ("all", "projected"):
         raise ValueError(f"`readings` must be one of ['all', 'projected'], got {readings!r}.")
+    if route not in ROUTES:
+        raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}; 'auto' picks per layer by cost.")
     mixing = row_interacting_modules(module)
     if mixing:
         raise RowInteraction(
@@ -472,13 +507,13 @@ def disintegrate_ghost(
         B = int(terms.terms.shape[0])
         with torch.enable_grad():
             loss = terms.terms.sum()
-            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part)
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route)
     grad_match = None
     g_full = reduced[0]
     if reference_grads is not None:
         ref = _reference(module, names, reference_grads)
         if ref is not None:
-            full_norm = math.sqrt(math.fsum(_sq(g) for g in g_full))
+            full_norm = math.sqrt(_sum_sq(g_full))
             ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
             grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
     return build_report(
@@ -494,7 +529,7 @@ def build_report(
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
     g_full, total_list, dots, gram, diff_sq, coverage = reduced
     m = len(part_names)
-    full_sq = math.fsum(_sq(g) for g in g_full)
+    full_sq = _sum_sq(g_full)
     full_norm = math.sqrt(full_sq)
     reason = None
     if not math.isfinite(full_sq):
@@ -558,11 +593,19 @@ def _run(
     keep_grads: bool,
     memory_budget: Optional[int],
     verify_part: bool,
+    route: str = "auto",
 ):
     by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route)
     if loss.requires_grad:
-        gs = torch.autograd.grad(loss, list(leaves), retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        # Each covered parameter is reduced inside the backward, as soon as its gradient exists.
+        handles = [leaves[i].register_hook(red.hook(i)) for i in by_leaf]
+        try:
+            gs = torch.autograd.grad(loss, list(leaves), retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
         g_full = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
     else:
         g_full = [torch.zeros_like(x) for x in leaves]
@@ -570,10 +613,7 @@ def _run(
     fb = None
     if fallback and loss.requires_grad:
         fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
-    return reduce_pieces(
-        cap.uses, by_leaf, leaves, g_full, rp, m, readings, keep_grads, memory_budget, fallback, fb,
-        verify=(terms, ids) if verify_part else None,
-    )
+    return red.finish(g_full, fallback, fb, (terms, ids) if verify_part else None)
 
 
 def seal(uses: Iterable[_Use]) -> None:
@@ -630,66 +670,132 @@ def reduce_pieces(
     fallback: Sequence[int],
     fb: Optional[torch.Tensor],
     verify: Optional[tuple] = None,
+    route: str = "auto",
 ):
-    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts)."""
-    device = g_full[0].device if g_full else torch.device("cpu")
-    rp = rp.to(device)
-    rows_per_part = torch.bincount(rp[rp >= 0], minlength=m).tolist() if m else []
-    n_total = sum(x.numel() for x in leaves)
-    budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
-    acc = _Accum(m, readings == "all", device)
-    totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
-    coverage: dict[str, int] = {}
-    local_rows: dict[tuple[int, ...], torch.Tensor] = {}
+    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
 
-    def rows_of(chunk: list[int]) -> torch.Tensor:
-        """Chunk-local part id of each row (``-1`` outside the chunk), shared by every parameter."""
+    ``route`` picks, for every ``Linear``/``Conv1D`` weight, how its per-part readings are formed:
+    ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
+    ghost identities; no per-row piece is formed). Other parameters always take the direct route.
+    """
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route)
+    return red.finish(g_full, fallback, fb, verify)
+
+
+class _Reducer:
+    """The per-parameter reductions of :func:`reduce_pieces`, one parameter at a time.
+
+    :meth:`hook` gives a gradient hook for a covered parameter: registered on the parameter before the
+    backward, it reduces the parameter as soon as its gradient exists (every use's output gradient is
+    captured by then: a layer's output gradient is complete before the layer's own backward runs) and
+    then drops the captured tensors no other parameter still needs, so the output gradients of the whole
+    network are never held at once. :meth:`finish` reduces whatever has not been, adds the fallback's
+    parts and returns what :func:`build_report` takes.
+    """
+
+    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
+        self.device = leaves[0].device if leaves else torch.device("cpu")
+        self.by_leaf, self.leaves, self.m, self.keep_sum, self.route = by_leaf, leaves, m, keep_sum, route
+        self.rp = rp.to(self.device)
+        self.rows_per_part = torch.bincount(self.rp[self.rp >= 0], minlength=m).tolist() if m else []
+        n_total = sum(x.numel() for x in leaves)
+        self.budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
+        self.acc = _Accum(m, readings == "all", self.device)
+        self.totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
+        self.coverage: dict[str, int] = {}
+        self.local_rows: dict[tuple[int, ...], _Rows] = {}
+        self.B = int(self.rp.shape[0])
+        self.n_rows = sum(self.rows_per_part)
+        self.sel_dst: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.done: set[int] = set()
+        self.pending: dict[int, int] = {}  # id(use) → covered parameters of it not yet reduced
+        for us in by_leaf.values():
+            for u in us:
+                self.pending[id(u)] = self.pending.get(id(u), 0) + 1
+
+    def rows_of(self, chunk: list[int]) -> _Rows:
+        """The rows of a chunk (chunk-local part id of each row, ``-1`` outside), shared by every parameter."""
         key = tuple(chunk)
-        if key not in local_rows:
+        if key not in self.local_rows:
+            m, device, rp = self.m, self.device, self.rp
             local = torch.full((m,), -1, dtype=torch.long, device=device)
             local[torch.tensor(chunk, device=device)] = torch.arange(len(chunk), device=device)
-            local_rows[key] = torch.where(rp >= 0, local[rp.clamp(min=0)], rp)  # [B]
-        return local_rows[key]
+            self.local_rows[key] = _Rows(torch.where(rp >= 0, local[rp.clamp(min=0)], rp), len(chunk))  # [B]
+        return self.local_rows[key]
 
-    for i, us in by_leaf.items():
-        p = leaves[i]
+    def hook(self, i: int, release: bool = True) -> Callable[[torch.Tensor], None]:
+        def on_grad(g: torch.Tensor) -> None:
+            self.param(i, g.detach(), release)
+            return None
 
-        def pieces(chunk: list[int], p=p, us=us) -> torch.Tensor:
-            rloc = rows_of(chunk)  # [B]
+        return on_grad
+
+    def param(self, i: int, g: torch.Tensor, release: bool = False) -> None:
+        """Reduce parameter ``i`` against its full gradient ``g``."""
+        if i in self.done:
+            return
+        us, p, acc = self.by_leaf[i], self.leaves[i], self.acc
+
+        def pieces(chunk: list[int]) -> torch.Tensor:
+            rows = self.rows_of(chunk)
             acc_p = None
             for u in us:
-                piece = _use_pieces(u, p, rloc, len(chunk))
+                piece = _use_pieces(u, p, rows)
                 if piece is not None:
                     acc_p = piece if acc_p is None else acc_p + piece
             if acc_p is None:
-                acc_p = torch.zeros((len(chunk),) + tuple(p.shape), dtype=g_full[i].dtype, device=device)
+                acc_p = torch.zeros((len(chunk),) + tuple(p.shape), dtype=g.dtype, device=self.device)
             return acc_p
 
-        chunks = _chunks(rows_per_part, p.numel(), max(1, budget // 2))
-        totals[i] = acc.add(pieces, chunks, g_full[i], keep_sum)
+        half = max(1, self.budget // 2)
+        chunks = _chunks(self.rows_per_part, p.numel(), half)
+        if choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route) == "ghost":
+            if self.sel_dst is None:
+                sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
+                self.sel_dst = (sel_all, self.rp[sel_all])
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half)
+            acc.diff_sq += diff
+            self.totals[i] = total if self.keep_sum else None
+        else:
+            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum)
         key = "+".join(sorted({u.rule for u in us}))
-        coverage[key] = coverage.get(key, 0) + p.numel()
-    if fallback:
-        gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
-        n_fb = int(gf.numel())
-        coverage["fallback"] = n_fb
-        if fb is None:
-            fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=device)
-        acc.dots += (fb @ gf.to(fb.dtype)).double()
-        if acc.gram is not None:
-            acc.gram += (fb @ fb.T).double()
-        s = fb.sum(0)
-        acc.diff_sq += float(torch.sum((s.double() - gf.double()) ** 2))
-        if keep_sum:
-            off = 0
-            for i in fallback:
-                n = leaves[i].numel()
-                totals[i] = s[off : off + n].view_as(leaves[i])
-                off += n
-    if verify is not None:
-        _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m)
-    total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep_sum else []
-    return g_full, total_list, acc.dots, acc.gram, acc.diff_sq, tuple(sorted(coverage.items()))
+        self.coverage[key] = self.coverage.get(key, 0) + p.numel()
+        self.done.add(i)
+        if release:
+            for u in us:
+                self.pending[id(u)] -= 1
+                if self.pending[id(u)] == 0:
+                    u.a = u.b = u.xhat = None  # every parameter of this use is read: let the tensors go
+
+    def finish(self, g_full, fallback, fb, verify):
+        acc, m, leaves, totals = self.acc, self.m, self.leaves, self.totals
+        for i in self.by_leaf:
+            self.param(i, g_full[i])
+        coverage = self.coverage
+        if fallback:
+            gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
+            n_fb = int(gf.numel())
+            coverage["fallback"] = n_fb
+            if fb is None:
+                fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=self.device)
+            acc.dots += (fb @ gf.to(fb.dtype)).double()
+            if acc.gram is not None:
+                acc.gram += (fb @ fb.T).double()
+            s = fb.sum(0)
+            acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
+            if self.keep_sum:
+                off = 0
+                for i in fallback:
+                    n = leaves[i].numel()
+                    totals[i] = s[off : off + n].view_as(leaves[i])
+                    off += n
+        if verify is not None:
+            _verify_one_part(verify, leaves, g_full, acc, self.rows_per_part, self.by_leaf, fallback, fb, self.rp, m)
+        keep = self.keep_sum
+        total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
+        return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items()))
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
@@ -805,6 +911,7 @@ class RideAlong:
         readings: str = "all",
         memory_budget: Optional[int] = None,
         keep_grads: bool = False,
+        route: str = "auto",
     ) -> Union[CreditReport, str]:
         """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read."""
         self.stop()
@@ -840,9 +947,10 @@ class RideAlong:
         if keep_grads:
             g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
         reduced = reduce_pieces(
-            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None
+            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
+            route=route,
         )
-        full = math.sqrt(math.fsum(float(torch.sum(g.double() ** 2)) for g in g_full))
+        full = math.sqrt(_sum_sq(g_full))
         err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
         if not err <= 10 * tol:
             return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."

@@ -1,0 +1,165 @@
+"""The one-pass engine's two routes per weight, each forced, against the reference engine in float64.
+
+``route="direct"`` forms every row's weight product; ``route="ghost"`` never does (ghost identities:
+``<g_k, G> = Σ (B_k G)∘A_k``, Gram ``Σ (A_k A_lᵀ)∘(B_k B_lᵀ)``, ``Σ_k g_k`` as one product). Both must equal
+the reference engine (one masked backward per part, every ``g_S`` kept) to 1e-12, reading by reading.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lens_callbacks.credit import CreditTerms, Partition, by_rollout, disintegrate
+from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost
+from lens_callbacks.credit.engines.ghost_routes import choose_route, route_costs
+from tests.credit.test_ghost_engine import LayerPolicy, assert_same_readings, layer_batch
+
+TOL = 1e-12
+
+
+def reference(module, batch, partition):
+    return disintegrate(module, batch, partition, dtype="float64", engine="reference", keep_parts=True)
+
+
+class TwiceLinear(nn.Module):
+    """One square ``Linear`` applied twice (two uses of one weight: the Gram's cross terms) and a wide layer."""
+
+    def __init__(self, V=11, d=6, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.tok = nn.Embedding(V, d)
+        self.sq = nn.Linear(d, d)
+        self.wide = nn.Linear(d, 5 * d, bias=False)
+        self.head = nn.Linear(5 * d, V)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        self.double()
+
+    def credit_terms(self, batch):
+        tokens, trained, adv, group = batch
+        B, T = tokens.shape
+        x = self.tok(tokens)  # [B, T, d]
+        causal = torch.tril(torch.ones(T, T, dtype=x.dtype)) / torch.arange(1, T + 1, dtype=x.dtype)[:, None]
+        h = self.sq(torch.tanh(self.sq(causal @ x)))  # [B, T, d]
+        lp = torch.log_softmax(self.head(torch.tanh(self.wide(h[:, :-1]))), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        lp = nn.functional.pad(lp, (1, 0))  # [B, T]
+        terms = -adv[:, None] * lp * trained / trained.sum().clamp_min(1)  # [B, T]
+        return CreditTerms(terms, trained, torch.arange(B), group)
+
+
+@pytest.mark.parametrize("route", ["direct", "ghost"])
+@pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
+def test_forced_route_equals_reference(route, partition):
+    for module, batch in ((LayerPolicy(), layer_batch()), (TwiceLinear(), layer_batch(V=11))):
+        ref = reference(module, batch, partition)
+        got = disintegrate_ghost(module, batch, partition, dtype="float64", route=route)
+        assert_same_readings(ref, got, tol=TOL)
+        proj = disintegrate_ghost(module, batch, partition, dtype="float64", route=route, readings="projected")
+        assert proj.gram is None and proj.conservation_error <= 1e-13
+        for a, b in zip(ref.projected_share, proj.projected_share):
+            assert abs(a - b) <= TOL
+
+
+def test_ghost_route_in_row_blocks_equals_one_block():
+    module, batch = TwiceLinear(), layer_batch(B=7, V=11)
+    one = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", route="ghost")
+    small = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", route="ghost", memory_budget=40)
+    assert_same_readings(one, small, tol=1e-13)
+    assert_same_readings(reference(module, batch, "by_rollout"), small, tol=TOL)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    B=st.integers(1, 6),
+    T=st.integers(4, 8),
+    d=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+    n_parts=st.integers(1, 4),
+    budget=st.sampled_from([None, 3, 200]),
+    route=st.sampled_from(["ghost", "auto"]),
+)
+def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, route):
+    module = TwiceLinear(V=7, d=d, seed=seed)
+    tokens, trained, adv, group = layer_batch(B=B, T=T, V=7, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed)
+    row_part = torch.randint(0, n_parts, (B,), generator=g)
+    used = sorted(set(row_part.tolist()))
+    dense = torch.tensor([used.index(int(r)) for r in row_part])
+    ids = torch.where(trained, dense[:, None].expand(B, T), torch.full((B, T), -1))  # [B, T]
+    part = Partition(ids, tuple(f"p{i}" for i in range(len(used))))
+    batch = (tokens, trained, adv, group)
+    ref = reference(module, batch, part)
+    got = disintegrate_ghost(module, batch, part, dtype="float64", route=route, memory_budget=budget)
+    if ref.ok:
+        assert_same_readings(ref, got, tol=1e-11)
+
+
+def test_gpt2_conv1d_tied_ghost_route():
+    pytest.importorskip("transformers")
+    from examples.grpo import GRPOModule
+
+    torch.manual_seed(0)
+    module = GRPOModule(n_layer=1, n_embd=16, n_head=2, group_size=4, dropout=0.0, dtype="float64")
+    rb, _ = module.sample_rollouts(torch.tensor([[1, 2], [3, 4]]))
+    rb.advantages = torch.randn(rb.batch_size, dtype=torch.float64)
+    rb.attention_mask[::3, -2:] = 0
+    rb.completion_mask[::3, -2:] = False
+    ref = reference(module, rb, "by_rollout")
+    got = disintegrate_ghost(module, rb, "by_rollout", dtype="float64", route="ghost")
+    assert_same_readings(ref, got, tol=TOL)
+
+
+def test_ride_along_ghost_route_equals_separate_pass():
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    ride = RideAlong(module).start()
+    try:
+        loss = module.credit_terms(batch).terms.sum()
+        ride.on_loss(loss)
+        loss.backward()
+        got = ride.report(by_rollout, route="ghost")
+    finally:
+        ride.clear()
+        module.zero_grad(set_to_none=True)
+    assert not isinstance(got, str), got
+    assert_same_readings(reference(module, batch, "by_rollout"), got, tol=TOL)
+
+
+def test_auto_picks_by_cost():
+    wide = torch.zeros(64, 32, dtype=torch.float64)
+
+    class Use:  # what the cost model reads of a captured use
+        rule = "linear"
+
+        def __init__(self, n):
+            self.weight, self.b = wide, torch.zeros(6, n, 64)
+
+    short, long = [Use(3)], [Use(48)]
+    for u in short + long:
+        u.weight = wide
+    # Short rows on a wide layer: the ghost Gram (r²n²(d_L+d_R)) beats m² d_L d_R plus the per-row products.
+    d, g = route_costs(short, wide, rows=6, m=6, n_chunks=1, gram=True)
+    assert g < d and choose_route(short, wide, 6, 6, 1, True, "auto") == "ghost"
+    # Long rows: the direct route; projected shares alone: direct unless its pieces need several chunks.
+    assert choose_route(long, wide, 6, 6, 1, True, "auto") == "direct"
+    assert choose_route(long, wide, 6, 6, 1, False, "auto") == "direct"
+    assert choose_route(long, wide, 6, 6, 3, False, "auto") == "ghost"
+    assert choose_route(long, wide, 6, 6, 1, True, "ghost") == "ghost"
+    bias = torch.zeros(64, dtype=torch.float64)
+    assert choose_route(long, bias, 6, 6, 1, True, "ghost") == "direct"  # no identity for a bias: direct
+
+
+def test_auto_on_short_wide_rows_uses_ghost_and_is_exact():
+    module, batch = TwiceLinear(d=24), layer_batch(B=6, T=4, V=11)
+    ref = reference(module, batch, "by_rollout")
+    assert_same_readings(ref, disintegrate_ghost(module, batch, "by_rollout", dtype="float64"), tol=TOL)
+
+
+def test_unknown_route_is_refused_with_the_options():
+    module, batch = LayerPolicy(), layer_batch()
+    with pytest.raises(ValueError, match=r"`route` must be one of \['auto', 'direct', 'ghost'\], got 'fast'"):
+        disintegrate_ghost(module, batch, "by_rollout", route="fast")
