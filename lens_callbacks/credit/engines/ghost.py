@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..partition import Partition, PartitionFn, resolve_partition
+from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditGrads, CreditReport
 from ..terms import CreditTerms
 from .ghost_routes import ROUTES, choose_route, ghost_param
@@ -489,13 +489,7 @@ def disintegrate_ghost(
                 terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
         finally:
             cap.remove()
-        part = spec if isinstance(spec, Partition) else spec(terms)
-        if not isinstance(part, Partition):
-            raise TypeError(
-                f"`partition` callable must return a Partition, got {type(part).__name__}; return "
-                "Partition(ids, names) or Partition.from_masks(masks, names)."
-            )
-        part.check_covers(terms.trained)
+        part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)  # [B, T]
         rp = row_parts(Partition(ids, part.names))
         if rp is None:
