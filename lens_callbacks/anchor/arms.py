@@ -338,7 +338,10 @@ class ArmsReport:
             lines.append((
                 a, f"{s.n_ok}/{s.n_runs}", f"{_g(s.score_mean)} ± {_g(s.score_std, '.2g')}",
                 "—" if a == "A" else f"{_g(s.delta_mean, '+.4g')} ± {_g(s.delta_std, '.2g')}",
-                "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"), per_seed(s.comm_bytes), per_seed(s.grad_comm_bytes),
+                "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"), per_seed(s.comm_bytes),
+                # only a single process counts 0: DDP sends every step
+                "0 (single process)" if s.grad_comm_bytes and all(x == 0 for x in s.grad_comm_bytes)
+                else per_seed(s.grad_comm_bytes),
                 f"{s.n_fires} ({s.n_projected})",
                 _g(s.gated_on, ".3f"), _g(s.weight_err_ratio, ".3g"), _g(s.coef_pred_error, ".3g"),
                 f"{_g(s.evr1, '.3f')} / {_g(s.evr1_null, '.3f')}",

@@ -266,6 +266,7 @@ def test_single_process_has_no_gradient_traffic_and_says_so():
     r = row(rep, "comm bytes = arm A's", "C")
     assert r.passed is True and r.value == "1000 vs 1000" and r.note == "no gradient traffic (single process)"
     assert "no gradient traffic (single process)" in rep.render() and "no gradient traffic (single process)" in rep.markdown()
+    assert "| C | 3/3 |" in rep.markdown() and "| 1000 | 0 (single process) |" in rep.markdown()
     # and the result survives the JSON round trip the harness uses to read finished runs back
     back = RunResult.from_dict(json.loads(json.dumps(rs[3].to_dict())))
     assert (back.grad_comm_bytes, back.grad_comm_note) == (0.0, "no gradient traffic (single process)")
