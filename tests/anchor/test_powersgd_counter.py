@@ -129,5 +129,7 @@ def test_strategy_arguments_are_checked():
         PowerSGDStrategy(start_powerSGD_iter=1)
     with pytest.raises(ValueError, match="`min_compression_rate` must be a number > 0"):
         PowerSGDStrategy(min_compression_rate=0)
+    with pytest.raises(ValueError, match="`ddp_comm_wrapper` is set by PowerSGDStrategy"):
+        PowerSGDStrategy(ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
     with pytest.raises(ValueError, match="`hook` must be powerSGD_hook or allreduce_hook"):
         GradCommCounter(default_hooks.fp16_compress_hook)
