@@ -162,11 +162,14 @@ class PowerSGDStrategy(DDPStrategy):
         if not isinstance(min_compression_rate, (int, float)) or isinstance(min_compression_rate, bool) \
                 or not min_compression_rate > 0:
             raise ValueError(f"`min_compression_rate` must be a number > 0, got {min_compression_rate!r}.")
-        taken = sorted(k for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper") if k in kwargs)
+        # LightningCLI passes DDPStrategy's own defaults (None) for these: only a value of the user's is refused
+        taken = {k: kwargs.pop(k, None) for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")}
+        taken = {k: v for k, v in taken.items() if v is not None}
         if taken:
+            k, v = next(iter(taken.items()))
             raise ValueError(
-                f"`{taken[0]}` is set by PowerSGDStrategy (its counted PowerSGD or all-reduce hook), got "
-                f"{kwargs[taken[0]]!r}; use lightning's DDPStrategy for another hook (its traffic is then not counted)."
+                f"`{k}` is set by PowerSGDStrategy (its counted PowerSGD or all-reduce hook), got {v!r}; "
+                "use lightning's DDPStrategy for another hook (its traffic is then not counted)."
             )
         if compress:
             # process_group=None: the default group, created by the strategy before the hook first runs

@@ -129,6 +129,8 @@ def test_strategy_arguments_are_checked():
         PowerSGDStrategy(start_powerSGD_iter=1)
     with pytest.raises(ValueError, match="`min_compression_rate` must be a number > 0"):
         PowerSGDStrategy(min_compression_rate=0)
+    # DDPStrategy's defaults, as LightningCLI passes them, are accepted
+    assert PowerSGDStrategy(ddp_comm_wrapper=None, ddp_comm_hook=None)._ddp_comm_hook is counting_hook
     with pytest.raises(ValueError, match="`ddp_comm_wrapper` is set by PowerSGDStrategy"):
         PowerSGDStrategy(ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
     with pytest.raises(ValueError, match="`hook` must be powerSGD_hook or allreduce_hook"):
