@@ -14,7 +14,7 @@ its own process and directory (``python -m lens_callbacks fit --config RUN.yaml 
 ======  =====================================================================================================
 
 The decision (:func:`decide`) reads the runs against the spec's thresholds: runs finished; off-path parity;
-comm bytes equal to arm A's; grad-norm stability (NaN, or more than 10× arm A's, fails); no regression
+comm bytes (the gradients' all-reduce traffic plus the anchor's own) equal to arm A's; grad-norm stability (NaN, or more than 10× arm A's, fails); no regression
 ``Δ ≥ −max(0.010, 2σ)`` for C and D; gated-ON ≈ 0 where the projection does not help; and the margin
 ``Δ ≥ max(0.010, 2σ)`` that promotes C. Any failed safety row → ``stop``; all safe and the margin met →
 ``promote``; all safe without it → ``stay on A``.
@@ -94,6 +94,10 @@ class RunResult:
         fires: the anchor's readings per fire (dicts with ``t_fast``, ``gated_on_fraction``, ``comm_bytes``, …).
         param_hash: SHA-256 of the final parameters. error: the end of stderr for a crashed run.
         logged_tags: every metric name the run logged (to say what to pass as ``--score``).
+        grad_comm_bytes: the gradient traffic of the run — the all-reduce payload of every rank, summed over
+            ranks and steps (0 in a single process; NaN where the strategy did not count it).
+        grad_comm_per_rank: that payload per rank. grad_comm_note: why it is 0 or NaN (empty when counted).
+        world_size: processes of the run.
     """
 
     arm: str
@@ -109,6 +113,10 @@ class RunResult:
     logged_tags: tuple = ()
     seconds: float = float("nan")
     refusal: str = ""
+    grad_comm_bytes: float = float("nan")
+    grad_comm_per_rank: tuple = ()
+    grad_comm_note: str = "not recorded"
+    world_size: int = 1
 
     @property
     def ok(self) -> bool:
@@ -116,7 +124,13 @@ class RunResult:
 
     @property
     def comm_bytes(self) -> float:
+        """The anchor's own traffic: snapshots up plus sign bits down, summed over fires."""
         return float(sum(_nan(f.get("comm_bytes")) for f in self.fires))
+
+    @property
+    def total_comm_bytes(self) -> float:
+        """Gradient traffic plus the anchor's; NaN when the gradient traffic was not counted."""
+        return self.grad_comm_bytes + self.comm_bytes
 
     @property
     def grad_norm_max(self) -> float:
@@ -141,7 +155,9 @@ class RunResult:
             "scores": [list(s) for s in self.scores], "grad_norms": [list(g) for g in self.grad_norms],
             "fires": list(self.fires), "param_hash": self.param_hash, "error": self.error,
             "returncode": self.returncode, "logged_tags": list(self.logged_tags), "seconds": self.seconds,
-            "refusal": self.refusal,
+            "refusal": self.refusal, "grad_comm_bytes": self.grad_comm_bytes,
+            "grad_comm_per_rank": list(self.grad_comm_per_rank), "grad_comm_note": self.grad_comm_note,
+            "world_size": self.world_size,
         })
 
     @classmethod
@@ -153,7 +169,9 @@ class RunResult:
             fires=tuple(dict(f) for f in d.get("fires", [])), param_hash=str(d.get("param_hash", "")),
             error=str(d.get("error", "")), returncode=int(d.get("returncode", 0)),
             logged_tags=tuple(d.get("logged_tags", [])), seconds=_nan(d.get("seconds")),
-            refusal=str(d.get("refusal") or ""),
+            refusal=str(d.get("refusal") or ""), grad_comm_bytes=_nan(d.get("grad_comm_bytes")),
+            grad_comm_per_rank=tuple(d.get("grad_comm_per_rank") or ()),
+            grad_comm_note=str(d.get("grad_comm_note", "not recorded")), world_size=int(d.get("world_size") or 1),
         )
 
 
@@ -188,6 +206,7 @@ class ArmSummary:
             seed; NaN for A itself).
         grad_ratio: the largest per-seed ratio of this arm's largest gradient norm to arm A's (same seed).
         comm_bytes: the anchor's traffic per seed (snapshots up plus sign bits down, summed over fires).
+        grad_comm_bytes: the gradient traffic per seed (all ranks; 0 in one process, NaN where not counted).
         gated_on: mean gated-ON fraction over projected fires (all seeds). weight_err_ratio: median ungated
             ``||θ̂ − θ_true|| / ||θ_stale − θ_true||`` over projected fires (< 1: the projection helps).
         coef_pred_error: median retrospective coefficient-prediction error over fires.
@@ -204,6 +223,7 @@ class ArmSummary:
     grad_ratio: float
     grad_nan: bool
     comm_bytes: tuple
+    grad_comm_bytes: tuple
     n_fires: int
     n_projected: int
     gated_on: float
@@ -254,6 +274,7 @@ def summarize(arm: str, runs: Sequence[RunResult], ref: Mapping[int, RunResult])
         delta_std=_std(deltas) if deltas and arm != "A" else float("nan"),
         grad_ratio=max(ratios) if ratios else float("nan"), grad_nan=grad_nan,
         comm_bytes=tuple(r.comm_bytes for r in sorted(ok, key=lambda r: r.seed)),
+        grad_comm_bytes=tuple(r.grad_comm_bytes for r in sorted(ok, key=lambda r: r.seed)),
         n_fires=len(fires), n_projected=len(proj),
         gated_on=float(np.mean([_nan(f.get("gated_on_fraction")) for f in proj])) if proj else 0.0,
         weight_err_ratio=_median(_nan(f.get("weight_err_ratio")) for f in proj),
@@ -302,16 +323,26 @@ class ArmsReport:
         }
 
     def _arm_lines(self) -> list[tuple[str, ...]]:
-        head = ("arm", "runs ok", "score mean ± std", "Δ vs A ± std", "grad ×A", "comm bytes", "fires (proj.)",
-                "gated-ON", "w_err ratio", "coef err", "EVR1 / null")
+        head = ("arm", "runs ok", "score mean ± std", "Δ vs A ± std", "grad ×A", "comm bytes", "grad comm bytes",
+                "fires (proj.)", "gated-ON", "w_err ratio", "coef err", "EVR1 / null")
         lines = [head]
+
+        def per_seed(xs: tuple) -> str:
+            if not xs:
+                return "—"
+            if all(not math.isfinite(x) for x in xs):
+                return "not counted"
+            return _g(xs[0], ".6g") if len(set(xs)) == 1 else "/".join(_g(c, ".6g") for c in xs)
+
         for a, s in self.arms.items():
-            comm = "—" if not s.comm_bytes else (_g(s.comm_bytes[0], ".6g") if len(set(s.comm_bytes)) == 1
-                                                  else "/".join(_g(c, ".6g") for c in s.comm_bytes))
             lines.append((
                 a, f"{s.n_ok}/{s.n_runs}", f"{_g(s.score_mean)} ± {_g(s.score_std, '.2g')}",
                 "—" if a == "A" else f"{_g(s.delta_mean, '+.4g')} ± {_g(s.delta_std, '.2g')}",
-                "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"), comm, f"{s.n_fires} ({s.n_projected})",
+                "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"), per_seed(s.comm_bytes),
+                # only a single process counts 0: DDP sends every step
+                "0 (single process)" if s.grad_comm_bytes and all(x == 0 for x in s.grad_comm_bytes)
+                else per_seed(s.grad_comm_bytes),
+                f"{s.n_fires} ({s.n_projected})",
                 _g(s.gated_on, ".3f"), _g(s.weight_err_ratio, ".3g"), _g(s.coef_pred_error, ".3g"),
                 f"{_g(s.evr1, '.3f')} / {_g(s.evr1_null, '.3f')}",
             ))
@@ -358,6 +389,39 @@ class ArmsReport:
         out += table(self._row_lines())
         out += ["", f"**Verdict: {self.verdict}** — {self.reason}", ""]
         return "\n".join(out)
+
+
+def _comm_row(arm: str, pairs: Sequence[tuple[RunResult, RunResult]]) -> Row:
+    """Comm parity over all traffic: gradients (every rank) plus the anchor's snapshots and signs, seed by seed.
+
+    Where neither run counted its gradient traffic (a strategy without a counter) the anchor's bytes alone are
+    compared and the note says so; where only one of the two did, the row fails: the totals are not comparable.
+    """
+    check, threshold = "comm bytes = arm A's", "total (gradients + anchor) equal on every seed"
+    if not pairs:
+        return Row(check, arm, "nan vs nan", threshold, False, note="no seed finished for both arms")
+    passed, mixed = True, False
+    for r, a in pairs:
+        gr, ga = math.isfinite(r.grad_comm_bytes), math.isfinite(a.grad_comm_bytes)
+        if gr != ga:
+            mixed = True
+        passed &= gr == ga and r.comm_bytes == a.comm_bytes and (not gr or r.grad_comm_bytes == a.grad_comm_bytes)
+    r, a = pairs[0]
+    if mixed:
+        return Row(check, arm, f"{_g(r.total_comm_bytes, '.6g')} vs {_g(a.total_comm_bytes, '.6g')}", threshold,
+                   False, note="gradient traffic counted in only one of the two runs: "
+                   + f"{arm}: {r.grad_comm_note or 'counted'}; A: {a.grad_comm_note or 'counted'}")
+    if not math.isfinite(r.grad_comm_bytes):
+        return Row(check, arm, f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}", threshold, passed,
+                   note=f"anchor bytes only; gradient traffic {r.grad_comm_note or 'not counted'}")
+    if r.grad_comm_bytes == 0 and a.grad_comm_bytes == 0:
+        return Row(check, arm, f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}", threshold, passed,
+                   note=r.grad_comm_note or "no gradient traffic")
+    return Row(check, arm,
+               f"total {_g(r.total_comm_bytes, '.6g')} (grad {_g(r.grad_comm_bytes, '.6g')} + anchor "
+               f"{_g(r.comm_bytes, '.6g')}) vs total {_g(a.total_comm_bytes, '.6g')} (grad "
+               f"{_g(a.grad_comm_bytes, '.6g')} + anchor {_g(a.comm_bytes, '.6g')})", threshold, passed,
+               note=f"seed {r.seed}, {r.world_size} ranks")
 
 
 def decide(
@@ -427,12 +491,7 @@ def decide(
     for a in order:
         if a in ("A", "off"):
             continue
-        s, sa = summaries[a], summaries["A"]
-        pairs = [(r.comm_bytes, ref[r.seed].comm_bytes) for r in by_arm[a] if r.ok and r.seed in ref and ref[r.seed].ok]
-        same = bool(pairs) and all(x == y for x, y in pairs)
-        rows.append(Row("comm bytes = arm A's", a, f"{_g(pairs[0][0], '.6g') if pairs else 'nan'} vs "
-                        f"{_g(pairs[0][1], '.6g') if pairs else 'nan'}", "equal on every seed", same,
-                        note="" if pairs else "no seed finished for both arms"))
+        rows.append(_comm_row(a, [(r, ref[r.seed]) for r in by_arm[a] if r.ok and r.seed in ref and ref[r.seed].ok]))
     for a in order:
         s = summaries[a]
         if a == "A":
@@ -604,6 +663,7 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
             grad_norms=tuple((int(s), _nan(v)) for s, v in rec.get("grad_norms", [])),
             fires=tuple(rec.get("fires", [])), param_hash=str(rec.get("param_hash", "")), returncode=0,
             logged_tags=tuple(rec.get("logged_tags", [])), seconds=secs, refusal=str(rec.get("refusal") or ""),
+            **_grad_comm_fields(rec.get("grad_comm")),
         )
     else:
         tail = (run_dir / "stderr.log").read_text(errors="replace")[-2000:]
@@ -611,6 +671,14 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
         res = RunResult(arm=arm, seed=seed, status="crashed", returncode=rc, error=f"{why}\n{tail}", seconds=secs)
     result_path.write_text(json.dumps({**res.to_dict(), "fingerprint": fp}, indent=1))
     return res, False
+
+
+def _grad_comm_fields(gc: Any) -> dict[str, Any]:
+    """The recorder's ``grad_comm`` entry as :class:`RunResult` fields (a record without one: not recorded)."""
+    if not isinstance(gc, Mapping):
+        return {}
+    return {"grad_comm_bytes": _nan(gc.get("bytes")), "grad_comm_per_rank": tuple(gc.get("per_rank") or ()),
+            "grad_comm_note": str(gc.get("note") or ""), "world_size": int(gc.get("world_size") or 1)}
 
 
 def _seeds(seeds: Any) -> list[int]:

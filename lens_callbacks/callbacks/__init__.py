@@ -1,4 +1,4 @@
-"""Lightning callbacks: thin adapters over the Trainer-free core."""
+"""Lightning callbacks: thin adapters over the Trainer-free core (and the arms' PowerSGD strategy)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _CALLBACKS = {
     "ProcessRewardCallback": "process",
     "AnchorProjectionCallback": "anchor",
     "RunRecordCallback": "records",
+    "PowerSGDStrategy": "powersgd",
 }
 
 __all__ = list(_CALLBACKS)

@@ -3,6 +3,10 @@
 Read-only: it takes norms and hashes under ``torch.no_grad``, draws no random number and writes nothing into
 the module, its ``.grad`` or the optimizer. At the end of the fit it writes one JSON file that the harness
 (:mod:`lens_callbacks.anchor.arms`) reads.
+
+Under DDP every rank runs it: the score is averaged over ranks after each validation (each rank validates its
+shard), the gradient traffic that :class:`~lens_callbacks.callbacks.PowerSGDStrategy` counted is gathered from
+every rank at the end, and rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ class ArmsRecorder(Callback):
         self.score = score
         self.scores: list[tuple[int, float]] = []
         self.grad_norms: list[tuple[int, float]] = []
+        self.grad_comm_steps: list[tuple[int, int]] = []
         self._last_step = -1
+        self._grad_bytes_seen = 0
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = trainer.global_step
@@ -65,15 +71,41 @@ class ArmsRecorder(Callback):
                 if p.grad is not None:
                     sq += float(p.grad.detach().double().pow(2).sum())
         self.grad_norms.append((step, math.sqrt(sq) if math.isfinite(sq) else float("nan")))
+        counter = getattr(trainer.strategy, "grad_comm_counter", None)
+        if counter is not None:
+            # the gradients were synchronised before this hook: the hook calls of this step are all counted
+            self.grad_comm_steps.append((step, counter.bytes_total - self._grad_bytes_seen))
+            self._grad_bytes_seen = counter.bytes_total
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
         v = trainer.callback_metrics.get(self.score)
-        if v is not None:
-            self.scores.append((trainer.global_step, float(v)))
+        x = float("nan") if v is None else float(v)
+        if trainer.world_size > 1:
+            # every rank calls this (no rank may skip a collective); NaN where a rank did not log the score
+            x = float(trainer.strategy.reduce(torch.tensor(x, dtype=torch.float64), reduce_op="mean"))
+        if math.isfinite(x):
+            self.scores.append((trainer.global_step, x))
+
+    def _grad_comm(self, trainer: Trainer) -> dict[str, Any]:
+        """This run's gradient traffic; collective under DDP, so every rank calls it."""
+        strategy = trainer.strategy
+        counter = getattr(strategy, "grad_comm_counter", None)
+        info: dict[str, Any] = {"world_size": trainer.world_size, "strategy": type(strategy).__name__}
+        if trainer.world_size == 1:
+            return {**info, "bytes": 0, "per_rank": [0], "per_step": [], "note": "no gradient traffic (single process)"}
+        if counter is None:
+            return {**info, "bytes": None, "per_rank": [], "per_step": [],
+                    "note": f"not counted: {type(strategy).__name__} has no byte counter "
+                            "(lens_callbacks.callbacks.PowerSGDStrategy counts it)"}
+        mine = torch.tensor([float(counter.bytes_total)], dtype=torch.float64)
+        per_rank = [int(b) for b in strategy.all_gather(mine).reshape(-1).tolist()]
+        return {**info, "bytes": sum(per_rank), "per_rank": per_rank, "per_step": self.grad_comm_steps,
+                "note": "", **strategy.grad_comm_info()}
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        grad_comm = self._grad_comm(trainer)
         if getattr(trainer, "global_rank", 0) != 0:
             return
         from .anchor import AnchorProjectionCallback
@@ -93,6 +125,7 @@ class ArmsRecorder(Callback):
             "scores": self.scores,
             "logged_tags": sorted(trainer.callback_metrics),
             "grad_norms": self.grad_norms,
+            "grad_comm": grad_comm,
             "anchor_mode": mode,
             "n_anchor_callbacks": len(anchors),
             "fires": fires,

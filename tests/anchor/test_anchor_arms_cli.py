@@ -66,6 +66,9 @@ def test_anchor_arms_harness_on_a_3_step_toy_config(tmp_path, run_cli, monkeypat
     comm = {a: sum(f["comm_bytes"] for f in runs[(a, 0)]["fires"]) for a in ("A", "B", "C", "D")}
     assert comm == {a: 2 * per_fire for a in comm}
     assert runs[("off", 0)]["fires"] == [] and rows[("comm bytes = arm A's", "C")]["passed"] is True
+    # one process: no gradient traffic, and the comm row says so rather than leaving it out
+    assert all(runs[(a, 0)]["grad_comm_bytes"] == 0 for a in ARMS[:-1])
+    assert rows[("comm bytes = arm A's", "C")]["note"] == "no gradient traffic (single process)"
 
     # off ≡ no callback, bitwise — against a run of the user's config without the anchor made here, in process
     assert rows[("off-path parity", "off")]["passed"] is True

@@ -1,6 +1,7 @@
 """The anchor arms' decision on hand-made results: each threshold trips the verdict it should."""
 
 import json
+from dataclasses import replace
 import math
 
 import numpy as np
@@ -226,3 +227,46 @@ def test_an_anchor_that_refused_is_not_a_pass():
     r = row(rep, "anchor refusals", "C")
     assert r.passed is False and "seed 2" in r.note and rep.verdict == "stop"
     assert row(rep, "anchor refusals", "A").passed is True
+
+
+def with_grad(results, arm_bytes, note=""):
+    """The runs with gradient traffic: ``arm_bytes`` maps arm → bytes (NaN: not counted)."""
+    return [replace(r, grad_comm_bytes=arm_bytes.get(r.arm, 0.0), grad_comm_note=note, world_size=2) for r in results]
+
+
+def test_comm_parity_is_over_gradients_plus_anchor():
+    # counted and equal: passes, and the row shows the total with both parts
+    rep = decide(with_grad(base(), {"off": 5000.0, "A": 5000.0, "C": 5000.0}), parity())
+    r = row(rep, "comm bytes = arm A's", "C")
+    assert r.passed is True and rep.verdict == "stay on A"
+    assert r.value == "total 6000 (grad 5000 + anchor 1000) vs total 6000 (grad 5000 + anchor 1000)"
+    assert rep.arms["C"].grad_comm_bytes == (5000.0,) * 3 and "grad comm bytes" in rep.render()
+
+    # the anchor's bytes equal but the gradients' not (e.g. another rank r): the total differs, stop
+    rep = decide(with_grad(base(), {"A": 5000.0, "C": 5008.0}), parity())
+    r = row(rep, "comm bytes = arm A's", "C")
+    assert r.passed is False and rep.verdict == "stop" and "grad 5008" in r.value
+
+    # counted in one run only: not comparable, fails
+    rep = decide(with_grad(base(), {"A": 5000.0, "C": math.nan}), parity())
+    r = row(rep, "comm bytes = arm A's", "C")
+    assert r.passed is False and "only one of the two runs" in r.note
+
+    # counted in neither (a strategy without a counter): the anchor's bytes decide, and the note says so
+    rep = decide(with_grad(base(), {"A": math.nan, "C": math.nan}, note="not counted: DDPStrategy"), parity())
+    r = row(rep, "comm bytes = arm A's", "C")
+    assert r.passed is True and r.value == "1000 vs 1000" and "anchor bytes only" in r.note
+    rep = decide(with_grad(base(comm=COMM + 8), {"A": math.nan, "C": math.nan}), parity())
+    assert row(rep, "comm bytes = arm A's", "C").passed is False
+
+
+def test_single_process_has_no_gradient_traffic_and_says_so():
+    rs = [replace(r, grad_comm_bytes=0.0, grad_comm_note="no gradient traffic (single process)") for r in base()]
+    rep = decide(rs, parity())
+    r = row(rep, "comm bytes = arm A's", "C")
+    assert r.passed is True and r.value == "1000 vs 1000" and r.note == "no gradient traffic (single process)"
+    assert "no gradient traffic (single process)" in rep.render() and "no gradient traffic (single process)" in rep.markdown()
+    assert "| C | 3/3 |" in rep.markdown() and "| 1000 | 0 (single process) |" in rep.markdown()
+    # and the result survives the JSON round trip the harness uses to read finished runs back
+    back = RunResult.from_dict(json.loads(json.dumps(rs[3].to_dict())))
+    assert (back.grad_comm_bytes, back.grad_comm_note) == (0.0, "no gradient traffic (single process)")
