@@ -187,7 +187,6 @@ def measure(
         rows = torch.cat([per[n].reshape(m, -1) for n, _ in named], dim=1)  # [m, |θ|]
         return readings_from_rows(rows)
 
-    gsm = None
     if "opacus" in engines:
         try:
             from opacus import GradSampleModule
@@ -197,7 +196,7 @@ def measure(
             opacus_model = make_model(kind, seed)
             opacus_model.load_state_dict(policy.model.state_dict())
             opacus_model.train()
-            gsm = GradSampleModule(opacus_model)  # its hooks live on opacus_model's layers
+            GradSampleModule(opacus_model)  # its hooks live on opacus_model's layers
             opacus_policy = Policy(opacus_model)
             opacus_named = [p for p in opacus_model.parameters() if p.requires_grad]
 
@@ -347,7 +346,6 @@ def episode_table(rows: list[dict]) -> str:
 
 
 def table(rows: list[dict], repeats: int) -> str:
-    r0 = rows[0]
     lines = [
         "Policies: transformers GPT-2 (2 layers, width 128, tied embeddings, eager attention) and Llama-style",
         "(LlamaForCausalLM, 2 layers, width 128, RMSNorm, rotary), random weights, float32; one rollout per row,",

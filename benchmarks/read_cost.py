@@ -88,8 +88,8 @@ def main() -> None:
             t_read.append(t2 - t1)
             t_scan.append(t3 - t2)
         mb, mr, ms = (statistics.median(x) for x in (t_bare, t_read, t_scan))
-        print(f"| dump | bare unpickle+decode | read_skyrl_dump | ratio | opcode scan alone |")
-        print(f"|---|---|---|---|---|")
+        print("| dump | bare unpickle+decode | read_skyrl_dump | ratio | opcode scan alone |")
+        print("|---|---|---|---|---|")
         print(f"| {a.rows}x{a.width}, {size / 2**20:.0f} MiB | {mb * 1e3:.0f} ms | {mr * 1e3:.0f} ms | {mr / mb:.2f} | {ms * 1e3:.2f} ms |")
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..anchor.arms import ARMS, GATED_ON_TOL, GRAD_NORM_FACTOR, REGRESSION_FLOOR, run_arms
+from ..anchor.arms import GATED_ON_TOL, GRAD_NORM_FACTOR, REGRESSION_FLOOR, run_arms
 
 __all__ = ["main", "build_parser"]
 

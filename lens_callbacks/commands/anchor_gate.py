@@ -86,15 +86,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
                                        r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim,
                                        retro_gate=not args.no_retro_gate)
-        progress = None
+        progress = None  # without tqdm (it ships with lightning), no bar
         if not args.no_progress:
             try:
                 from tqdm.auto import tqdm
 
                 def progress(it):
                     return tqdm(it, desc="anchor-gate", unit="snapshot", file=sys.stderr)
-            except ImportError:  # tqdm ships with lightning; without it, no bar
-                progress = None
+            except ImportError:
+                pass
         report = replay(weights, args.cadence, args.delay_K, projector=projector, progress=progress)
         print(report.render())
         if args.json is not None:
