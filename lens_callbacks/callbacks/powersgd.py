@@ -189,6 +189,14 @@ class PowerSGDStrategy(DDPStrategy):
                          process_group_backend=process_group_backend,
                          find_unused_parameters=find_unused_parameters, **kwargs)
 
+    def _setup_model(self, model: Any) -> Any:
+        if self.compress and self.root_device.type == "cpu":
+            # PowerSGD's callbacks run on gloo's worker threads (two by default) and block there on the next
+            # all-reduce: with several buckets in flight every worker can end up waiting on work that no free
+            # worker is left to run. One bucket on CPU unless the user sized them.
+            self._ddp_kwargs.setdefault("bucket_cap_mb", 1 << 20)
+        return super()._setup_model(model)
+
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only; DDP runs them on CPU (gloo) too, and the base must be
         # the same on every device or the arms would compare runs on different gradients.
