@@ -314,12 +314,7 @@ def disintegrate(
         cancellation = float("nan")
     norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
 
-    grad_match = None
-    if reference_grads is not None:
-        ref = _reference(module, names, reference_grads)
-        if ref is not None:
-            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
-            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+    grad_match = _grad_match(module, names, reference_grads, g_full, full_norm)
 
     grads = None
     if keep_grads or keep_parts:
@@ -423,6 +418,23 @@ def _engines_available() -> tuple[str, ...]:
     from .engines import available_engines
 
     return available_engines()
+
+
+def _grad_match(
+    module: nn.Module,
+    names: Sequence[str],
+    reference_grads: Any,
+    g_full: Sequence[torch.Tensor],
+    full_norm: float,
+) -> Optional[float]:
+    """``||g_full − ref|| / ||g_full||`` against ``reference_grads`` (None when there is nothing to compare)."""
+    if reference_grads is None:
+        return None
+    ref = _reference(module, names, reference_grads)
+    if ref is None:
+        return None
+    ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+    return _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
 
 
 def _reference(

@@ -467,7 +467,7 @@ def disintegrate_ghost(
         NotRowSeparable: the partition splits a row (use ``engine="reference"`` or ``"jvp"``).
         RowInteraction: a module mixes rows (batch-norm in training mode), or ``verify_part`` failed.
     """
-    from ..engine import _diff_norm, _partition_name, _preserved_rng, _reference, evaluate_terms
+    from ..engine import _grad_match, _partition_name, _preserved_rng, evaluate_terms
 
     if readings not in ("all", "projected"):
         raise ValueError(f"`readings` must be one of ['all', 'projected'], got {readings!r}.")
@@ -502,14 +502,10 @@ def disintegrate_ghost(
         with torch.enable_grad():
             loss = terms.terms.sum()
             reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route)
-    grad_match = None
     g_full = reduced[0]
+    grad_match = None
     if reference_grads is not None:
-        ref = _reference(module, names, reference_grads)
-        if ref is not None:
-            full_norm = math.sqrt(_sum_sq(g_full))
-            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
-            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+        grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(_sum_sq(g_full)))
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
         loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads,

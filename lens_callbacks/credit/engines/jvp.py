@@ -34,9 +34,9 @@ from ..engine import (
     _TermsCall,
     _diff_norm,
     _grad,
+    _grad_match,
     _partition_name,
     _preserved_rng,
-    _reference,
     _rng_devices,
     _sqnorm,
     evaluate_terms,
@@ -305,12 +305,7 @@ def disintegrate_jvp(
         norm_share = part_norm
         cancellation = nan
 
-    grad_match = None
-    if reference_grads is not None:
-        ref = _reference(module, names, reference_grads)
-        if ref is not None:
-            ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
-            grad_match = _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else nan
+    grad_match = _grad_match(module, names, reference_grads, g_full, full_norm)
 
     return CreditReport(
         part_names=part.names,
