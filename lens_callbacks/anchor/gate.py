@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from ..io.safe import ReadLimits, load_torch_checkpoint
 from .projector import AnchorReading, Rank1TrajProjector
 
 __all__ = ["GateReport", "replay", "load_checkpoints", "step_of"]
@@ -157,16 +158,23 @@ def step_of(path: Path, obj: Optional[Mapping] = None) -> Optional[int]:
     return int(m[-1]) if m else None
 
 
-def load_checkpoints(directory: Path, prefix: str = "") -> dict[int, dict[str, torch.Tensor]]:
-    """Weights of every ``*.ckpt``/``*.pt`` in a directory, keyed by step (Lightning or plain state dicts).
+def load_checkpoints(
+    directory: Path, prefix: str = "", limits: Optional[ReadLimits] = None
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Weights of every ``*.ckpt``/``*.pt``/``*.pth`` in a directory, keyed by step (Lightning or plain state dicts).
 
-    Only floating tensors are kept; ``prefix`` keeps only keys that start with it. Files are loaded with
-    ``weights_only=True``.
+    Only floating tensors are kept; ``prefix`` keeps only keys that start with it. Checkpoints travel between
+    people, so every file goes through the bounded loader (:func:`lens_callbacks.io.safe.load_torch_checkpoint`:
+    regular files under a size cap, ``weights_only=True``, tensor views checked against their storage).
+
+    Raises:
+        ValueError: a file that is not a regular file, too large, not a ``torch.save`` archive, refused by
+            ``weights_only=True``, or holding a tensor that views more than its storage; names the file.
     """
     out: dict[int, dict[str, torch.Tensor]] = {}
     files = sorted(p for p in Path(directory).iterdir() if p.suffix in (".ckpt", ".pt", ".pth"))
     for p in files:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = load_torch_checkpoint(p, limits, "checkpoint")
         sd = obj.get("state_dict", obj) if isinstance(obj, Mapping) else None
         if not isinstance(sd, Mapping):
             continue
@@ -174,5 +182,5 @@ def load_checkpoints(directory: Path, prefix: str = "") -> dict[int, dict[str, t
         if step is None:
             continue
         out[step] = {k: v for k, v in sd.items()
-                     if isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
+                     if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
     return out

@@ -16,41 +16,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Optional
 
-import torch
-
-from ..anchor import Rank1TrajProjector, replay
-from ..anchor.gate import step_of
-from ..io.safe import ReadLimits, load_torch_checkpoint
+from ..anchor import Rank1TrajProjector, load_checkpoints, replay
 from ._errors import OneLineArgumentParser, add_debug_flag, report_error
 
-__all__ = ["main", "build_parser", "read_checkpoints"]
-
-
-def read_checkpoints(directory: Path, prefix: str = "", limits: Optional[ReadLimits] = None) -> dict[int, dict[str, torch.Tensor]]:
-    """Like :func:`lens_callbacks.anchor.load_checkpoints`, with every file read through the bounded loader.
-
-    Floating tensors of every ``*.ckpt``/``*.pt``/``*.pth`` (a Lightning checkpoint's ``state_dict`` or a
-    plain state dict), keyed by step; ``prefix`` keeps only keys that start with it.
-
-    Raises:
-        ValueError: a file that is not a regular file, too large, not a ``torch.save`` archive, refused by
-            ``weights_only=True``, or holding a tensor that views more than its storage; names the file.
-    """
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    files = sorted(p for p in Path(directory).iterdir() if p.suffix in (".ckpt", ".pt", ".pth"))
-    for p in files:
-        obj: Any = load_torch_checkpoint(p, limits, "checkpoint")
-        sd = obj.get("state_dict", obj) if isinstance(obj, Mapping) else None
-        if not isinstance(sd, Mapping):
-            continue
-        step = step_of(p, obj if isinstance(obj, Mapping) else None)
-        if step is None:
-            continue
-        out[step] = {k: v for k, v in sd.items()
-                     if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
-    return out
+__all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {str(args.directory)!r}.", file=sys.stderr)
         return 2
     try:
-        weights = read_checkpoints(args.directory, args.prefix)
+        weights = load_checkpoints(args.directory, args.prefix)
         projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
                                        r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim,
                                        retro_gate=not args.no_retro_gate)
