@@ -29,8 +29,10 @@ import hashlib
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -242,6 +244,12 @@ class ArmSummary:
             if math.isfinite(v):
                 out[f"{prefix}{self.arm}/{k}"] = v
         return out
+
+
+def _last_line(text: str, limit: int = 200) -> str:
+    """The last non-blank line of a crashed run's stderr (where Python puts the exception), cut to ``limit``."""
+    line = next((x.strip() for x in reversed(str(text or "").splitlines()) if x.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _std(x: Sequence[float]) -> float:
@@ -468,8 +476,12 @@ def decide(
     for a in order:
         runs = by_arm[a]
         crashed = [r.seed for r in runs if not r.ok]
+        first = next((r for r in runs if not r.ok), None)
+        why = _last_line(first.error) if first is not None else ""
         rows.append(Row("runs finished", a, f"{len(runs) - len(crashed)}/{len(runs)}", "all seeds exit 0",
-                        bool(runs) and not crashed, note=f"crashed seeds {crashed}" if crashed else ""))
+                        bool(runs) and not crashed,
+                        note=(f"crashed seeds {crashed}" + (f"; seed {first.seed}: {why}" if why else "")) if crashed
+                        else ""))
     for a in order:
         if a == "off":
             continue
@@ -495,14 +507,15 @@ def decide(
     for a in order:
         s = summaries[a]
         if a == "A":
-            rows.append(Row("grad-norm stability", a, "nan" if s.grad_nan else "finite", "no NaN", not s.grad_nan
-                            and s.n_ok > 0))
+            value = "nan" if s.grad_nan else ("finite" if s.n_ok else "no run finished")
+            rows.append(Row("grad-norm stability", a, value, "no NaN", not s.grad_nan and s.n_ok > 0))
             continue
         if a == "off":
             continue
         passed = (not s.grad_nan) and math.isfinite(s.grad_ratio) and s.grad_ratio <= grad_factor
+        note = "" if s.grad_nan or math.isfinite(s.grad_ratio) else "no seed finished for both this arm and arm A"
         rows.append(Row("grad-norm stability", a, "nan" if s.grad_nan else f"{_g(s.grad_ratio, '.3g')}× A",
-                        f"finite, ≤ {grad_factor:g}× arm A", passed))
+                        f"finite, ≤ {grad_factor:g}× arm A", passed, note=note))
 
     def tol(s: ArmSummary) -> float:
         return max(floor, 2.0 * s.delta_std) if math.isfinite(s.delta_std) else floor
@@ -514,8 +527,11 @@ def decide(
         t = tol(s)
         passed = math.isfinite(s.delta_mean) and s.delta_mean >= -t
         note = ""
-        if not math.isfinite(s.delta_mean):
-            tags = next((r.logged_tags for r in by_arm[a] if r.ok), ())
+        paired = [r for r in by_arm[a] if r.ok and r.seed in ref and ref[r.seed].ok]
+        if not math.isfinite(s.delta_mean) and not paired:
+            note = "no seed finished for both this arm and arm A"
+        elif not math.isfinite(s.delta_mean):
+            tags = next((r.logged_tags for r in paired), ())
             note = (f"no score: {settings.get('score') if settings else 'the score'!s} was never logged"
                     + (f"; logged: {', '.join(tags)}" if tags else ""))
         rows.append(Row("no regression", a, f"Δ {_g(s.delta_mean, '+.4g')}", f"Δ ≥ −{t:.4g} (max({floor:g}, 2σ))",
@@ -648,11 +664,17 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
     env = dict(os.environ)
     env["PYTHONPATH"] = str(cwd) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
-    with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
-        try:
-            rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=err, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = -9
+    for attempt in range(PORT_RETRIES + 1):
+        # A multi-process run's rendezvous port, one per run: runs in parallel (``jobs > 1``) must never meet
+        # at one port, which Lightning's own pick (an ephemeral port, released before rank 0 binds it) allows.
+        env["MASTER_PORT"] = str(_rendezvous_port())
+        with open(run_dir / "stdout.log", "w") as out, open(run_dir / "stderr.log", "w") as err:
+            try:
+                rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=err, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = -9
+        if rc in (0, -9) or not _port_clash((run_dir / "stderr.log").read_text(errors="replace")[-20000:]):
+            break  # only a clash at the rendezvous port is run again: it says nothing about the arm
     secs = time.perf_counter() - t0
     record = run_dir / "record.json"
     if rc == 0 and record.is_file():
@@ -671,6 +693,34 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
         res = RunResult(arm=arm, seed=seed, status="crashed", returncode=rc, error=f"{why}\n{tail}", seconds=secs)
     result_path.write_text(json.dumps({**res.to_dict(), "fingerprint": fp}, indent=1))
     return res, False
+
+
+PORT_RETRIES = 2  # a run that failed only because its rendezvous port was taken is started again, at most this often
+_PORT_RANGE = (20000, 32000)  # below Linux's ephemeral range (32768–60999): no outgoing connection is given one
+_ports_given: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _rendezvous_port() -> int:
+    """A free TCP port for one run's ``MASTER_PORT``, never the same twice in this process."""
+    rng = np.random.default_rng()
+    with _ports_lock:
+        for _ in range(200):
+            port = int(rng.integers(*_PORT_RANGE))
+            if port in _ports_given:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _ports_given.add(port)
+            return port
+    raise RuntimeError(f"no free TCP port in {_PORT_RANGE} after 200 tries; free some ports or run with `jobs=1`.")
+
+
+def _port_clash(stderr: str) -> bool:
+    return "EADDRINUSE" in stderr or "ddress already in use" in stderr
 
 
 def _grad_comm_fields(gc: Any) -> dict[str, Any]:

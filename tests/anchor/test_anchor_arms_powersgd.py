@@ -28,7 +28,8 @@ def test_arms_on_two_powersgd_ranks_count_the_gradient_traffic(tmp_path, run_cli
                 "--delay-K", "1", "--out", out, "--no-progress", "--no-parity", "--jobs", "2", timeout=600, check=True)
     dec = json.loads((out / "decision.json").read_text())
     runs = {x["arm"]: x for x in dec["runs"]}
-    assert all(runs[a]["status"] == "ok" and runs[a]["world_size"] == 2 for a in ("A", "C")), r.stdout
+    errors = "\n".join(f"{a}: {runs[a]['error']}" for a in ("A", "C") if runs[a]["error"])
+    assert all(runs[a]["status"] == "ok" and runs[a]["world_size"] == 2 for a in ("A", "C")), r.stdout + errors
 
     # by hand: every trainable tensor viewed as n × m; rank r = min(n, m, 2); compressed when (n+m)·r·2 < n·m
     args = cfg["trainer"]["strategy"]["init_args"]

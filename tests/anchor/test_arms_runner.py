@@ -23,6 +23,15 @@ FAKE_MAIN = textwrap.dedent('''
     mode = anchor[0]["init_args"]["mode"] if anchor else None
     with open("calls.txt", "a") as f:
         f.write(f"{mode} {seed} {steps}\\n")
+    import os
+    with open("ports.txt", "a") as f:
+        f.write(f"{mode} {seed} {os.environ.get('MASTER_PORT')}\\n")
+    if mode in ("clash", "clash_always"):  # torch's TCPStore when another process holds the port
+        tries = sum(1 for x in open("ports.txt") if x.startswith(f"{mode} {seed} "))
+        if mode == "clash_always" or tries == 1:
+            sys.exit("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                     "network address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
+                     "already in use")
     if mode == "bogus":
         sys.exit("ValueError: `mode` must be one of ('off', 'signed_ema', 'projected'), got 'bogus'.")
     score = 0.5 + 0.01 * seed + {"projected": 0.05}.get(mode, 0.0)
@@ -90,3 +99,24 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         run_arms(CFG, ["A"], seeds=0, out=tmp_path, progress=False)
     with pytest.raises(ValueError, match="`config` must be"):
         run_arms(tmp_path / "missing.yaml", ["A"], out=tmp_path, progress=False)
+
+
+def test_parallel_runs_get_their_own_port_and_a_port_clash_is_run_again(fake_cwd, tmp_path):
+    from lens_callbacks.anchor.arms import PORT_RETRIES, _PORT_RANGE
+
+    rep = run_arms(CFG, ["A", "C", "X", "Y"], seeds=2, steps=3, out=tmp_path / "out", cwd=fake_cwd, progress=False,
+                   jobs=4, parity=False, arm_defs={"X": {"mode": "clash"}, "Y": {"mode": "clash_always"}})
+    lines = [x.split() for x in (fake_cwd / "ports.txt").read_text().splitlines()]
+    ports = [int(p) for _, _, p in lines]
+    # every start, in parallel or again after a clash, had a port of its own, outside the ephemeral range
+    assert len(set(ports)) == len(ports) and all(_PORT_RANGE[0] <= p < _PORT_RANGE[1] for p in ports)
+    starts = {}
+    for mode, seed, _ in lines:
+        starts[(mode, int(seed))] = starts.get((mode, int(seed)), 0) + 1
+    assert starts == {**{(m, s): 1 for m in ("signed_ema", "projected") for s in (0, 1)},
+                      **{("clash", s): 2 for s in (0, 1)}, **{("clash_always", s): PORT_RETRIES + 1 for s in (0, 1)}}
+    runs = {(r.arm, r.seed): r for r in rep.runs}
+    assert all(runs[("X", s)].ok for s in (0, 1))  # a clash says nothing about the arm: the second start counts
+    assert not any(runs[("Y", s)].ok for s in (0, 1))  # but a port that never frees is a crash, reported as one
+    (row,) = [r for r in rep.rows if r.check == "runs finished" and r.arm == "Y"]
+    assert row.passed is False and "EADDRINUSE" in row.note and row.note.startswith("crashed seeds [0, 1]; seed 0:")
