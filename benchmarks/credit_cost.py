@@ -9,8 +9,9 @@ so that machine load hits every candidate alike:
 - the plain training step (forward, backward, Adam step);
 - ``reference``: :func:`disintegrate` with ``engine="reference"`` (one forward, ``m + 1`` backward passes);
 - ``ghost``: ``engine="ghost"``, a separate pass (one forward, one backward, per-layer reductions);
-- ``ride``: the training step with the ghost hooks riding on it (:class:`RideAlong`), reported as
-  (audited step − plain step) / plain step;
+  ``_shares``: ``readings="shares"`` (no interference matrix), ``_projected``: projected shares only;
+- ``ride``: the training step with the ghost hooks riding on it (:class:`RideAlong`, each parameter
+  reduced inside the training backward), reported as (audited step − plain step) / plain step;
 - ``vmap``: torch.func ``vmap(grad)`` per-row gradients, then the same readings (dots with g_full,
   norms, Gram) from the ``m × |θ|`` matrix;
 - ``opacus``: Opacus ``GradSampleModule`` per-sample gradients (its functorch path covers GPT-2's
@@ -45,7 +46,8 @@ from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate  # noqa:
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  # noqa: E402
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
-ENGINES = ("reference", "ghost", "ghost_projected", "ride", "ride_projected", "vmap", "opacus")
+ENGINES = ("reference", "ghost", "ghost_shares", "ghost_projected", "ride", "ride_shares", "ride_projected", "vmap", "opacus")
+RIDES = {"ride": "all", "ride_shares": "shares", "ride_projected": "projected"}
 VOCAB, T, PROMPT = 64, 48, 8
 
 
@@ -164,7 +166,7 @@ def measure(
         try:
             opt.zero_grad()
             loss = policy.credit_terms(batch).terms.sum()
-            ride.on_loss(loss)
+            ride.on_loss(loss, by_rollout, readings=readings, route=route)
             loss.backward()
             out = ride.report(by_rollout, partition_name="by_rollout", readings=readings, route=route)
             opt.step()
@@ -212,6 +214,9 @@ def measure(
     audits: dict[str, Callable[[], Any]] = {
         "reference": lambda: disintegrate(policy, batch, "by_rollout", engine="reference", reference_grads="grad"),
         "ghost": lambda: disintegrate_ghost(policy, batch, "by_rollout", reference_grads="grad", route=route),
+        "ghost_shares": lambda: disintegrate_ghost(
+            policy, batch, "by_rollout", reference_grads="grad", readings="shares", route=route
+        ),
         "ghost_projected": lambda: disintegrate_ghost(
             policy, batch, "by_rollout", reference_grads="grad", readings="projected", route=route
         ),
@@ -221,7 +226,7 @@ def measure(
     audits = {k: v for k, v in audits.items() if k in engines}
     if memory and "ghost" in engines:
         # The memory goal's setting: chunks of per-part pieces held to |θ|/2 elements (budget = |θ|).
-        for k, r in (("ghost_lowmem", "all"), ("ghost_lowmem_projected", "projected")):
+        for k, r in (("ghost_lowmem", "all"), ("ghost_lowmem_shares", "shares"), ("ghost_lowmem_projected", "projected")):
             audits[k] = lambda r=r: disintegrate_ghost(
                 policy, batch, "by_rollout", reference_grads="grad", readings=r, route=route, memory_budget=n_params
             )
@@ -234,7 +239,7 @@ def measure(
     train_step(), fwd_bwd()  # warm-up (allocations, Adam state)
     for fn in audits.values():
         fn()
-    rides = {k: (lambda r=("projected" if k == "ride_projected" else "all"): ride_step(r)) for k in ("ride", "ride_projected") if k in engines}
+    rides = {k: (lambda r=r: ride_step(r)) for k, r in RIDES.items() if k in engines}
     for fn in rides.values():
         fn()
     t_train: list[float] = []
@@ -264,7 +269,7 @@ def measure(
         return row
     row["mem_plain"] = peak_alloc_bytes(fwd_bwd)
     for k in audits:
-        if k in ("ghost_projected", "ghost_lowmem"):
+        if k in ("ghost_projected", "ghost_lowmem", "ghost_lowmem_projected"):
             continue
         fwd_bwd()
         row[f"mem_{k}"] = peak_alloc_bytes(audits[k])
@@ -275,6 +280,8 @@ def measure(
             train_step()
 
         row["mem_ride"] = peak_alloc_bytes(ride_step)
+        if "ride_shares" in engines:
+            row["mem_ride_shares"] = peak_alloc_bytes(lambda: ride_step("shares"))
         row["mem_train"] = peak_alloc_bytes(plain)
     return row
 
@@ -354,10 +361,12 @@ def table(rows: list[dict], repeats: int) -> str:
         "same batch. Columns: audit time / step time for a separate pass; for `ride`, the extra time of the",
         "audited step over the plain step, (audited − plain) / plain. `vmap` = torch.func `vmap(grad)` per-row",
         "gradients + the same readings; `opacus` = Opacus `GradSampleModule` per-sample gradients + the same",
-        "readings. Every engine makes all readings (projected and norm shares, cancellation, Gram).",
+        "readings. `reference`, `ghost`, `ride`, `vmap` and `opacus` make all readings (projected and norm shares,",
+        "cancellation, the interference matrix); `shares` = the same without the interference matrix",
+        "(`readings=\"shares\"`); `projected` = projected shares only.",
         "",
-        "| policy | m | params | reference | ghost | ghost, projected only | ride (extra) | ride, projected only (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | m | params | reference | ghost | ghost, shares | ghost, projected | ride (extra) | ride, shares (extra) | ride, projected (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(r, k):
@@ -367,8 +376,8 @@ def table(rows: list[dict], repeats: int) -> str:
     for r in rows:
         gap = r.get("max_share_gap")
         lines.append(
-            f"| {r['kind']} | {r['m']} | {r['n_params']:,} | {f(r, 'reference')} | {f(r, 'ghost')} | {f(r, 'ghost_projected')} | "
-            f"{f(r, 'ride')} | {f(r, 'ride_projected')} | "
+            f"| {r['kind']} | {r['m']} | {r['n_params']:,} | {f(r, 'reference')} | {f(r, 'ghost')} | {f(r, 'ghost_shares')} | "
+            f"{f(r, 'ghost_projected')} | {f(r, 'ride')} | {f(r, 'ride_shares')} | {f(r, 'ride_projected')} | "
             f"{f(r, 'vmap')} | {f(r, 'opacus')} | {r['conservation_error']:.1e} | {'—' if gap is None else f'{gap:.1e}'} |"
         )
     mem_rows = [r for r in rows if "mem_plain" in r]
@@ -377,8 +386,8 @@ def table(rows: list[dict], repeats: int) -> str:
             "",
             "Peak memory allocated inside the call and alive at once, in units of the parameters' bytes (float32):",
             "",
-            "| policy | m | plain fwd+bwd | reference | ghost | ghost, budget \\|θ\\| | vmap | opacus | plain step | ride-along step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| policy | m | plain fwd+bwd | reference | ghost | ghost, shares | ghost, shares, budget \\|θ\\| | vmap | opacus | plain step | ride-along step | ride-along step, shares |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
 
         def mm(r, k):
@@ -388,14 +397,15 @@ def table(rows: list[dict], repeats: int) -> str:
         for r in mem_rows:
             lines.append(
                 f"| {r['kind']} | {r['m']} | {mm(r, 'plain')} | {mm(r, 'reference')} | {mm(r, 'ghost')} | "
-                f"{mm(r, 'ghost_lowmem_projected')} | {mm(r, 'vmap')} | "
-                f"{mm(r, 'opacus')} | {mm(r, 'train')} | {mm(r, 'ride')} |"
+                f"{mm(r, 'ghost_shares')} | {mm(r, 'ghost_lowmem_shares')} | {mm(r, 'vmap')} | "
+                f"{mm(r, 'opacus')} | {mm(r, 'train')} | {mm(r, 'ride')} | {mm(r, 'ride_shares')} |"
             )
         low = [r for r in mem_rows if "ghost_lowmem_over_train" in r]
         if low:
             lines += ["", "`ghost, budget |θ|`: `memory_budget=|θ|` (chunks of per-part pieces of at most |θ|/2 elements); its time:", ""]
             lines += [
                 f"- {r['kind']}, m = {r['m']}: {r['ghost_lowmem_over_train']:.2f}× a step with all readings, "
+                f"{r['ghost_lowmem_shares_over_train']:.2f}× with `shares`, "
                 f"{r['ghost_lowmem_projected_over_train']:.2f}× with projected shares only."
                 for r in low
             ]
@@ -411,9 +421,11 @@ def verdict(rows: list[dict]) -> str:
 
     lines = ["", "Against the goal (exact readings for `by_rollout` at m = 8, 32, 64):", ""]
     for key, goal, label in (
-        ("ghost_over_train", 1.3, "separate pass, all readings (`ghost`)"),
+        ("ghost_over_train", 1.3, "separate pass, all readings with the interference matrix (`ghost`)"),
+        ("ghost_shares_over_train", 1.3, "separate pass, `shares` (the readings the goal was set on: projected and norm shares, cancellation, conservation)"),
         ("ghost_projected_over_train", 1.3, "separate pass, projected shares only"),
-        ("ride_over_train", 0.5, "riding on the training step, all readings (extra over the plain step)"),
+        ("ride_over_train", 0.5, "riding on the training step, all readings with the interference matrix (extra over the plain step)"),
+        ("ride_shares_over_train", 0.5, "riding on the training step, `shares` (extra)"),
         ("ride_projected_over_train", 0.5, "riding on the training step, projected shares only (extra)"),
     ):
         sp = span(key)

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         try:
             opt.zero_grad(set_to_none=True)
             loss = policy.credit_terms(batch).terms.sum()
-            r.on_loss(loss)
+            r.on_loss(loss, by_rollout, readings=readings)
             loss.backward()
             out = r.report(by_rollout, partition_name="by_rollout", readings=readings)
             opt.step()

@@ -103,7 +103,10 @@ class CreditAuditCallback(Callback):
         engine: ``"auto"`` (default: the fastest exact engine for the partition), ``"reference"``,
             ``"ghost"`` (one pass, row partitions) or ``"jvp"``; see :mod:`lens_callbacks.credit.engines`.
             Logged as ``credit/engine/<name>`` = 1 and in the table.
-        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; cheaper on some engines).
+        readings: ``"all"`` (default: projected and norm shares, cancellation and, from the one-pass
+            engine, the interference matrix), ``"shares"`` (the same without the interference matrix,
+            whose ``m²·|θ|`` products are about a quarter of a step at m = 64) or ``"projected"``
+            (projected shares only; cheapest). See docs/performance.md for each one's cost.
         capture: ``"separate"`` (default: the audit re-runs ``credit_terms`` in its own pass) or
             ``"training_step"``: the one-pass engine's hooks ride on the training step's own forward
             and backward, ``g_full`` is the trainer's ``.grad``, and the audit adds only the per-layer
@@ -188,7 +191,7 @@ class CreditAuditCallback(Callback):
         self._global = False  # set in setup: a multi-rank run read as one global step
         self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
         self.engine = engine
-        self.reading_set = readings  # which readings the engine makes ("all" | "projected")
+        self.reading_set = readings  # which readings the engine makes ("all" | "shares" | "projected")
         self.capture = capture
         self._ride: Optional[RideAlong] = None
         self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
@@ -277,7 +280,8 @@ class CreditAuditCallback(Callback):
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self._ride is not None:
-            self._ride.on_loss(loss)
+            # With the partition known now, each parameter is reduced inside the training backward.
+            self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._update_before is not None:
@@ -304,6 +308,9 @@ class CreditAuditCallback(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_ride()
 
+    def _ride_partition(self) -> Any:
+        return self._partition_fn if self._partition_fn is not None else resolve_partition(self.partition)
+
     def _stop_ride(self) -> None:
         if self._ride is not None:
             self._ride.clear()
@@ -316,7 +323,7 @@ class CreditAuditCallback(Callback):
         if ride is not None:
             try:
                 got = ride.report(
-                    self._partition_fn if self._partition_fn is not None else resolve_partition(self.partition),
+                    self._ride_partition(),
                     partition_name=self.partition if isinstance(self.partition, str) else "custom",
                     readings=self.reading_set, keep_grads=self.keep_grads,
                 )

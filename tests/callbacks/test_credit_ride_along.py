@@ -152,6 +152,26 @@ def test_projected_readings_ride_along():
     assert ride.last_values["credit/readings/projected"] == 1.0
 
 
+def test_shares_readings_ride_along_hold_the_norms_without_the_interference_matrix():
+    ride = CreditAuditCallback(capture="training_step", readings="shares", log_figure=False)
+    separate = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="reference", log_figure=False)
+    pairs = _Pairs(ride, separate)
+    _fit([ride, separate, pairs], steps=3, seed=1)
+    compared = 0
+    for r, s in pairs.rows:
+        assert r.engine == "ghost+training_step" and r.readings == "shares" and r.gram is None
+        if not s.ok:
+            continue
+        compared += 1
+        for field in ("projected_share", "norm_share"):
+            for a, b in zip(getattr(r, field), getattr(s, field)):
+                assert a == pytest.approx(b, abs=1e-5), field
+        assert r.cancellation == pytest.approx(s.cancellation, rel=1e-5)
+    assert compared >= 1
+    assert ride.last_values["credit/readings/shares"] == 1.0
+    assert not any(k.startswith("credit/interference") for k in ride.last_values)
+
+
 class _Readings(Callback):
     def __init__(self, check):
         self.check, self.seen = check, []

@@ -31,19 +31,22 @@ def assert_same_readings(ref, got, tol=TOL):
         assert abs(a - b) <= tol * max(1.0, max(ref.part_norm)), ("part_norm", a, b)
     assert abs(ref.cancellation - got.cancellation) <= tol * max(1.0, ref.cancellation)
     assert abs(ref.full_grad_norm - got.full_grad_norm) <= tol * ref.full_grad_norm
-    g_ref = torch.tensor(ref.gram, dtype=torch.float64)  # [m, m]
-    g_got = torch.tensor(got.gram, dtype=torch.float64)  # [m, m]
-    scale = float(g_ref.diagonal().max())
-    assert float((g_ref - g_got).abs().max()) <= tol * scale
+    if got.readings == "shares":  # no interference matrix is formed, only each part's norm
+        assert got.gram is None
+    else:
+        g_ref = torch.tensor(ref.gram, dtype=torch.float64)  # [m, m]
+        g_got = torch.tensor(got.gram, dtype=torch.float64)  # [m, m]
+        scale = float(g_ref.diagonal().max())
+        assert float((g_ref - g_got).abs().max()) <= tol * scale
     assert got.conservation_error <= 1e-13
 
 
-def both(module, batch, partition, budget=None, **kw):
+def both(module, batch, partition, budget=None, readings="all", **kw):
     ref = disintegrate(module, batch, partition, dtype="float64", engine="reference", keep_parts=True, **kw)
     if budget is None:
-        got = disintegrate(module, batch, partition, dtype="float64", engine="ghost", **kw)
+        got = disintegrate(module, batch, partition, dtype="float64", engine="ghost", readings=readings, **kw)
     else:  # small chunks of parts: the Gram assembled block by block
-        got = disintegrate_ghost(module, batch, partition, dtype="float64", memory_budget=budget, **kw)
+        got = disintegrate_ghost(module, batch, partition, dtype="float64", memory_budget=budget, readings=readings, **kw)
     assert (ref.engine, got.engine) == ("reference", "ghost")
     return ref, got
 
@@ -136,6 +139,16 @@ def test_projected_readings_skip_the_gram():
     assert "projected shares only" in got.render()
 
 
+def test_shares_readings_are_the_norms_without_the_gram():
+    module, batch = LayerPolicy(), layer_batch()
+    for partition in ("by_rollout", "by_group"):
+        ref, got = both(module, batch, partition, readings="shares")
+        assert got.readings == "shares" and got.gram is None
+        assert_same_readings(ref, got, tol=TOL)
+        text = got.render()
+        assert "projected and norm shares, cancellation" in text and "interference" not in text
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     B=st.integers(1, 6),
@@ -144,8 +157,9 @@ def test_projected_readings_skip_the_gram():
     seed=st.integers(0, 1000),
     n_parts=st.integers(1, 4),
     budget=st.sampled_from([None, 2, 300]),
+    readings=st.sampled_from(["all", "shares"]),
 )
-def test_hypothesis_shapes_and_row_partitions(B, T, d, seed, n_parts, budget):
+def test_hypothesis_shapes_and_row_partitions(B, T, d, seed, n_parts, budget, readings):
     module = LayerPolicy(V=7, d=d, T=T, seed=seed)
     tokens, trained, adv, group = layer_batch(B=B, T=T, V=7, seed=seed + 1)
     g = torch.Generator().manual_seed(seed)
@@ -154,7 +168,7 @@ def test_hypothesis_shapes_and_row_partitions(B, T, d, seed, n_parts, budget):
     dense = torch.tensor([used.index(int(r)) for r in row_part])
     ids = torch.where(trained, dense[:, None].expand(B, T), torch.full((B, T), -1))  # [B, T]
     part = Partition(ids, tuple(f"p{i}" for i in range(len(used))))
-    ref, got = both(module, (tokens, trained, adv, group), part, budget=budget)
+    ref, got = both(module, (tokens, trained, adv, group), part, budget=budget, readings=readings)
     if ref.ok:
         assert_same_readings(ref, got, tol=1e-11)
 

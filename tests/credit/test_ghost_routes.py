@@ -59,6 +59,9 @@ def test_forced_route_equals_reference(route, partition):
         ref = reference(module, batch, partition)
         got = disintegrate_ghost(module, batch, partition, dtype="float64", route=route)
         assert_same_readings(ref, got, tol=TOL)
+        shares = disintegrate_ghost(module, batch, partition, dtype="float64", route=route, readings="shares")
+        assert shares.gram is None
+        assert_same_readings(ref, shares, tol=TOL)
         proj = disintegrate_ghost(module, batch, partition, dtype="float64", route=route, readings="projected")
         assert proj.gram is None and proj.conservation_error <= 1e-13
         for a, b in zip(ref.projected_share, proj.projected_share):
@@ -82,8 +85,9 @@ def test_ghost_route_in_row_blocks_equals_one_block():
     n_parts=st.integers(1, 4),
     budget=st.sampled_from([None, 3, 200]),
     route=st.sampled_from(["ghost", "auto"]),
+    readings=st.sampled_from(["all", "shares"]),
 )
-def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, route):
+def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, route, readings):
     module = TwiceLinear(V=7, d=d, seed=seed)
     tokens, trained, adv, group = layer_batch(B=B, T=T, V=7, seed=seed + 1)
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +98,7 @@ def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, rou
     part = Partition(ids, tuple(f"p{i}" for i in range(len(used))))
     batch = (tokens, trained, adv, group)
     ref = reference(module, batch, part)
-    got = disintegrate_ghost(module, batch, part, dtype="float64", route=route, memory_budget=budget)
+    got = disintegrate_ghost(module, batch, part, dtype="float64", route=route, memory_budget=budget, readings=readings)
     if ref.ok:
         assert_same_readings(ref, got, tol=1e-11)
 
@@ -163,3 +167,37 @@ def test_unknown_route_is_refused_with_the_options():
     module, batch = LayerPolicy(), layer_batch()
     with pytest.raises(ValueError, match=r"`route` must be one of \['auto', 'direct', 'ghost'\], got 'fast'"):
         disintegrate_ghost(module, batch, "by_rollout", route="fast")
+
+
+def _ride(module, batch, readings, in_backward, route="auto", steps=1):
+    ride = RideAlong(module).start()
+    try:
+        loss = module.credit_terms(batch).terms.sum()
+        if in_backward:
+            ride.on_loss(loss, by_rollout, readings=readings, route=route)
+        else:
+            ride.on_loss(loss)
+        for _ in range(steps):  # steps > 1: `.grad` accumulates more than the backward the hooks saw
+            loss.backward(retain_graph=True)
+        return ride.report(by_rollout, readings=readings, route=route)
+    finally:
+        ride.clear()
+        module.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("readings", ["all", "shares"])
+@pytest.mark.parametrize("route", ["direct", "ghost"])
+def test_ride_along_reducing_inside_the_backward_equals_after_it(readings, route):
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    inside = _ride(module, batch, readings, True, route)
+    after = _ride(module, batch, readings, False, route)
+    assert not isinstance(inside, str), inside
+    assert inside.readings == readings and (inside.gram is None) == (readings == "shares")
+    assert_same_readings(after, inside, tol=1e-13)
+    assert_same_readings(reference(module, batch, "by_rollout"), inside, tol=TOL)
+
+
+def test_ride_along_inside_the_backward_refuses_a_grad_that_was_not_zeroed():
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    got = _ride(module, batch, "all", True, steps=2)
+    assert isinstance(got, str) and "is not the gradient of this backward" in got and "zeroed" in got

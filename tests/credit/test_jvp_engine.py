@@ -179,13 +179,14 @@ def test_frozen_parameters_are_left_out_of_both_engines():
     assert abs(jvp.full_grad_norm - ref.full_grad_norm) <= 1e-12 * ref.full_grad_norm
 
 
-def test_all_readings_equal_the_reference_in_every_field():
+@pytest.mark.parametrize("readings", ["all", "shares"])
+def test_all_readings_equal_the_reference_in_every_field(readings):
     m = gpt2_policy(0.1)
     batch = _batch("right")
     torch.manual_seed(5)
     ref = disintegrate(m, batch, "by_turn", dtype="float64")
     torch.manual_seed(5)
-    jvp = disintegrate_jvp(m, batch, "by_turn", dtype="float64", readings="all")
+    jvp = disintegrate_jvp(m, batch, "by_turn", dtype="float64", readings=readings)
     for field in ("projected_share", "norm_share", "part_norm"):
         a, b = getattr(jvp, field), getattr(ref, field)
         assert len(a) == len(b)

@@ -22,7 +22,7 @@ from ..partition import Partition
 
 __all__ = ["ENGINES", "READINGS", "available_engines", "get_engine", "is_row_separable", "choose_engine"]
 
-READINGS = ("all", "projected")
+READINGS = ("all", "shares", "projected")
 
 # Partitions known by name to be unions of whole rows: "auto" needs no terms to pick the one-pass engine.
 ROW_PARTITIONS = ("by_rollout", "by_group", "by_advantage_sign", "by_reward", "by_source")
@@ -66,7 +66,8 @@ def check_engine(engine: Any, readings: Any) -> None:
     if readings not in READINGS:
         raise ValueError(
             f"`readings` must be one of {list(READINGS)}, got {readings!r}: 'all' = projected and norm shares, "
-            "cancellation (and the interference matrix where the engine makes it); 'projected' = projected shares only."
+            "cancellation (and the interference matrix where the engine makes it); 'shares' = the same without the "
+            "interference matrix; 'projected' = projected shares only."
         )
 
 

@@ -43,6 +43,7 @@ from torch import nn
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditGrads, CreditReport
 from ..terms import CreditTerms
+from . import READINGS
 from .ghost_routes import ROUTES, choose_route, ghost_param
 
 __all__ = [
@@ -376,6 +377,15 @@ def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
     return float(torch.stack(parts).sum()) if parts else 0.0
 
 
+def _row_sq(P: torch.Tensor) -> torch.Tensor:
+    """``‖P_i‖²`` of every row of a ``[c, n]`` block, read back in float64 (``[c]``).
+
+    Reduced in ``P``'s dtype, as the Gram's diagonal is: an upcast copy of the block would double the
+    peak memory of the step (and take 30 times longer on a CPU).
+    """
+    return torch.linalg.vector_norm(P, dim=1).double() ** 2  # [c]
+
+
 def _part_sum(P: torch.Tensor) -> torch.Tensor:
     """``P.sum(0)`` of a ``[c, n]`` block as a matrix-vector product (a column sum strides badly on a CPU)."""
     return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
@@ -384,9 +394,11 @@ def _part_sum(P: torch.Tensor) -> torch.Tensor:
 class _Accum:
     """Per-part readings accumulated parameter by parameter (float64)."""
 
-    def __init__(self, m: int, gram: bool, device: torch.device) -> None:
+    def __init__(self, m: int, readings: str, device: torch.device) -> None:
         self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
-        self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if gram else None  # [m, m]
+        self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if readings == "all" else None  # [m, m]
+        # "shares": each part's ‖g_S‖² alone, the Gram's diagonal (m·|θ| work instead of m²·|θ|)
+        self.sq = torch.zeros(m, dtype=torch.float64, device=device) if readings == "shares" else None  # [m]
         self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
 
     def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
@@ -396,6 +408,8 @@ class _Accum:
             self.dots += (P @ gf.to(P.dtype)).double()
             if self.gram is not None:
                 self.gram += (P @ P.T).double()
+            if self.sq is not None:
+                self.sq += _row_sq(P)
             total = _part_sum(P)
             self.diff_sq += _sq_t(total - gf.to(total.dtype))
             return total.view_as(g_full) if keep_sum else None
@@ -404,6 +418,8 @@ class _Accum:
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
             self.dots[idx] += (P @ gf.to(P.dtype)).double()
+            if self.sq is not None:
+                self.sq[idx] += _row_sq(P)
             total += _part_sum(P).to(total.dtype)
             if self.gram is not None:
                 self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
@@ -449,8 +465,9 @@ def disintegrate_ghost(
         terms_fn: use this instead of ``module.credit_terms``.
         keep_grads: attach ``g_full`` and ``Σ_S g_S`` (assembled from the pieces) to ``report.grads``.
         preserve_rng: run under ``torch.random.fork_rng``.
-        readings: ``"all"`` (shares, norms, cancellation and the interference matrix ``report.gram``) or
-            ``"projected"`` (projected shares only: no Gram is formed; norms are NaN).
+        readings: ``"all"`` (shares, norms, cancellation and the interference matrix ``report.gram``),
+            ``"shares"`` (the same without the interference matrix: each part's norm alone, ``m·|θ|`` work
+            instead of ``m²·|θ|``) or ``"projected"`` (projected shares only; norms are NaN).
         memory_budget: elements one chunk of per-part pieces may hold (default ``max(|θ|, 16 Mi)``).
         verify_part: also take the largest part's gradient by its own masked backward and check the
             engine's ``<g_S, g_full>`` and ``‖g_S‖`` against it: catches a loss that mixes rows.
@@ -469,8 +486,8 @@ def disintegrate_ghost(
     """
     from ..engine import _grad_match, _partition_name, _preserved_rng, evaluate_terms
 
-    if readings not in ("all", "projected"):
-        raise ValueError(f"`readings` must be one of ['all', 'projected'], got {readings!r}.")
+    if readings not in READINGS:
+        raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
     if route not in ROUTES:
         raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}; 'auto' picks per layer by cost.")
     mixing = row_interacting_modules(module)
@@ -517,7 +534,7 @@ def build_report(
     dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
 ) -> CreditReport:
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
-    g_full, total_list, dots, gram, diff_sq, coverage = reduced
+    g_full, total_list, dots, gram, diff_sq, coverage, sq_parts = reduced
     m = len(part_names)
     full_sq = _sum_sq(g_full)
     full_norm = math.sqrt(full_sq)
@@ -527,8 +544,9 @@ def build_report(
     elif full_sq == 0.0:
         reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
     dots_l = [float(d) for d in dots.tolist()]
-    if gram is not None:
-        sq = [max(float(gram[i, i]), 0.0) for i in range(m)]
+    if gram is not None or sq_parts is not None:
+        diag = gram.diagonal() if gram is not None else sq_parts
+        sq = [max(float(v), 0.0) for v in diag.tolist()]
         part_norm = tuple(math.sqrt(s) for s in sq)
         norm_total = math.fsum(part_norm)
         norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
@@ -692,7 +710,7 @@ class _Reducer:
         self.rows_per_part = torch.bincount(self.rp[self.rp >= 0], minlength=m).tolist() if m else []
         n_total = sum(x.numel() for x in leaves)
         self.budget = memory_budget if memory_budget is not None else max(n_total, _MIN_BUDGET)
-        self.acc = _Accum(m, readings == "all", self.device)
+        self.acc = _Accum(m, readings, self.device)
         self.totals: list[Optional[torch.Tensor]] = [None] * len(leaves)
         self.coverage: dict[str, int] = {}
         self.local_rows: dict[tuple[int, ...], _Rows] = {}
@@ -741,11 +759,12 @@ class _Reducer:
 
         half = max(1, self.budget // 2)
         chunks = _chunks(self.rows_per_part, p.numel(), half)
-        if choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route) == "ghost":
+        route = choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route, diag=acc.sq is not None)
+        if route == "ghost":
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half)
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq)
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
@@ -773,6 +792,8 @@ class _Reducer:
             acc.dots += (fb @ gf.to(fb.dtype)).double()
             if acc.gram is not None:
                 acc.gram += (fb @ fb.T).double()
+            if acc.sq is not None:
+                acc.sq += _row_sq(fb)
             s = fb.sum(0)
             acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
             if self.keep_sum:
@@ -785,7 +806,7 @@ class _Reducer:
             _verify_one_part(verify, leaves, g_full, acc, self.rows_per_part, self.by_leaf, fallback, fb, self.rp, m)
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items()))
+        return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
@@ -817,12 +838,18 @@ class RideAlong:
     """The one-pass engine's hooks installed for a training step's own forward and backward.
 
     ``start()`` installs the layer hooks and wraps the module's ``credit_terms`` so that only its
-    forward is captured (not, e.g., sampling under ``no_grad``); ``on_loss(loss)`` is called with the
-    loss about to be backpropagated; after the backward, ``report(...)`` reads ``g_full`` from the
-    parameters' ``.grad`` and adds only the per-layer reductions. ``stop()`` removes everything; nothing
-    is kept between steps. The step itself is not changed: hooks return no new value or gradient (a
-    broadcast position embedding is expanded to the batch, with the same values and the same backward
+    forward is captured (not, e.g., sampling under ``no_grad``); ``on_loss(loss, partition_fn, ...)`` is
+    called with the loss about to be backpropagated; after the backward, ``report(...)`` reads ``g_full``
+    from the parameters' ``.grad`` and adds only the per-layer reductions. ``stop()`` removes everything;
+    nothing is kept between steps. The step itself is not changed: hooks return no new value or gradient
+    (a broadcast position embedding is expanded to the batch, with the same values and the same backward
     reduction).
+
+    Given the partition at ``on_loss``, every covered parameter is reduced inside the backward, as soon
+    as its gradient exists, and the captured tensors of a layer are let go once all its parameters are
+    read (as in the separate pass): the output gradients of the whole network are never held at once.
+    ``report`` then checks that ``.grad`` is the gradient each parameter was reduced against (its
+    squared norm, summed in float64, must be the same number).
 
     The contract it checks before it reads anything: ``credit_terms`` ran exactly once with grad, the
     loss equals ``terms.sum()`` and its gradient with respect to ``terms`` is one everywhere, every
@@ -841,6 +868,8 @@ class RideAlong:
         self.edges: Optional[dict[int, int]] = None
         self._orig: Any = None
         self._had_attr = False
+        self._plan: Any = None  # what on_loss prepared: a dict (reducing in the backward) or the reason it could not
+        self._handles: list[Any] = []
 
     def start(self) -> "RideAlong":
         self.cap.install()
@@ -870,14 +899,81 @@ class RideAlong:
         self.terms_grad_ones = ones if self.terms_grad_ones is None else (self.terms_grad_ones and ones)
         return None
 
-    def on_loss(self, loss: torch.Tensor) -> None:
-        """Called with the loss before its backward: the graph's edges are counted while it exists."""
+    def on_loss(
+        self,
+        loss: torch.Tensor,
+        partition_fn: Optional[Callable[[CreditTerms], Partition]] = None,
+        *,
+        readings: str = "all",
+        memory_budget: Optional[int] = None,
+        keep_grads: bool = False,
+        route: str = "auto",
+    ) -> None:
+        """Called with the loss before its backward: the graph's edges are counted while it exists.
+
+        With ``partition_fn`` (and the other arguments ``report`` takes), each covered parameter is
+        reduced inside the coming backward. Nothing here raises: what cannot be prepared is reported by
+        ``report``.
+        """
         self.loss = loss.detach()
         leaves = [p for p in self.module.parameters() if p.requires_grad]
         self.edges = _leaf_edges(loss, leaves) if loss.requires_grad else {}
+        self._plan = None
+        if partition_fn is None or not loss.requires_grad:
+            return
+        try:
+            self._plan = self._prepare(partition_fn, readings, memory_budget, keep_grads, route)
+        except Exception as err:  # reported by `report`, never raised into the training step
+            self._plan = f"{type(err).__name__}: {err}"
+
+    def _layout(self, partition_fn: Callable[[CreditTerms], Partition]) -> Union[str, dict[str, Any]]:
+        """The partition's rows and the parameters' uses, or the reason the step cannot ride along."""
+        if self.calls != 1 or self.terms is None:
+            return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
+        t = self.terms
+        part = partition_fn(t.detached())
+        part.check_covers(t.trained)
+        ids = part.ids.to(t.terms.device)  # [B, T]
+        rp = row_parts(Partition(ids, part.names))
+        if rp is None:
+            return "the partition puts positions of one row in different parts; riding along needs whole rows."
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [n for n, _ in named]
+        leaves = [p for _, p in named]
+        by_leaf = plan_uses(self.cap.uses, leaves, int(t.terms.shape[0]), self.edges or {})
+        missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
+        if missing:
+            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf}
+
+    def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route) -> Union[str, dict[str, Any]]:
+        lay = self._layout(partition_fn)
+        if isinstance(lay, str):
+            return lay
+        red = _Reducer(lay["by_leaf"], lay["leaves"], lay["rp"], lay["part"].n_parts, readings, keep_grads, memory_budget, route)
+        # ‖g‖² of the gradient each parameter was reduced against, to hold against its `.grad` afterwards
+        seen = torch.full((len(lay["leaves"]),), float("nan"), dtype=torch.float64, device=red.device)  # [n_leaves]
+
+        def hook(i: int) -> Callable[[torch.Tensor], None]:
+            def on_grad(g: torch.Tensor) -> None:
+                g = g.detach()
+                seen[i] = _sq_t(g)
+                red.param(i, g, release=True)
+                return None
+
+            return on_grad
+
+        self._handles = [lay["leaves"][i].register_hook(hook(i)) for i in lay["by_leaf"]]
+        return {**lay, "red": red, "seen": seen, "args": (readings, keep_grads)}
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def stop(self) -> None:
         self.cap.remove()
+        self._remove_hooks()
         if self._orig is not None:
             if self._had_attr:
                 object.__setattr__(self.module, "credit_terms", self._orig)
@@ -892,6 +988,7 @@ class RideAlong:
         self.terms = None
         self.loss = None
         self.edges = None
+        self._plan = None
 
     def report(
         self,
@@ -903,8 +1000,13 @@ class RideAlong:
         keep_grads: bool = False,
         route: str = "auto",
     ) -> Union[CreditReport, str]:
-        """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read."""
+        """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read.
+
+        When ``on_loss`` was given the partition, the reductions it started in the backward are finished
+        here (``readings`` and ``keep_grads`` must then be the ones it was given).
+        """
         self.stop()
+        plan, self._plan = self._plan, None
         if self.calls != 1 or self.terms is None:
             return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
         if self.loss is None or self.edges is None:
@@ -919,27 +1021,36 @@ class RideAlong:
                 f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
                 "every term, so the captured gradients are not the terms' gradients."
             )
-        part = partition_fn(t.detached())
-        part.check_covers(t.trained)
-        ids = part.ids.to(t.terms.device)  # [B, T]
-        rp = row_parts(Partition(ids, part.names))
-        if rp is None:
-            return "the partition puts positions of one row in different parts; riding along needs whole rows."
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        names = [n for n, _ in named]
-        leaves = [p for _, p in named]
-        B = int(t.terms.shape[0])
-        by_leaf = plan_uses(self.cap.uses, leaves, B, self.edges)
-        missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
-        if missing:
-            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+        if isinstance(plan, str):
+            return plan
+        if plan is not None and plan["args"] != (readings, keep_grads):
+            raise ValueError(
+                f"`readings`/`keep_grads` must be the ones given to on_loss {plan['args']!r}, got {(readings, keep_grads)!r}."
+            )
+        lay = plan if plan is not None else self._layout(partition_fn)
+        if isinstance(lay, str):
+            return lay
+        part, names, leaves, by_leaf = lay["part"], lay["names"], lay["leaves"], lay["by_leaf"]
         g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
         if keep_grads:
             g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
-        reduced = reduce_pieces(
-            self.cap.uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
-            route=route,
-        )
+        if plan is not None:
+            red = plan["red"]
+            done = sorted(red.done)
+            seen = plan["seen"][done]  # [n_done]
+            have = torch.stack([_sq_t(g_full[i]) for i in done]) if done else seen  # [n_done]
+            if not torch.equal(seen, have):  # the same function of the same bits: equal unless `.grad` differs
+                bad = int((seen != have).nonzero()[0, 0])
+                return (
+                    f"`.grad` of {names[done[bad]]!r} is not the gradient of this backward (squared norm "
+                    f"{float(have[bad]):.6e} against {float(seen[bad]):.6e} seen in it): was it zeroed before the step?"
+                )
+            reduced = red.finish(g_full, [], None, None)
+        else:
+            reduced = reduce_pieces(
+                self.cap.uses, by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
+                None, route=route,
+            )
         full = math.sqrt(_sum_sq(g_full))
         err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
         if not err <= 10 * tol:

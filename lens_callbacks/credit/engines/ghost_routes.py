@@ -11,7 +11,9 @@ gradient, ``R = A``, the input; ``Conv1D``: ``L = A``, ``R = B``). Two exact way
   - ``<g_k, G> = Σ_t L_kt · (G R_kt)`` (one product ``R G ᵀ`` over all rows, ``r·n·d_L·d_R``),
   - ``Σ_k g_k = L_allᵀ R_all`` (one product, the same count),
   - ``<g_k, g_l> = Σ_{t,s} (L_kt·L_ls)(R_kt·R_ls)``, i.e. ``Σ (L_k L_lᵀ) ∘ (R_k R_lᵀ)``
-    (``r²·n²·(d_L + d_R)``), summed per part afterwards.
+    (``r²·n²·(d_L + d_R)``), summed per part afterwards; each part's ``‖g_S‖²`` alone
+    (``readings="shares"``) needs only the pairs inside a part: ``r·n²·(d_L + d_R)`` when every part is
+    one row.
 
 The ghost Gram wins when rows are short against the layer's width (``n² (d_L + d_R) < d_L d_R``
 roughly); the direct route wins on long rows, and its pieces must be recomputed for every pair of chunks
@@ -47,7 +49,9 @@ def ghost_eligible(uses: Sequence, param: torch.Tensor) -> bool:
     return bool(uses) and param.dim() == 2 and all(u.rule in ("linear", "conv1d") and param is u.weight for u in uses)
 
 
-def route_costs(uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool) -> tuple[float, float]:
+def route_costs(
+    uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, diag: bool = False
+) -> tuple[float, float]:
     """Multiply-adds of the (direct, ghost) routes for one parameter.
 
     Args:
@@ -57,6 +61,7 @@ def route_costs(uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks
         m: number of parts.
         n_chunks: chunks of parts the direct route needs under the memory budget.
         gram: whether the Gram is wanted (``readings="all"``).
+        diag: whether each part's squared norm alone is wanted (``readings="shares"``).
     """
     dL, dR = param.shape
     P = dL * dR
@@ -64,20 +69,26 @@ def route_costs(uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks
     prod = float(sum(rows * n * P for n in ns))
     # With the Gram, chunk i's pieces are built once and then once more for every later chunk j.
     redo = (n_chunks + 1) / 2 if gram and n_chunks > 1 else 1.0
-    direct = prod * redo + 2.0 * m * P + (float(m) * m * P if gram else 0.0)
-    ghost = 2.0 * prod + (float(sum(rows * rows * a * b * (dL + dR + 1) for a in ns for b in ns)) if gram else 0.0)
-    return direct, ghost
+    direct = prod * redo + 2.0 * m * P + (float(m) * m * P if gram else 0.0) + (float(m) * P if diag else 0.0)
+    pairs = 0.0
+    if gram or (diag and rows != m):  # several rows to a part: every row pair is formed, then summed per part
+        pairs = float(sum(rows * rows * a * b * (dL + dR + 1) for a in ns for b in ns))
+    elif diag:  # one row to a part: the pairs of a row with itself
+        pairs = float(sum(rows * a * b * (dL + dR + 1) for a in ns for b in ns))
+    return direct, 2.0 * prod + pairs
 
 
-def choose_route(uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, route: str) -> str:
+def choose_route(
+    uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, route: str, diag: bool = False
+) -> str:
     """``"direct"`` or ``"ghost"`` for this parameter (``route`` forces one where the ghost identities apply)."""
     if route == "direct" or not ghost_eligible(uses, param):
         return "direct"
     if route == "ghost":
         return "ghost"
-    if not gram and n_chunks > 1:
+    if not gram and not diag and n_chunks > 1:
         return "ghost"  # the pieces do not fit one chunk: read the layer without forming any
-    direct, ghost = route_costs(uses, param, rows, m, n_chunks, gram)
+    direct, ghost = route_costs(uses, param, rows, m, n_chunks, gram, diag)
     return "ghost" if ghost < direct else "direct"
 
 
@@ -101,6 +112,7 @@ def ghost_param(
     dots: torch.Tensor,
     gram: Optional[torch.Tensor],
     budget: int,
+    sq: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One weight read by the ghost identities; adds into ``dots`` ``[m]`` and ``gram`` ``[m, m]`` in place.
 
@@ -112,6 +124,7 @@ def ghost_param(
         dots: float64 ``<g_S, g_full>`` accumulator.
         gram: float64 Gram accumulator, or None (projected shares only).
         budget: elements one block of row-pair products may hold.
+        sq: float64 ``[m]`` accumulator of each part's ``‖g_S‖²`` (``readings="shares"``), or None.
 
     Returns:
         ``(Σ_S g_S, ‖Σ_S g_S − g_full‖²)``: the parts' sum assembled from the captured factors (float64 0-d
@@ -134,7 +147,20 @@ def ghost_param(
             row_dot += ((L.reshape(-1, dL) @ W).view(r, n, dR) * R).sum((1, 2)).to(row_dot.dtype)
         total += (L.reshape(-1, dL).T @ R.reshape(-1, dR)).to(total.dtype)  # [d_L, d_R]
     dots.index_add_(0, dst, row_dot.double())
-    if gram is not None:
+    if gram is None and sq is not None and bool((torch.bincount(dst) <= 1).all()):
+        # one row to a part: ‖L_kᵀ R_k‖² = Σ (L_k L_kᵀ) ∘ (R_k R_kᵀ), row by row, no pair of rows formed
+        row_sq = torch.zeros(r, dtype=torch.float64, device=g_full.device)  # [r]
+        for Lu, Ru in facs:
+            for Lv, Rv in facs:
+                kb = max(1, min(r, budget // max(1, 2 * Lu.shape[1] * Lv.shape[1])))  # rows per block
+                for k0 in range(0, r, kb):
+                    k1 = min(r, k0 + kb)
+                    pair = torch.bmm(Lu[k0:k1], Lv[k0:k1].transpose(1, 2))  # [kb, nu, nv]
+                    pair.mul_(torch.bmm(Ru[k0:k1], Rv[k0:k1].transpose(1, 2)))
+                    row_sq[k0:k1] += pair.sum((1, 2)).double()
+        sq.index_add_(0, dst, row_sq)
+        return total, _sq(total - g_full)
+    if gram is not None or sq is not None:
         rg = torch.zeros(r, r, dtype=facs[0][0].dtype, device=g_full.device)  # [r, r] row Gram
         for Lu, Ru in facs:
             nu = Lu.shape[1]
@@ -147,7 +173,10 @@ def ghost_param(
                     pair = Lu[k0:k1].reshape(-1, dL) @ Lv2.T  # [kb·nu, r·nv]
                     pair.mul_(Ru[k0:k1].reshape(-1, dR) @ Rv2.T)
                     rg[k0:k1] += pair.view(k1 - k0, nu, r, nv).sum((1, 3))
-        m = gram.shape[0]
-        by_part = torch.zeros(m, r, dtype=torch.float64, device=gram.device).index_add_(0, dst, rg.double())  # [m, r]
-        gram.index_add_(1, dst, by_part)
+        m = dots.shape[0]
+        by_part = torch.zeros(m, r, dtype=torch.float64, device=dots.device).index_add_(0, dst, rg.double())  # [m, r]
+        if gram is not None:
+            gram.index_add_(1, dst, by_part)
+        else:  # each part's pairs of its own rows: Σ_{k,l ∈ S} <g_k, g_l>
+            sq.index_add_(0, dst, by_part[dst, torch.arange(r, device=dst.device)])
     return total, _sq(total - g_full)

@@ -48,7 +48,7 @@ from ..terms import CreditTerms
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
-READINGS = ("projected", "all")
+READINGS = ("projected", "shares", "all")
 
 
 class ForwardADUnsupportedError(RuntimeError):
@@ -209,7 +209,8 @@ def disintegrate_jvp(
         preserve_rng: leave the global random stream as it was (``torch.random.fork_rng``).
         readings: ``"projected"`` (default): projected shares only — ``norm_share``, ``part_norm`` and
             ``cancellation`` are NaN, while ``reason`` stays None because the shares are defined;
-            ``"all"``: also the exact norms through one backward per part (the reference engine's cost);
+            ``"all"`` or ``"shares"`` (the same here: no interference matrix is formed): also the exact
+            norms through one backward per part (the reference engine's cost);
             then ``conservation_error`` is the larger of the reference's ``‖Σ_S g_S − g_full‖ / ‖g_full‖``
             and the scalar check above.
 
@@ -240,7 +241,7 @@ def disintegrate_jvp(
         raise ValueError(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
-    exact_norms = readings == "all"
+    exact_norms = readings in ("all", "shares")
     with _preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
