@@ -116,7 +116,7 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed")
+    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture")
 
     def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
         self.rule = rule
@@ -127,6 +127,16 @@ class _Use:
         self.xhat: Optional[torch.Tensor] = None
         self.b: Optional[torch.Tensor] = None
         self.sealed = False
+        self.capture: Optional["RowCapture"] = None
+
+    def normalised(self) -> torch.Tensor:
+        """A norm layer's ``x̂``: kept from the forward under autocast, else recomputed from the input now.
+
+        Recomputing holds no activation-sized tensor per norm layer through the backward (the input is
+        the tensor autograd keeps for the layer's own backward anyway)."""
+        if self.xhat is None:  # kept until this use's parameters are all read (the weight's chunks share it)
+            self.xhat = self.capture._normalised(self.module, self.rule, self.a)
+        return self.xhat
 
     def grad_hook(self, g: torch.Tensor) -> None:
         # Later backward passes over the same graph (the fallback's, a check's) must not add to B.
@@ -205,7 +215,10 @@ class RowCapture:
                 ret = out
             use = _Use(rule, mod, w, b, x.detach())
             if rule in ("layernorm", "rmsnorm"):
-                use.xhat = self._normalised(mod, rule, x)
+                use.capture = self
+                if torch.is_autocast_enabled(x.device.type):
+                    # x̂ under the forward's autocast (its dtype rules): taken now, not recomputed outside it
+                    use.xhat = self._normalised(mod, rule, x)
             out.register_hook(use.grad_hook)
             self.uses.append(use)
             return ret
@@ -315,7 +328,7 @@ def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.T
     elif use.rule in ("layernorm", "rmsnorm"):
         G = _take(g, sel, B)  # [r, n, d]
         if is_w:
-            X = _take(use.xhat, sel, B).to(g.dtype)  # [r, n, d]
+            X = _take(use.normalised(), sel, B).to(g.dtype)  # [r, n, d]
             out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
         else:
             out.index_add_(0, dst, G.sum(1))  # [r, d]
@@ -776,7 +789,7 @@ class _Reducer:
             for u in us:
                 self.pending[id(u)] -= 1
                 if self.pending[id(u)] == 0:
-                    u.a = u.b = u.xhat = None  # every parameter of this use is read: let the tensors go
+                    u.a = u.b = u.xhat = u.capture = None  # every parameter of this use is read: let them go
 
     def finish(self, g_full, fallback, fb, verify):
         acc, m, leaves, totals = self.acc, self.m, self.leaves, self.totals
