@@ -46,6 +46,7 @@ from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate  # noqa:
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  # noqa: E402
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
+GENERATED_END = "<!-- the tables above are written by benchmarks/credit_cost.py --write; the text below is not -->"
 ENGINES = ("reference", "ghost", "ghost_shares", "ghost_projected", "ride", "ride_shares", "ride_projected", "vmap", "opacus")
 RIDES = {"ride": "all", "ride_shares": "shares", "ride_projected": "projected"}
 VOCAB, T, PROMPT = 64, 48, 8
@@ -441,11 +442,17 @@ def verdict(rows: list[dict]) -> str:
 
 
 def write_section(path: Path, body: str) -> None:
+    """Replace the generated part of the section (up to ``GENERATED_END``; the written analysis after it stays)."""
     text = path.read_text() if path.exists() else "# Performance\n\n"
+    body = body + "\n\n" + GENERATED_END
     if SECTION in text:
         head, _, rest = text.partition(SECTION)
-        nxt = rest.find("\n## ")
-        tail = rest[nxt + 1 :] if nxt >= 0 else ""
+        end = rest.find(GENERATED_END)
+        if end >= 0:
+            tail = rest[end + len(GENERATED_END) :].lstrip("\n")
+        else:
+            nxt = rest.find("\n## ")
+            tail = rest[nxt + 1 :] if nxt >= 0 else ""
         text = head + SECTION + "\n\n" + body + "\n\n" + tail
     else:
         text = text.rstrip("\n") + "\n\n" + SECTION + "\n\n" + body + "\n"

@@ -2,8 +2,9 @@
 
 A thin adapter over :func:`lens_callbacks.credit.disintegrate`: at ``on_before_optimizer_step`` (the
 step's unclipped ``.grad`` is in place) it re-evaluates ``pl_module.credit_terms(batch)`` on detached
-copies of the parameters, takes one backward pass per part plus an independent full one, and logs the
-readings through :class:`~lens_callbacks.metrics.credit.CreditMetric`. It is read-only: parameters,
+copies of the parameters with the engine ``engine`` names (``"auto"``: one forward and one backward for
+row partitions, see :mod:`lens_callbacks.credit.engines`), or reads the training step's own backward
+(``capture="training_step"``), and logs the readings through :class:`~lens_callbacks.metrics.credit.CreditMetric`. It is read-only: parameters,
 ``.grad``, optimizer state and the random stream are left as they were.
 
 DDP / FSDP2 (``scope="global"``, the default): each rank disintegrates its local batch and dots its
@@ -507,6 +508,8 @@ class CreditAuditCallback(Callback):
                     params=params,
                     forward_context=self._forward_context(pl_module),
                     reference_grads=applied if self._reference is not None and not self._global else None,
+                    engine=self.engine,
+                    readings=self.reading_set,
                 )
         except Exception as err:  # a user-data failure must not end the training run
             failure = f"{type(err).__name__}: {err}"

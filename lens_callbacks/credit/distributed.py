@@ -187,4 +187,8 @@ def global_report(
         partition=local.partition,
         reason=reason,
         grads=grads,
+        # The interference matrix is not global: it would need every rank's part gradients in one place.
+        engine=local.engine,
+        readings=local.readings,
+        coverage=local.coverage,
     )

@@ -250,13 +250,13 @@ def disintegrate(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
     _check_engine(engine, readings)
-    if project_onto is not None and engine not in ("auto", "reference"):
-        raise ValueError(f"`project_onto` needs engine='reference' (or 'auto'), got engine={engine!r}.")
-    if engine != "reference" and project_onto is None:
+    if project_onto is not None and engine not in ("auto", "reference", "ghost"):
+        raise ValueError(f"`project_onto` needs engine='reference', 'ghost' or 'auto', got engine={engine!r}.")
+    if engine != "reference":
         fast = _dispatch(
             module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
             reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
-            preserve_rng=preserve_rng, params=params, forward_context=forward_context,
+            preserve_rng=preserve_rng, params=params, forward_context=forward_context, project_onto=project_onto,
         )
         if fast is not None:
             return fast
@@ -368,11 +368,11 @@ def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], .
     return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
 
 
-def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None):
+def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine.
 
-    ``params`` and ``forward_context`` reach the one-pass engine; the forward-mode engine takes neither,
-    so with either set ``"auto"`` reads within-row parts with the reference engine.
+    ``params``, ``forward_context`` and ``project_onto`` reach the one-pass engine; the forward-mode
+    engine takes none of them, so with any set ``"auto"`` reads within-row parts with the reference engine.
     """
     import dataclasses
 
@@ -387,7 +387,7 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             return get_engine("ghost")(
                 module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
                 keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
-                params=params, forward_context=forward_context,
+                params=params, forward_context=forward_context, project_onto=project_onto,
             )
         except (NotRowSeparable, RowInteraction) as err:
             if engine != "auto":
@@ -395,9 +395,9 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
             within = isinstance(err, NotRowSeparable) and readings == "projected"
             name = "jvp" if within and "jvp" in _engines_available() else "reference"
-    if name == "jvp" and (params is not None or forward_context is not None):
+    if name == "jvp" and (params is not None or forward_context is not None or project_onto is not None):
         if engine != "auto":
-            raise ValueError("engine='jvp' takes neither `params` nor `forward_context`; use engine='reference' or 'auto'.")
+            raise ValueError("engine='jvp' takes none of `params`, `forward_context`, `project_onto`; use engine='reference' or 'auto'.")
         return None
     if name == "jvp":
         report = get_engine("jvp")(

@@ -87,8 +87,9 @@ def _full_grad(m, batch):
     return list(torch.autograd.grad(m.credit_terms(batch).terms.sum(), params))
 
 
+@pytest.mark.parametrize("engine", ["reference", "ghost"])
 @pytest.mark.parametrize("rows", [(3, 2), (2, 2, 4)])
-def test_global_report_equals_a_single_process_audit_of_the_concatenated_batch(rows):
+def test_global_report_equals_a_single_process_audit_of_the_concatenated_batch(rows, engine):
     W = len(rows)
     m = Toy()
     batches = [_batch(r, n) for r, n in enumerate(rows)]
@@ -96,9 +97,11 @@ def test_global_report_equals_a_single_process_audit_of_the_concatenated_batch(r
     applied = [sum(gs[i] for gs in per_rank) / W for i in range(len(per_rank[0]))]  # what DDP's .grad holds
 
     def local_of(r):
-        return disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied), applied, None
+        local = disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied, engine=engine)
+        return local, applied, None
 
     reports = _run_ranks(W, local_of)
+    assert all(rep.engine == engine for rep in reports)
     for rep in reports[1:]:
         assert rep.part_names == reports[0].part_names and rep.projected_share == reports[0].projected_share
     rep = reports[0]
@@ -150,16 +153,18 @@ def test_a_rank_without_a_reading_makes_every_rank_refuse():
     assert "no terms" in b.reason
 
 
-def test_a_rank_with_zero_gradient_keeps_its_zero_parts():
+@pytest.mark.parametrize("engine", ["reference", "ghost"])
+def test_a_rank_with_zero_gradient_keeps_its_zero_parts(engine):
     m = Toy()
     tokens, adv = _batch(0, 2)
     batches = [(tokens, adv), (tokens, torch.zeros_like(adv))]  # rank 1: every advantage 0
     applied = [g / 2 for g in _full_grad(m, batches[0])]
 
     def local_of(r):
-        return disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied), applied, None
+        return disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied, engine=engine), applied, None
 
     rep = _run_ranks(2, local_of)[0]
+    assert rep.engine == engine
     assert rep.ok and abs(rep.share_sum - 1.0) < 1e-14
     assert rep.projected_share[2:] == (0.0, 0.0)
 

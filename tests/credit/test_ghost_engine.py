@@ -396,3 +396,24 @@ def test_report_dict_and_interference_matrix():
     assert "interference" in r.render() and "engine ghost" in r.render()
     # sum of the Gram = ||Σ g_S||² = ||g_full||² (conservation through the matrix)
     assert float(gram.sum()) == pytest.approx(r.full_grad_norm**2, rel=1e-12)
+
+
+@pytest.mark.parametrize("readings", ["all", "shares", "projected"])
+def test_project_onto_equals_the_reference_engine(readings):
+    module, batch = LayerPolicy(), layer_batch()
+    g = torch.Generator().manual_seed(4)
+    onto = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in module.parameters() if p.requires_grad]
+    for partition in ("by_rollout", "by_group"):
+        ref = disintegrate(module, batch, partition, dtype="float64", engine="reference", project_onto=onto)
+        got = disintegrate(module, batch, partition, dtype="float64", engine="ghost", project_onto=onto, readings=readings)
+        assert got.engine == "ghost"
+        for a, b in zip(ref.projected_share, got.projected_share):
+            assert abs(a - b) <= TOL
+        assert abs(got.share_sum - ref.share_sum) <= TOL  # ≠ 1: v is not this batch's gradient
+        assert got.conservation_error <= 1e-13
+        if readings != "projected":
+            for a, b in zip(ref.part_norm, got.part_norm):
+                assert abs(a - b) <= TOL * max(ref.part_norm)
+            assert abs(ref.cancellation - got.cancellation) <= TOL
+    with pytest.raises(ValueError, match="`project_onto` needs engine="):
+        disintegrate(module, batch, "by_rollout", dtype="float64", engine="jvp", project_onto=onto)

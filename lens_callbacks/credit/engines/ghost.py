@@ -414,11 +414,15 @@ class _Accum:
         self.sq = torch.zeros(m, dtype=torch.float64, device=device) if readings == "shares" else None  # [m]
         self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
 
-    def add(self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool) -> Optional[torch.Tensor]:
+    def add(
+        self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool,
+        target: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         gf = g_full.reshape(-1)  # [n]
+        tg = gf if target is None else target.reshape(-1)  # [n] what the parts are dotted with
         if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
             P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
-            self.dots += (P @ gf.to(P.dtype)).double()
+            self.dots += (P @ tg.to(P.dtype)).double()
             if self.gram is not None:
                 self.gram += (P @ P.T).double()
             if self.sq is not None:
@@ -430,7 +434,7 @@ class _Accum:
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
-            self.dots[idx] += (P @ gf.to(P.dtype)).double()
+            self.dots[idx] += (P @ tg.to(P.dtype)).double()
             if self.sq is not None:
                 self.sq[idx] += _row_sq(P)
             total += _part_sum(P).to(total.dtype)
@@ -466,6 +470,7 @@ def disintegrate_ghost(
     params: Optional[Mapping[str, torch.Tensor]] = None,
     forward_context: Optional[Callable[[], Any]] = None,
     route: str = "auto",
+    project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -489,6 +494,9 @@ def disintegrate_ghost(
             (e.g. a trainer's autocast).
         route: how ``Linear``/``Conv1D`` weights are read: ``"auto"`` (per layer, the cheaper of the two),
             ``"direct"`` (per-row weight products) or ``"ghost"`` (the ghost identities, no per-row piece).
+        project_onto: a vector ``v`` (one tensor per trainable parameter) that replaces ``g_full`` in the
+            shares, ``<g_S, v> / ||v||²``, as for :func:`~lens_callbacks.credit.disintegrate` (under DDP:
+            the averaged ``.grad``); cancellation and conservation still read against ``g_full``.
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -497,7 +505,7 @@ def disintegrate_ghost(
         NotRowSeparable: the partition splits a row (use ``engine="reference"`` or ``"jvp"``).
         RowInteraction: a module mixes rows (batch-norm in training mode), or ``verify_part`` failed.
     """
-    from ..engine import _grad_match, _partition_name, _preserved_rng, evaluate_terms
+    from ..engine import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
 
     if readings not in READINGS:
         raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
@@ -519,6 +527,7 @@ def disintegrate_ghost(
                 terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
         finally:
             cap.remove()
+        onto = _onto(leaves, project_onto)
         part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)  # [B, T]
         rp = row_parts(Partition(ids, part.names))
@@ -531,31 +540,38 @@ def disintegrate_ghost(
         B = int(terms.terms.shape[0])
         with torch.enable_grad():
             loss = terms.terms.sum()
-            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route)
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route,
+                           onto=onto)
     g_full = reduced[0]
     grad_match = None
     if reference_grads is not None:
         grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(_sum_sq(g_full)))
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
-        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads,
+        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads, onto=onto,
     )
 
 
 def build_report(
     reduced: tuple, names: Sequence[str], part_names: Sequence[str], readings: str, *, grad_match: Optional[float],
     dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
+    onto: Optional[Sequence[torch.Tensor]] = None,
+    full_sq: Optional[float] = None,
 ) -> CreditReport:
-    """A :class:`CreditReport` from what :func:`reduce_pieces` returned."""
+    """A :class:`CreditReport` from what :func:`reduce_pieces` returned (``onto``: what the dots were taken with;
+    ``full_sq``: ``‖g_full‖²`` when the caller has it already)."""
     g_full, total_list, dots, gram, diff_sq, coverage, sq_parts = reduced
     m = len(part_names)
-    full_sq = _sum_sq(g_full)
+    full_sq = _sum_sq(g_full) if full_sq is None else full_sq
     full_norm = math.sqrt(full_sq)
     reason = None
     if not math.isfinite(full_sq):
         reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
-    elif full_sq == 0.0:
+    elif full_sq == 0.0 and onto is None:
         reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    onto_sq = full_sq if onto is None else _sum_sq(onto)
+    if onto is not None and reason is None and not (math.isfinite(onto_sq) and onto_sq > 0.0):
+        reason = f"the vector the parts are projected onto has ||v||² = {onto_sq}; shares are undefined this step."
     dots_l = [float(d) for d in dots.tolist()]
     if gram is not None or sq_parts is not None:
         diag = gram.diagonal() if gram is not None else sq_parts
@@ -567,8 +583,13 @@ def build_report(
         part_norm = tuple(float("nan") for _ in range(m))
         norm_total = float("nan")
         norm_share = part_norm
-    if reason is None:
-        projected = tuple(d / full_sq for d in dots_l)
+    if reason is None and full_sq == 0.0:
+        # A rank whose own gradient is zero still has (zero) parts of the global step.
+        projected = tuple(d / onto_sq for d in dots_l)
+        conservation = math.sqrt(diff_sq)
+        cancellation = float("nan")
+    elif reason is None:
+        projected = tuple(d / onto_sq for d in dots_l)
         conservation = math.sqrt(diff_sq) / full_norm
         cancellation = norm_total / full_norm
     else:
@@ -615,10 +636,11 @@ def _run(
     memory_budget: Optional[int],
     verify_part: bool,
     route: str = "auto",
+    onto: Optional[Sequence[torch.Tensor]] = None,
 ):
     by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route)
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto)
     if loss.requires_grad:
         # Each covered parameter is reduced inside the backward, as soon as its gradient exists.
         handles = [leaves[i].register_hook(red.hook(i)) for i in by_leaf]
@@ -714,9 +736,10 @@ class _Reducer:
     parts and returns what :func:`build_report` takes.
     """
 
-    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route) -> None:
+    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=None) -> None:
         if route not in ROUTES:
             raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
+        self.onto: Optional[Sequence[torch.Tensor]] = onto  # the parts are dotted with these instead of g_full
         self.device = leaves[0].device if leaves else torch.device("cpu")
         self.by_leaf, self.leaves, self.m, self.keep_sum, self.route = by_leaf, leaves, m, keep_sum, route
         self.rp = rp.to(self.device)
@@ -777,11 +800,12 @@ class _Reducer:
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq)
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq,
+                                      target=None if self.onto is None else self.onto[i])
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
-            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum)
+            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum, None if self.onto is None else self.onto[i])
         key = "+".join(sorted({u.rule for u in us}))
         self.coverage[key] = self.coverage.get(key, 0) + p.numel()
         self.done.add(i)
@@ -802,7 +826,8 @@ class _Reducer:
             coverage["fallback"] = n_fb
             if fb is None:
                 fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=self.device)
-            acc.dots += (fb @ gf.to(fb.dtype)).double()
+            tg = gf if self.onto is None else torch.cat([self.onto[i].reshape(-1) for i in fallback])  # [n_fallback]
+            acc.dots += (fb @ tg.to(fb.dtype)).double()
             if acc.gram is not None:
                 acc.gram += (fb @ fb.T).double()
             if acc.sq is not None:
@@ -816,7 +841,8 @@ class _Reducer:
                     totals[i] = s[off : off + n].view_as(leaves[i])
                     off += n
         if verify is not None:
-            _verify_one_part(verify, leaves, g_full, acc, self.rows_per_part, self.by_leaf, fallback, fb, self.rp, m)
+            _verify_one_part(verify, leaves, g_full if self.onto is None else self.onto, acc, self.rows_per_part, self.by_leaf,
+                             fallback, fb, self.rp, m)
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
         return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
@@ -1047,11 +1073,13 @@ class RideAlong:
         g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
         if keep_grads:
             g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
+        sq_each = torch.stack([_sq_t(g) for g in g_full]) if g_full else torch.zeros(0, dtype=torch.float64)  # [n_leaves]
+        full_sq = float(sq_each.sum())
         if plan is not None:
             red = plan["red"]
             done = sorted(red.done)
             seen = plan["seen"][done]  # [n_done]
-            have = torch.stack([_sq_t(g_full[i]) for i in done]) if done else seen  # [n_done]
+            have = sq_each[done].to(seen.device)  # [n_done]
             if not torch.equal(seen, have):  # the same function of the same bits: equal unless `.grad` differs
                 bad = int((seen != have).nonzero()[0, 0])
                 return (
@@ -1064,7 +1092,7 @@ class RideAlong:
                 self.cap.uses, by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
                 None, route=route,
             )
-        full = math.sqrt(_sum_sq(g_full))
+        full = math.sqrt(full_sq)
         err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
         if not err <= 10 * tol:
             return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
@@ -1072,6 +1100,7 @@ class RideAlong:
         return build_report(
             reduced, names, part.names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
             loss=float(self.loss), partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads,
+            full_sq=full_sq,
         )
 
 

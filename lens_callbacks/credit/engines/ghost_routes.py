@@ -113,6 +113,7 @@ def ghost_param(
     gram: Optional[torch.Tensor],
     budget: int,
     sq: Optional[torch.Tensor] = None,
+    target: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One weight read by the ghost identities; adds into ``dots`` ``[m]`` and ``gram`` ``[m, m]`` in place.
 
@@ -125,6 +126,7 @@ def ghost_param(
         gram: float64 Gram accumulator, or None (projected shares only).
         budget: elements one block of row-pair products may hold.
         sq: float64 ``[m]`` accumulator of each part's ``‖g_S‖²`` (``readings="shares"``), or None.
+        target: what the parts are dotted with instead of ``g_full`` (``project_onto``), or None.
 
     Returns:
         ``(Σ_S g_S, ‖Σ_S g_S − g_full‖²)``: the parts' sum assembled from the captured factors (float64 0-d
@@ -137,7 +139,7 @@ def ghost_param(
     if r == 0 or not facs:
         return total, _sq(total - g_full)
     row_dot = torch.zeros(r, dtype=g_full.dtype, device=g_full.device)  # [r]
-    W = g_full.to(facs[0][0].dtype)
+    W = (g_full if target is None else target).to(facs[0][0].dtype)
     for L, R in facs:
         n = L.shape[1]
         # <Lᵀ R, W> = Σ_t L_t · (W R_t): multiply on the wider side, take the elementwise product on the narrower.
