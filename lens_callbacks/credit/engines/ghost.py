@@ -543,12 +543,14 @@ def disintegrate_ghost(
             reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route,
                            onto=onto)
     g_full = reduced[0]
+    full_sq = _sum_sq(g_full)
     grad_match = None
     if reference_grads is not None:
-        grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(_sum_sq(g_full)))
+        grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(full_sq))
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
         loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads, onto=onto,
+        full_sq=full_sq,
     )
 
 
