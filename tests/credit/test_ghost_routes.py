@@ -201,3 +201,70 @@ def test_ride_along_inside_the_backward_refuses_a_grad_that_was_not_zeroed():
     module, batch = TwiceLinear(), layer_batch(V=11)
     got = _ride(module, batch, "all", True, steps=2)
     assert isinstance(got, str) and "is not the gradient of this backward" in got and "zeroed" in got
+
+
+def test_a_failure_inside_the_training_backward_is_reported_not_raised(monkeypatch):
+    from lens_callbacks.credit.engines import ghost
+
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    plain = torch.autograd.grad(module.credit_terms(batch).terms.sum(), list(module.parameters()))
+
+    def broken(self, i, g, release=False):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ghost._Reducer, "param", broken)
+    ride = RideAlong(module).start()
+    try:
+        loss = module.credit_terms(batch).terms.sum()
+        ride.on_loss(loss, by_rollout)
+        loss.backward()  # the training step goes on
+        got = ride.report(by_rollout)
+    finally:
+        ride.clear()
+    assert isinstance(got, str) and "failed: RuntimeError: boom" in got
+    for p, g in zip(module.parameters(), plain):
+        assert torch.equal(p.grad, g)  # the step's gradient is what it is without the audit
+
+
+class CopyRMSNorm(nn.Module):
+    """An RMSNorm (by name, so the rule covers it) that keeps a copy of its input for its own backward."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d, dtype=torch.float64) + 0.1)
+
+    def forward(self, x):
+        y = x.clone()
+        return self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class InPlaceAfterNorm(nn.Module):
+    def __init__(self, V=11, d=6):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.tok = nn.Embedding(V, d).double()
+        self.norm = CopyRMSNorm(d)
+        self.head = nn.Linear(d, V).double()
+        with torch.no_grad():
+            for p in (self.tok.weight, self.head.weight):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def credit_terms(self, batch):
+        tokens, trained, adv, group = batch
+        x = self.tok(tokens) * 1.0  # [B, T, d]
+        h = self.norm(x)
+        x.mul_(2.0)  # the norm's input changes after the norm read it (its backward kept a copy)
+        lp = torch.log_softmax(self.head(h + x), -1).gather(-1, tokens[..., None])[..., 0]  # [B, T]
+        terms = -adv[:, None] * lp * trained / trained.sum().clamp_min(1)  # [B, T]
+        return CreditTerms(terms, trained, torch.arange(tokens.shape[0]), group)
+
+
+def test_a_norm_input_changed_in_place_is_refused_and_auto_falls_back():
+    from lens_callbacks.credit.engines.ghost import RowInteraction
+
+    module, batch = InPlaceAfterNorm(), layer_batch(V=11)
+    assert type(module.norm).__name__.endswith("RMSNorm")
+    with pytest.raises(RowInteraction, match="modified in place"):
+        disintegrate_ghost(module, batch, "by_rollout", dtype="float64")
+    got = disintegrate(module, batch, "by_rollout", dtype="float64")  # auto: the reference engine instead
+    assert got.engine == "reference" and got.conservation_error < 1e-12

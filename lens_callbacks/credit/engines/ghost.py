@@ -116,7 +116,7 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture")
+    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version")
 
     def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
         self.rule = rule
@@ -128,6 +128,7 @@ class _Use:
         self.b: Optional[torch.Tensor] = None
         self.sealed = False
         self.capture: Optional["RowCapture"] = None
+        self.version = a._version  # the input's in-place version when the layer read it
 
     def normalised(self) -> torch.Tensor:
         """A norm layer's ``x̂``: kept from the forward under autocast, else recomputed from the input now.
@@ -135,6 +136,11 @@ class _Use:
         Recomputing holds no activation-sized tensor per norm layer through the backward (the input is
         the tensor autograd keeps for the layer's own backward anyway)."""
         if self.xhat is None:  # kept until this use's parameters are all read (the weight's chunks share it)
+            if self.a._version != self.version:
+                raise RowInteraction(
+                    f"the input of {type(self.module).__name__} was modified in place after the layer read it, so "
+                    "its normalised input cannot be formed again; use engine='reference'."
+                )
             self.xhat = self.capture._normalised(self.module, self.rule, self.a)
         return self.xhat
 
@@ -994,18 +1000,24 @@ class RideAlong:
         red = _Reducer(lay["by_leaf"], lay["leaves"], lay["rp"], lay["part"].n_parts, readings, keep_grads, memory_budget, route)
         # ‖g‖² of the gradient each parameter was reduced against, to hold against its `.grad` afterwards
         seen = torch.full((len(lay["leaves"]),), float("nan"), dtype=torch.float64, device=red.device)  # [n_leaves]
+        plan: dict[str, Any] = {**lay, "red": red, "seen": seen, "args": (readings, keep_grads), "error": None}
 
         def hook(i: int) -> Callable[[torch.Tensor], None]:
             def on_grad(g: torch.Tensor) -> None:
-                g = g.detach()
-                seen[i] = _sq_t(g)
-                red.param(i, g, release=True)
+                if plan["error"] is not None:
+                    return None
+                try:
+                    g = g.detach()
+                    seen[i] = _sq_t(g)
+                    red.param(i, g, release=True)
+                except Exception as err:  # inside the training backward: reported by `report`, never raised
+                    plan["error"] = f"{type(err).__name__}: {err}"
                 return None
 
             return on_grad
 
         self._handles = [lay["leaves"][i].register_hook(hook(i)) for i in lay["by_leaf"]]
-        return {**lay, "red": red, "seen": seen, "args": (readings, keep_grads)}
+        return plan
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -1077,6 +1089,8 @@ class RideAlong:
             g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
         sq_each = torch.stack([_sq_t(g) for g in g_full]) if g_full else torch.zeros(0, dtype=torch.float64)  # [n_leaves]
         full_sq = float(sq_each.sum())
+        if plan is not None and plan["error"] is not None:
+            return f"the reduction inside the training backward failed: {plan['error']}"
         if plan is not None:
             red = plan["red"]
             done = sorted(red.done)
