@@ -10,6 +10,8 @@ so that machine load hits every candidate alike:
 - ``reference``: :func:`disintegrate` with ``engine="reference"`` (one forward, ``m + 1`` backward passes);
 - ``ghost``: ``engine="ghost"``, a separate pass (one forward, one backward, per-layer reductions);
   ``_shares``: ``readings="shares"`` (no interference matrix), ``_projected``: projected shares only;
+  ``ghost_grad``: ``readings="shares"`` with ``full_grad=.grad`` (``g_full`` is the step's ``.grad``, so the
+  pass's backward forms no weight gradient);
 - ``ride``: the training step with the ghost hooks riding on it (:class:`RideAlong`, each parameter
   reduced inside the training backward), reported as (audited step − plain step) / plain step;
 - ``vmap``: torch.func ``vmap(grad)`` per-row gradients, then the same readings (dots with g_full,
@@ -47,7 +49,8 @@ from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  #
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
 GENERATED_END = "<!-- the tables above are written by benchmarks/credit_cost.py --write; the text below is not -->"
-ENGINES = ("reference", "ghost", "ghost_shares", "ghost_projected", "ride", "ride_shares", "ride_projected", "vmap", "opacus")
+ENGINES = ("reference", "ghost", "ghost_shares", "ghost_projected", "ghost_grad", "ride", "ride_shares", "ride_projected", "vmap",
+           "opacus")
 RIDES = {"ride": "all", "ride_shares": "shares", "ride_projected": "projected"}
 VOCAB, T, PROMPT = 64, 48, 8
 
@@ -221,6 +224,9 @@ def measure(
         "ghost_projected": lambda: disintegrate_ghost(
             policy, batch, "by_rollout", reference_grads="grad", readings="projected", route=route
         ),
+        "ghost_grad": lambda: disintegrate_ghost(
+            policy, batch, "by_rollout", readings="shares", route=route, full_grad=[p.grad for _, p in named]
+        ),
         "vmap": vmap_audit,
         "opacus": opacus_audit,
     }
@@ -270,7 +276,7 @@ def measure(
         return row
     row["mem_plain"] = peak_alloc_bytes(fwd_bwd)
     for k in audits:
-        if k in ("ghost_projected", "ghost_lowmem", "ghost_lowmem_projected"):
+        if k in ("ghost_projected", "ghost_lowmem", "ghost_lowmem_projected", "ghost_grad"):
             continue
         fwd_bwd()
         row[f"mem_{k}"] = peak_alloc_bytes(audits[k])
@@ -364,10 +370,11 @@ def table(rows: list[dict], repeats: int) -> str:
         "gradients + the same readings; `opacus` = Opacus `GradSampleModule` per-sample gradients + the same",
         "readings. `reference`, `ghost`, `ride`, `vmap` and `opacus` make all readings (projected and norm shares,",
         "cancellation, the interference matrix); `shares` = the same without the interference matrix",
-        "(`readings=\"shares\"`); `projected` = projected shares only.",
+        "(`readings=\"shares\"`); `projected` = projected shares only; `shares, g = .grad` = `shares` with",
+        "`full_grad` = the step's `.grad` (`CreditAuditCallback(full_grad=\"trainer\")`: no weight gradient in the pass).",
         "",
-        "| policy | m | params | reference | ghost | ghost, shares | ghost, projected | ride (extra) | ride, shares (extra) | ride, projected (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | m | params | reference | ghost | ghost, shares | ghost, projected | ghost, shares, g = .grad | ride (extra) | ride, shares (extra) | ride, projected (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def f(r, k):
@@ -378,7 +385,7 @@ def table(rows: list[dict], repeats: int) -> str:
         gap = r.get("max_share_gap")
         lines.append(
             f"| {r['kind']} | {r['m']} | {r['n_params']:,} | {f(r, 'reference')} | {f(r, 'ghost')} | {f(r, 'ghost_shares')} | "
-            f"{f(r, 'ghost_projected')} | {f(r, 'ride')} | {f(r, 'ride_shares')} | {f(r, 'ride_projected')} | "
+            f"{f(r, 'ghost_projected')} | {f(r, 'ghost_grad')} | {f(r, 'ride')} | {f(r, 'ride_shares')} | {f(r, 'ride_projected')} | "
             f"{f(r, 'vmap')} | {f(r, 'opacus')} | {r['conservation_error']:.1e} | {'—' if gap is None else f'{gap:.1e}'} |"
         )
     mem_rows = [r for r in rows if "mem_plain" in r]
@@ -425,6 +432,7 @@ def verdict(rows: list[dict]) -> str:
         ("ghost_over_train", 1.3, "separate pass, all readings with the interference matrix (`ghost`)"),
         ("ghost_shares_over_train", 1.3, "separate pass, `shares` (the readings the goal was set on: projected and norm shares, cancellation, conservation)"),
         ("ghost_projected_over_train", 1.3, "separate pass, projected shares only"),
+        ("ghost_grad_over_train", 1.3, "separate pass, `shares`, `g_full` = the step's `.grad` (`full_grad=\"trainer\"`)"),
         ("ride_over_train", 0.5, "riding on the training step, all readings with the interference matrix (extra over the plain step)"),
         ("ride_shares_over_train", 0.5, "riding on the training step, `shares` (extra)"),
         ("ride_projected_over_train", 0.5, "riding on the training step, projected shares only (extra)"),

@@ -114,6 +114,13 @@ class CreditAuditCallback(Callback):
             reductions. Where that cannot be checked (the loss is not ``terms.sum()``, gradient
             accumulation, several processes, manual optimization, a parameter outside the covered
             layers) the step is audited by the separate pass instead, and a warning says so once.
+        full_grad: ``"own"`` (default: the separate pass takes ``g_full`` by its own backward and reads
+            ``grad_match`` against ``.grad``) or ``"trainer"``: ``g_full`` is the trainer's ``.grad`` of this
+            batch, so the one-pass engine's backward forms no weight gradient (a separate pass about a
+            third of a backward cheaper); ``conservation_error`` then holds the parts against ``.grad``
+            directly and ``grad_match`` is not read. Under several processes, accumulation, manual
+            optimization, a merger, or a partition the one-pass engine cannot read, the audit takes its
+            own ``g_full`` and a warning says so once.
 
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
@@ -155,11 +162,16 @@ class CreditAuditCallback(Callback):
         engine: str = "auto",
         readings: str = "all",
         capture: str = "separate",
+        full_grad: str = "own",
     ) -> None:
         super().__init__()
         check_engine(engine, readings)  # raises, naming the valid engines and readings
         if capture not in CAPTURES:
             raise ValueError(f"`capture` must be one of {list(CAPTURES)}, got {capture!r}.")
+        if full_grad not in ("own", "trainer"):
+            raise ValueError(
+                f"`full_grad` must be 'own' (g_full by the audit's own backward) or 'trainer' (the trainer's .grad), got {full_grad!r}."
+            )
         if scope not in ("global", "rank"):
             raise ValueError(f"`scope` must be 'global' or 'rank', got {scope!r}.")
         partition, extra_partitions = _split_partitions(partition, extra_partitions)
@@ -194,6 +206,9 @@ class CreditAuditCallback(Callback):
         self.engine = engine
         self.reading_set = readings  # which readings the engine makes ("all" | "shares" | "projected")
         self.capture = capture
+        self.full_grad = full_grad
+        self._full_grad_blocked: Optional[str] = None  # why .grad cannot be this batch's g_full (set in setup)
+        self._full_grad_warned = False
         self._ride: Optional[RideAlong] = None
         self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
         self._ride_warned = False
@@ -248,18 +263,17 @@ class CreditAuditCallback(Callback):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
-        self._ride_blocked = None
-        if self.capture == "training_step":
-            if trainer.world_size > 1:
-                self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
-            elif trainer.accumulate_grad_batches > 1:
-                self._ride_blocked = "gradient accumulation: `.grad` sums several micro-batches"
-            elif not pl_module.automatic_optimization:
-                self._ride_blocked = "manual optimization: the callback does not see the loss's backward"
-            elif self._mergers:
-                self._ride_blocked = (
-                    f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
-                )
+        blocked = None
+        if trainer.world_size > 1:
+            blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
+        elif trainer.accumulate_grad_batches > 1:
+            blocked = "gradient accumulation: `.grad` sums several micro-batches"
+        elif not pl_module.automatic_optimization:
+            blocked = "manual optimization: the callback does not see the loss's backward"
+        elif self._mergers:
+            blocked = f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
+        self._ride_blocked = blocked if self.capture == "training_step" else None
+        self._full_grad_blocked = blocked if self.full_grad == "trainer" else None
         self._setup_distributed(trainer, pl_module)
 
     def _setup_distributed(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -431,17 +445,21 @@ class CreditAuditCallback(Callback):
         """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`."""
         try:
             with torch.enable_grad():  # the hook may run inside optimizer.step with grad mode off
-                return disintegrate(
-                    pl_module,
-                    batch,
-                    self._partition_fn if self._partition_fn is not None else self.partition,
-                    dtype=self.dtype,
-                    reference_grads=self._pre_merge_reference(pl_module),
-                    keep_grads=self.keep_grads,
-                    forward_context=self._forward_context(pl_module),
-                    engine=self.engine,
-                    readings=self.reading_set,
+                kw = dict(
+                    dtype=self.dtype, keep_grads=self.keep_grads, forward_context=self._forward_context(pl_module),
+                    engine=self.engine, readings=self.reading_set,
                 )
+                part = self._partition_fn if self._partition_fn is not None else self.partition
+                full = self._trainer_grad(pl_module)
+                if full is not None:
+                    try:
+                        return disintegrate(pl_module, batch, part, full_grad=full, **kw)
+                    except ValueError as err:
+                        if "`full_grad`" not in str(err):
+                            raise
+                        self._full_grad_blocked = str(err)  # the partition needs an engine that takes no .grad
+                        self._warn_full_grad()
+                return disintegrate(pl_module, batch, part, reference_grads=self._pre_merge_reference(pl_module), **kw)
         except Exception as err:  # a user-data failure must not end the training run
             self._last_error = err
             numbers: dict[str, Any] = {"step": self._step_of(pl_module)}
@@ -467,6 +485,23 @@ class CreditAuditCallback(Callback):
             remedy="find where the loss becomes non-finite (log of 0, an overflow, a division by a zero count); "
                    "torch.autograd.set_detect_anomaly(True) names the operation.",
         )
+
+    def _trainer_grad(self, pl_module: LightningModule) -> Optional[list[torch.Tensor]]:
+        """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``), or None: the audit takes its own."""
+        if self.full_grad != "trainer":
+            return None
+        if self._full_grad_blocked is not None:
+            self._warn_full_grad()
+            return None
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad]
+
+    def _warn_full_grad(self) -> None:
+        if not self._full_grad_warned:
+            self._full_grad_warned = True
+            warnings.warn(
+                f"credit audit: full_grad='trainer' takes g_full by the audit's own backward instead "
+                f"({self._full_grad_blocked}).", RuntimeWarning, stacklevel=3,
+            )
 
     def _pre_merge_reference(self, pl_module: LightningModule) -> Any:
         # A merger listed before this callback has already changed .grad: compare with its pre-merge copy.

@@ -183,6 +183,7 @@ def disintegrate(
     forward_context: Optional[Callable[[], Any]] = None,
     engine: str = "auto",
     readings: str = "all",
+    full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts, one backward pass per part.
 
@@ -220,9 +221,13 @@ def disintegrate(
             within-row parts with ``readings="projected"`` where installed, else ``"reference"``),
             ``"reference"`` (the engine documented here, the oracle), ``"ghost"`` or ``"jvp"``. See
             :mod:`lens_callbacks.credit.engines`; ``report.engine`` names the one that ran.
-        readings: ``"all"`` (default) or ``"projected"`` (projected shares only; an engine may then skip
-            the norms). The reference engine always makes all readings, and the Gram of the parts
-            (``report.gram``) only with ``keep_parts``.
+        readings: ``"all"`` (default), ``"shares"`` (no interference matrix) or ``"projected"``
+            (projected shares only; an engine may then skip the norms). The reference engine always
+            makes all readings, and the Gram of the parts (``report.gram``) only with ``keep_parts``.
+        full_grad: the trainer's ``.grad`` of this very batch (one tensor per trainable parameter), to be
+            ``g_full`` instead of the audit's own backward: the one-pass engine then forms no weight
+            gradient of its own (``engine="ghost+grad"`` in the report; ``grad_match`` not read, since
+            ``conservation_error`` now holds the parts against ``.grad`` directly). One-pass engine only.
 
     Returns:
         A :class:`CreditReport`.
@@ -252,14 +257,22 @@ def disintegrate(
     _check_engine(engine, readings)
     if project_onto is not None and engine not in ("auto", "reference", "ghost"):
         raise ValueError(f"`project_onto` needs engine='reference', 'ghost' or 'auto', got engine={engine!r}.")
+    if full_grad is not None and engine not in ("auto", "ghost"):
+        raise ValueError(f"`full_grad` needs engine='ghost' (or 'auto' on a row partition), got engine={engine!r}.")
     if engine != "reference":
         fast = _dispatch(
             module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
             reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
             preserve_rng=preserve_rng, params=params, forward_context=forward_context, project_onto=project_onto,
+            full_grad=full_grad,
         )
         if fast is not None:
             return fast
+    if full_grad is not None:
+        raise ValueError(
+            f"`full_grad` needs the one-pass engine, which cannot read this partition ({_partition_name(partition)}): "
+            "pass full_grad=None (g_full by the audit's own backward)."
+        )
     with _preserved_rng(module, preserve_rng):
         with (forward_context() if forward_context is not None else contextlib.nullcontext()):
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
@@ -368,7 +381,7 @@ def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], .
     return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
 
 
-def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None):
+def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine.
 
     ``params``, ``forward_context`` and ``project_onto`` reach the one-pass engine; the forward-mode
@@ -387,7 +400,7 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             return get_engine("ghost")(
                 module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
                 keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
-                params=params, forward_context=forward_context, project_onto=project_onto,
+                params=params, forward_context=forward_context, project_onto=project_onto, full_grad=full_grad,
             )
         except (NotRowSeparable, RowInteraction) as err:
             if engine != "auto":
@@ -395,7 +408,7 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
             within = isinstance(err, NotRowSeparable) and readings == "projected"
             name = "jvp" if within and "jvp" in _engines_available() else "reference"
-    if name == "jvp" and (params is not None or forward_context is not None or project_onto is not None):
+    if name == "jvp" and (params is not None or forward_context is not None or project_onto is not None or full_grad is not None):
         if engine != "auto":
             raise ValueError("engine='jvp' takes none of `params`, `forward_context`, `project_onto`; use engine='reference' or 'auto'.")
         return None

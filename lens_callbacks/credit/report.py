@@ -163,7 +163,8 @@ class CreditReport:
             f"cancellation {self.cancellation:.4f} ({100 * self.cancelled_fraction:.1f}% of per-part mass cancels)"
         )
         if self.ok:
-            lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by its own backward)")
+            source = "the trainer's .grad" if self.engine.endswith(("+training_step", "+grad")) else "its own backward"
+            lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by {source})")
         else:  # relative to a zero or non-finite ||g_full||: undefined, as the logged scalar says
             lines.append(f"conservation_error nan (||Σ g_S − g_full|| = {self.conservation_error:.3e}, relative to ||g_full|| = {self.full_grad_norm:.3e})")
         if self.grad_match is not None:

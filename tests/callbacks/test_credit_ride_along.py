@@ -199,3 +199,37 @@ def test_ride_along_parts_hold_against_real_sgd_steps():
     for r in made:
         assert r.source == "credit_parts"
         assert r.relative_error <= 1e-8  # Σ_S g_S from the captured pieces against θ_before − θ_after over η
+
+
+def test_full_grad_trainer_reads_the_separate_pass_against_grad():
+    plain = _fit(steps=3, seed=2)
+    fast = CreditAuditCallback(full_grad="trainer", readings="shares", log_figure=False)
+    own = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="ghost", readings="shares",
+                              log_figure=False)
+    pairs = _Pairs(fast, own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: .grad is this batch's gradient
+        audited = _fit([fast, own, pairs], steps=3, seed=2)
+    for (n, p), (_, q) in zip(plain.named_parameters(), audited.named_parameters()):
+        assert torch.equal(p, q), n  # read-only
+    compared = 0
+    for f, o in pairs.rows:
+        assert f.engine == "ghost+grad" and f.grad_match is None and o.engine == "ghost"
+        if not o.ok:
+            continue
+        compared += 1
+        assert o.grad_match < 1e-6 and f.conservation_error < 1e-5
+        for field in ("projected_share", "norm_share"):
+            for a, b in zip(getattr(f, field), getattr(o, field)):
+                assert a == pytest.approx(b, abs=1e-6), field
+    assert compared >= 1
+
+
+def test_full_grad_trainer_under_accumulation_takes_its_own_backward_and_says_so_once():
+    cb = CreditAuditCallback(full_grad="trainer", log_figure=False)
+    with pytest.warns(RuntimeWarning, match="full_grad='trainer' takes g_full by the audit's own backward") as rec:
+        _fit([cb], steps=2, seed=0, accumulate_grad_batches=2)
+    assert sum("full_grad='trainer'" in str(w.message) for w in rec) == 1
+    assert cb.last_report.engine == "ghost"
+    with pytest.raises(ValueError, match="`full_grad` must be 'own'"):
+        CreditAuditCallback(full_grad="grad")

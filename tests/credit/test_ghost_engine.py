@@ -417,3 +417,19 @@ def test_project_onto_equals_the_reference_engine(readings):
             assert abs(ref.cancellation - got.cancellation) <= TOL
     with pytest.raises(ValueError, match="`project_onto` needs engine="):
         disintegrate(module, batch, "by_rollout", dtype="float64", engine="jvp", project_onto=onto)
+
+
+def test_full_grad_from_the_trainer_equals_the_own_backward_and_is_held_to_it():
+    module, batch = LayerPolicy(), layer_batch()
+    leaves = [p for p in module.parameters() if p.requires_grad]
+    grad = torch.autograd.grad(module.credit_terms(batch).terms.sum(), leaves)  # what the trainer's .grad holds
+    own = disintegrate(module, batch, "by_group", dtype="float64", engine="ghost", reference_grads=list(grad))
+    got = disintegrate(module, batch, "by_group", dtype="float64", full_grad=list(grad))
+    assert got.engine == "ghost+grad" and got.grad_match is None and "g_full by the trainer's .grad" in got.render()
+    assert_same_readings(own, got, tol=TOL)
+    assert abs(got.conservation_error - own.conservation_error) <= 1e-15
+    # a .grad that is not this batch's gradient shows in the conservation error (what grad_match would say)
+    stale = disintegrate(module, batch, "by_group", dtype="float64", full_grad=[1.1 * g for g in grad])
+    assert stale.conservation_error == pytest.approx(0.1 / 1.1, rel=1e-9)
+    with pytest.raises(ValueError, match="`full_grad` needs engine='ghost'"):
+        disintegrate(module, batch, "by_group", dtype="float64", engine="reference", full_grad=list(grad))

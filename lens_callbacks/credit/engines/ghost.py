@@ -116,7 +116,7 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version")
+    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
 
     def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
         self.rule = rule
@@ -129,6 +129,7 @@ class _Use:
         self.sealed = False
         self.capture: Optional["RowCapture"] = None
         self.version = a._version  # the input's in-place version when the layer read it
+        self.edge: Any = None  # the output's place in the graph (a backward to it forms no weight gradient)
 
     def normalised(self) -> torch.Tensor:
         """A norm layer's ``x̂``: kept from the forward under autocast, else recomputed from the input now.
@@ -226,6 +227,7 @@ class RowCapture:
                     # x̂ under the forward's autocast (its dtype rules): taken now, not recomputed outside it
                     use.xhat = self._normalised(mod, rule, x)
             out.register_hook(use.grad_hook)
+            use.edge = torch.autograd.graph.get_gradient_edge(out)
             self.uses.append(use)
             return ret
 
@@ -477,6 +479,7 @@ def disintegrate_ghost(
     forward_context: Optional[Callable[[], Any]] = None,
     route: str = "auto",
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -503,6 +506,12 @@ def disintegrate_ghost(
         project_onto: a vector ``v`` (one tensor per trainable parameter) that replaces ``g_full`` in the
             shares, ``<g_S, v> / ||v||²``, as for :func:`~lens_callbacks.credit.disintegrate` (under DDP:
             the averaged ``.grad``); cancellation and conservation still read against ``g_full``.
+        full_grad: the step's full gradient from the caller (one tensor per trainable parameter: the
+            trainer's ``.grad`` of this very batch) to use as ``g_full`` instead of the pass's own. The
+            pass's backward then runs only to the layers' outputs and forms no weight gradient;
+            ``conservation_error`` holds the parts against this gradient (which also covers what
+            ``grad_match`` would check: terms that do not add up to the trained loss), and ``grad_match``
+            is not read. The captured output gradients are held until the backward ends.
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -534,6 +543,9 @@ def disintegrate_ghost(
         finally:
             cap.remove()
         onto = _onto(leaves, project_onto)
+        given = _onto(leaves, full_grad) if full_grad is not None else None
+        if given is not None:
+            given = [g.to(x.dtype) for g, x in zip(given, leaves)]
         part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)  # [B, T]
         rp = row_parts(Partition(ids, part.names))
@@ -547,16 +559,16 @@ def disintegrate_ghost(
         with torch.enable_grad():
             loss = terms.terms.sum()
             reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route,
-                           onto=onto)
+                           onto=onto, full_grad=given)
     g_full = reduced[0]
     full_sq = _sum_sq(g_full)
     grad_match = None
-    if reference_grads is not None:
+    if reference_grads is not None and given is None:
         grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(full_sq))
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
-        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost", keep_grads=keep_grads, onto=onto,
-        full_sq=full_sq,
+        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost" if given is None else "ghost+grad",
+        keep_grads=keep_grads, onto=onto, full_sq=full_sq,
     )
 
 
@@ -645,11 +657,19 @@ def _run(
     verify_part: bool,
     route: str = "auto",
     onto: Optional[Sequence[torch.Tensor]] = None,
+    full_grad: Optional[Sequence[torch.Tensor]] = None,
 ):
     by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
     red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto)
-    if loss.requires_grad:
+    if full_grad is not None:
+        # g_full is given: a backward to the layers' outputs alone captures every output gradient the
+        # pieces need and forms no weight gradient (a third of a backward's products).
+        edges = [u.edge for u in cap.uses if u.edge is not None]
+        if loss.requires_grad and edges:
+            torch.autograd.grad(loss, edges, retain_graph=bool(fallback) or verify_part, allow_unused=True)
+        g_full = list(full_grad)
+    elif loss.requires_grad:
         # Each covered parameter is reduced inside the backward, as soon as its gradient exists.
         handles = [leaves[i].register_hook(red.hook(i)) for i in by_leaf]
         try:
