@@ -34,7 +34,9 @@ WORKER = Path(__file__).with_name("trl_ddp_worker.py")
 W = 2
 # grpo: per-row token mean, then row mean, / accumulation; dapo: tokens of the whole generation batch over
 # every process (num_items_in_batch / num_processes). DDP then averages both over the ranks.
-LOSS_TYPES = ("grpo", "dapo")
+# run -> (engine that must have run, audited steps); the runs are defined in trl_ddp_worker.VARIANTS.
+EXACT = {"grpo": ("ghost", 2), "dapo": ("ghost", 2), "grpo_reference": ("reference", 1), "bnpo_entropy_mask": ("ghost", 1)}
+RUNS = (*EXACT, "dapo_forgets_world_size", "grpo_fails_on_rank1")
 
 
 def _free_port() -> int:
@@ -54,7 +56,7 @@ def _launch(tmp_path: Path, policy: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(W), "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(WORKER), policy, str(tmp_path), *LOSS_TYPES,
+        "--master_port", str(_free_port()), str(WORKER), policy, str(tmp_path), *RUNS,
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -77,18 +79,21 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_two_ranks_read_the_global_step_exactly(ranks, loss_type):
-    per_rank = [r[loss_type] for r in ranks]
+@pytest.mark.parametrize("run", EXACT)
+def test_two_ranks_read_the_global_step_exactly(ranks, run):
+    loss_type = run.split("_")[0]
+    engine, n_steps = EXACT[run]
+    per_rank = [r[run] for r in ranks]
     for rank in per_rank:
         assert rank["world_size"] == W and rank["distributed_type"].endswith("MULTI_CPU")
-        assert len(rank["steps"]) == 2
+        assert len(rank["steps"]) == n_steps and rank["global_step"] == n_steps
     # Only the main process logs (transformers' reporting integrations write from it alone).
-    assert per_rank[0]["logged_steps"] == [1, 2] and per_rank[1]["logged_steps"] == []
-    for step in range(2):
+    assert per_rank[0]["logged_steps"] == list(range(1, n_steps + 1)) and per_rank[1]["logged_steps"] == []
+    for step in range(n_steps):
         entries = [rank["steps"][step] for rank in per_rank]
         for r, e in enumerate(entries):
             assert "part_names" in e, (r, e["report"])
+            assert e["engine"] == engine
             assert e["grad_match"] <= 1e-6, (loss_type, r, e["grad_match"])
             assert e["conservation_error"] <= 1e-6, (loss_type, r, e["conservation_error"])
             assert abs(e["share_sum"] - 1.0) <= 1e-6, (loss_type, r, e["share_sum"])
@@ -121,3 +126,33 @@ def test_two_ranks_read_the_global_step_exactly(ranks, loss_type):
         # Both ranks hold real parts of the step (no rank's share is trivially all of it).
         for r in ("r0", "r1"):
             assert 0.05 < sum(v for n, v in got.items() if n.startswith(r + "/")) < 0.95
+
+
+@pytest.mark.slow
+def test_forgetting_the_world_size_in_the_normaliser_is_caught(ranks):
+    # dapo re-derived without TRL's `/ num_processes`: every rank's terms are half the loss it backpropagated,
+    # so the audit's global gradient is G = ḡ/2 and grad_match = ||G − ḡ|| / ||G|| = 1.
+    for rank in ranks:
+        (e,) = rank["dapo_forgets_world_size"]["steps"]
+        assert "part_names" in e, e["report"]
+        assert e["grad_match"] == pytest.approx(1.0, abs=1e-6)
+        assert e["share_sum"] == pytest.approx(0.5, abs=1e-6)
+        # the parts still add up to the (wrong) objective: only grad_match and the share sum can catch this
+        assert e["conservation_error"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_rank_whose_audit_fails_leaves_every_rank_with_the_same_refusal(ranks):
+    # Rank 1 cannot re-derive its terms: both ranks still run the collectives (no hang), read the same
+    # refusal, hold the update against .grad, and train on.
+    per_rank = [r["grpo_fails_on_rank1"] for r in ranks]
+    for rank in per_rank:
+        assert rank["global_step"] == 2 and len(rank["steps"]) == 2
+        for e in rank["steps"]:
+            assert e["condition"] == "credit_audit_global", e["report"]
+            assert "rank(s) [1]" in e["report"]
+            cons = e["conservation"]
+            assert cons["source"] == "grad" and cons["relative_error"] <= 1e-6, cons["render"]
+    assert "no terms on this rank" in per_rank[1]["steps"][0]["report"]
+    assert per_rank[0]["logged_steps"] == [1, 2] and per_rank[1]["logged_steps"] == []
+    assert per_rank[0]["logged_refused"] == [1.0, 1.0]
