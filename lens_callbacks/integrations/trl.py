@@ -588,6 +588,11 @@ class LensTRLCallback(TrainerCallback):
     :meth:`ConservationReading.to_dict` does, and ``credit/refused`` / ``conservation/refused`` = 1 with the
     refusal's numbers when a reading is declined (the reason goes to the ``lens_callbacks`` logger).
 
+    Under several data-parallel processes the readings are those of the global step (part names
+    ``r{rank}/...``; see :mod:`lens_callbacks.credit.distributed`): the callback must be attached on every
+    rank (it runs collectives at each audited step), every rank holds the same readings, and only the main
+    process logs them.
+
     Args:
         partition: ``"by_rollout"`` (default), ``"by_group"``, or any partition ``disintegrate`` takes.
         every_n_steps: audit every n-th optimizer step.
