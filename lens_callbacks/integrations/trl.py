@@ -32,9 +32,15 @@ them — under the names the Lightning callbacks use (``credit/...``, ``conserva
 
 Configurations the adapter cannot read exactly are refused by name (:class:`~lens_callbacks.refusal.
 Refusal`), never audited into a wrong number: a MoE auxiliary loss (it has no position), vLLM
-generation (its importance-sampling correction is untested here), multimodal inputs, several processes
-(``.grad`` is then the rank average; global readings are not wired here), loss types this version does
-not know.
+generation (its importance-sampling correction is untested here), multimodal inputs, parameters sharded across processes (DeepSpeed, FSDP, Megatron-LM, XLA), loss types
+this version does not know.
+
+Under several data-parallel processes (DDP: ``accelerate launch``/``torchrun`` with ``MULTI_GPU``/``MULTI_CPU``
+and the like) ``.grad`` at the optimizer step is the rank average ``ḡ = (1/W) Σ_r g_r``. Each rank then
+disintegrates its own micro-batches with ``project_onto=ḡ / c`` and the ranks combine their readings with
+:func:`lens_callbacks.credit.distributed.global_report` over ``torch.distributed``: part names
+``r{rank}/...``, shares over all ranks summing to 1, ``grad_match`` and the conservation check held against
+the global step. Every rank holds the same readings; only the main process logs them.
 
 Supported versions: trl >= 1.16, < 1.17 with transformers >= 5.0 (tested: trl 1.16.0, transformers
 5.24.0, peft 0.21.2, accelerate 1.15.0). Install with ``pip install 'lens-callbacks[trl]'``.
@@ -87,6 +93,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402  (after the vers
 
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
 from ..credit.conservation import ConservationReading  # noqa: E402
+from ..credit.distributed import Collectives, global_report  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
 from ..credit.terms import CreditTerms  # noqa: E402
 
@@ -104,6 +111,33 @@ log = logging.getLogger(__name__)
 
 #: The loss types of trl 1.16 whose per-token terms and normalisers :meth:`LensGRPOMixin.credit_terms` re-derives.
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "sapo", "cispo", "vespo", "luspo")
+
+# accelerate's distributed types that shard parameters, gradients or optimizer state across processes.
+_SHARDED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _dist_collectives(device: torch.device) -> Collectives:
+    """:class:`Collectives` over ``torch.distributed``'s default group (gloo on CPU, NCCL on GPU)."""
+    dist = torch.distributed
+    W, rank = dist.get_world_size(), dist.get_rank()
+
+    def all_gather(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(device).contiguous()
+        out = [torch.empty_like(x) for _ in range(W)]
+        dist.all_gather(out, x)
+        return torch.stack(out)  # [W, *]
+
+    def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(device).clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+    return Collectives(rank, W, all_gather, all_reduce_sum)
+
 
 # Inputs a multimodal policy's batch carries; their presence means the forward is not the text-only one.
 _MULTIMODAL_KEYS = (
@@ -130,11 +164,15 @@ class MicroBatch:
         accumulation: ``current_gradient_accumulation_steps`` when the loss was taken (TRL divides by it).
         entropy_coef: the entropy-bonus coefficient this micro-batch applied (0 when the bonus is off;
             adaptive control may change it after the step's last micro-batch).
+        entropy_mask: the high-entropy token mask ``[B, T]`` the loss applied (``top_entropy_quantile < 1``),
+            None otherwise. Its threshold is a quantile over every process's entropies (a collective), so
+            the audit reuses the mask training used instead of recomputing it.
     """
 
     inputs: dict[str, Any]
     accumulation: int
     entropy_coef: float
+    entropy_mask: Optional[torch.Tensor] = None
 
 
 class LensGRPOMixin:
@@ -155,6 +193,7 @@ class LensGRPOMixin:
         self._lens_next_rollout = 0
         self._lens_rewards_per_func: Optional[torch.Tensor] = None
         self._lens_clip: Optional[tuple[int, torch.Tensor, float]] = None
+        self._lens_in_loss = False
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, LensTRLCallback):
                 cb.bind(self)
@@ -202,14 +241,25 @@ class LensGRPOMixin:
         return float(self.entropy_coef)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
-        if self.model.training:
-            step = int(self.state.global_step)
-            if self._lens_micro_step != step:
-                self._lens_micro, self._lens_micro_step = [], step
-            self._lens_micro.append(
-                MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
-            )
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        step = int(self.state.global_step)
+        if self._lens_micro_step != step:
+            self._lens_micro, self._lens_micro_step = [], step
+        self._lens_micro.append(
+            MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
+        )
+        self._lens_in_loss = True
+        try:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        finally:
+            self._lens_in_loss = False
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):  # type: ignore[no-untyped-def]
+        out = super().get_high_entropy_mask(entropies, mask, threshold)
+        if self._lens_in_loss and self._lens_micro:
+            self._lens_micro[-1].entropy_mask = out.detach()  # [B, T]
+        return out
 
     def _clip_grad_norm(self, model):  # type: ignore[no-untyped-def]
         total = super()._clip_grad_norm(model)
@@ -270,12 +320,22 @@ class LensGRPOMixin:
                 "text-only forward.",
                 remedy="audit a text-only policy.",
             )
-        if int(self.accelerator.num_processes) > 1:
+        kind = str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
+        if kind in _SHARDED_TYPES:
+            return Refusal(
+                "sharded",
+                f"accelerate's distributed type is {kind}: parameters, gradients or optimizer state are split "
+                "across processes, so no rank holds the whole averaged gradient the audit reads.",
+                numbers={"num_processes": int(self.accelerator.num_processes)},
+                remedy="audit a data-parallel run (DDP: accelerate's MULTI_GPU / MULTI_CPU), or a single process.",
+            )
+        if int(self.accelerator.num_processes) > 1 and not _dist_ready():
             return Refusal(
                 "distributed",
-                "under several processes .grad is the rank average; the TRL adapter reads one rank's terms only.",
+                f"{int(self.accelerator.num_processes)} processes but no torch.distributed process group, so the "
+                "ranks' readings cannot be combined.",
                 numbers={"num_processes": int(self.accelerator.num_processes)},
-                remedy="audit a single-process run (the Lightning callbacks give the global readings).",
+                remedy="launch with accelerate launch or torchrun, which set up the default process group.",
             )
         return None
 
@@ -363,7 +423,16 @@ class LensGRPOMixin:
 
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)  # [B, T]
+            if mb.entropy_mask is not None:
+                entropy_mask = mb.entropy_mask  # [B, T], the mask the loss applied
+            elif int(self.accelerator.num_processes) > 1:
+                # Recomputing it would run a collective on this rank alone.
+                raise ValueError(
+                    "the high-entropy mask of this micro-batch was not recorded, and recomputing it under several "
+                    "processes needs every rank; let LensGRPOMixin wrap the trainer that computed the loss."
+                )
+            else:
+                entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)  # [B, T]
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
@@ -484,6 +553,11 @@ def trl_step_precondition(
     )
 
 
+def _is_main(trainer: Any) -> bool:
+    fn = getattr(trainer, "is_world_process_zero", None)
+    return bool(fn()) if callable(fn) else True
+
+
 _CONTROL_FLAGS = ("should_log", "should_evaluate", "should_save", "should_training_stop", "should_epoch_stop")
 
 
@@ -513,6 +587,11 @@ class LensTRLCallback(TrainerCallback):
     ``credit/...`` as :meth:`CreditReport.to_dict` writes them, ``conservation/...`` as
     :meth:`ConservationReading.to_dict` does, and ``credit/refused`` / ``conservation/refused`` = 1 with the
     refusal's numbers when a reading is declined (the reason goes to the ``lens_callbacks`` logger).
+
+    Under several data-parallel processes the readings are those of the global step (part names
+    ``r{rank}/...``; see :mod:`lens_callbacks.credit.distributed`): the callback must be attached on every
+    rank (it runs collectives at each audited step), every rank holds the same readings, and only the main
+    process logs them.
 
     Args:
         partition: ``"by_rollout"`` (default), ``"by_group"``, or any partition ``disintegrate`` takes.
@@ -586,7 +665,7 @@ class LensTRLCallback(TrainerCallback):
             )
             return
         ref = tr.lens_setup_refusal()
-        if ref is not None:
+        if ref is not None and _is_main(tr):
             log.warning("LensTRLCallback: %s", ref.render())
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -601,7 +680,8 @@ class LensTRLCallback(TrainerCallback):
         self.history.append((step, report))
         if isinstance(report, Refusal):
             self._log.values.update(report.to_dict(self.prefix))
-            log.warning("LensTRLCallback step %d: %s", step, report.render())
+            if _is_main(tr):
+                log.warning("LensTRLCallback step %d: %s", step, report.render())
         else:
             values = report.to_dict(self.prefix, max_parts=self.max_parts)
             # The per-step names CreditAuditCallback logs beside the report's own.
@@ -641,6 +721,8 @@ class LensTRLCallback(TrainerCallback):
         entry, self._log = self._log, None
         if entry is None or not entry.values or self.trainer is None:
             return
+        if not _is_main(self.trainer):
+            return  # every rank holds the same readings; the main process logs them once
         # The log event clears `should_log` (and a callback may touch the other flags): keep the trainer's own
         # decisions for this step, so its loss is still logged right after.
         controls = {id(c): c for c in (control, getattr(self.trainer, "control", None)) if c is not None}
@@ -658,15 +740,36 @@ class LensTRLCallback(TrainerCallback):
     # --- the readings --------------------------------------------------------------------------------
 
     def audit(self) -> Union[CreditReport, Refusal]:
-        """Disintegrate the step now being taken (call between the last backward and the optimizer step)."""
+        """Disintegrate the step now being taken (call between the last backward and the optimizer step).
+
+        Under several processes this is a collective call: every rank must make it on the same steps (the
+        callback does), and every rank returns the same global reading.
+        """
         tr = self.trainer
         ref = tr.lens_setup_refusal()
         if ref is not None:
-            return ref
+            return ref  # decided by the configuration alone: the same on every rank, no collective skipped
+        distributed = int(tr.accelerator.num_processes) > 1
+        local, applied = self._audit_local(tr, distributed)
+        if not distributed:
+            return local
+        failure = f"{local.condition}: {local.reason}" if isinstance(local, Refusal) else None
+        report = local if isinstance(local, CreditReport) else None
+        try:
+            coll = _dist_collectives(tr.accelerator.device)
+            # Collective on every rank, also one whose local audit failed (it passes None and the reason).
+            return global_report(report, applied or [], coll, failure=failure, keep_grads=self.conservation)
+        except Exception as e:  # past the agreement on who has a reading, every rank fails alike
+            return Refusal("credit_audit_global", f"combining the ranks raised {type(e).__name__}: {e}", numbers={})
+
+    def _audit_local(
+        self, tr: Any, distributed: bool
+    ) -> tuple[Union[CreditReport, Refusal], Optional[list[Optional[torch.Tensor]]]]:
+        """This rank's reading and the un-clipped applied gradient it is projected onto (None before it is known)."""
         micro = tr.lens_micro_batches()
         ref = tr.lens_step_refusal(micro)
         if ref is not None:
-            return ref
+            return ref, None
         coef = tr.lens_clip_coefficient()
         if coef is None:
             return Refusal(
@@ -674,23 +777,30 @@ class LensTRLCallback(TrainerCallback):
                 f"max_grad_norm = {tr.args.max_grad_norm} clips .grad before this event, and the clip coefficient "
                 "was not recorded this step, so .grad cannot be compared with the audit.",
                 numbers={"max_grad_norm": float(tr.args.max_grad_norm)},
-            )
+            ), None
         self.last_clip_coef = float(coef)
         if self._log is not None:
             self._log.values[f"{self.prefix}clip_coef"] = self.last_clip_coef
         model = tr.model
+        # .grad with the clip divided out: one rounding in the gradient's dtype, no copy when nothing was clipped.
+        # Under DDP it is the rank average the optimizer applies, the same on every rank.
+        applied: list[Optional[torch.Tensor]] = []
         reference: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters():
-            if p.requires_grad and p.grad is not None:
+            if not p.requires_grad:
+                continue
+            g = None
+            if p.grad is not None:
                 g = p.grad.detach()
-                # one rounding in the gradient's dtype; no copy at all when nothing was clipped
-                reference[name] = g / coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g
-        kwargs: dict[str, Any] = dict(
-            dtype=self.dtype,
-            reference_grads=reference,
-            terms_fn=lambda batch: tr.credit_terms(batch),
-            keep_grads=self.conservation,
-        )
+                g = g / coef.to(g.device, g.dtype) if isinstance(coef, torch.Tensor) else g
+                reference[name] = g
+            applied.append(g)
+        kwargs: dict[str, Any] = dict(dtype=self.dtype, terms_fn=lambda batch: tr.credit_terms(batch))
+        if distributed:
+            # Each rank's parts dotted with the averaged gradient; grad_match is read by global_report.
+            kwargs.update(project_onto=applied, keep_grads=True)
+        else:
+            kwargs.update(reference_grads=reference, keep_grads=self.conservation)
         if self.engine is not None:
             if "engine" in inspect.signature(disintegrate).parameters:
                 kwargs["engine"] = self.engine
@@ -698,9 +808,9 @@ class LensTRLCallback(TrainerCallback):
                 self._engine_note_done = True
                 log.warning("LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.", self.engine)
         try:
-            return disintegrate(model, micro, self.partition, **kwargs)
+            return disintegrate(model, micro, self.partition, **kwargs), applied
         except Exception as e:  # a reading that cannot be made never crashes the training run
-            return Refusal("audit_failed", f"the audit raised {type(e).__name__}: {e}", numbers={})
+            return Refusal("audit_failed", f"the audit raised {type(e).__name__}: {e}", numbers={}), applied
 
     def _snapshot(self, tr: Any, optimizer: Any, step: int, report: Union[CreditReport, Refusal]) -> _Pending:
         opt = _unwrap_optimizer(optimizer)

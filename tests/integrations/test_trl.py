@@ -192,6 +192,25 @@ def test_unsupported_configurations_are_named_refusals(policy_dir, tmp_path):
             assert ref.reason and "REFUSED" in ref.render()
         finally:
             setattr(trainer, attr, old)
+    # Several processes read the global step (tests/integrations/test_trl_ddp.py); sharded ones are refused,
+    # and so are several processes without a process group to combine them over.
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    real = trainer.accelerator
+    try:
+        for kind, n, condition in (
+            (DistributedType.DEEPSPEED, 2, "sharded"),
+            (DistributedType.FSDP, 2, "sharded"),
+            (DistributedType.MULTI_CPU, 2, "distributed"),
+            (DistributedType.MULTI_GPU, 1, None),
+        ):
+            trainer.accelerator = SimpleNamespace(distributed_type=kind, num_processes=n)
+            ref = trainer.lens_setup_refusal()
+            assert (ref.condition if ref is not None else None) == condition, (kind, ref)
+    finally:
+        trainer.accelerator = real
     from lens_callbacks.integrations.trl import MicroBatch
 
     base = {"lens_rollout": torch.arange(2)}
