@@ -1,0 +1,87 @@
+"""A run of the tool-using GRPO example killed with SIGKILL at a random step and resumed from its last checkpoint.
+
+The example's own config (``cli_configs/grpo_tools_turns.yaml``: the audit by turn, float32) and a
+conservation config built from it (float64 weights, plain SGD, the audit and the step-conservation check),
+shrunk by ``resume_run.py`` to 10 steps of 4 per epoch, checkpointing every step. The resumed run ends with
+the uninterrupted run's parameters, bit for bit, and every reading of every step and epoch end (written as
+``float.hex``) equals the uninterrupted run's. The kill step is drawn from a seeded generator; the process
+is really killed (no cleanup runs).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _resume import ROOT, by_key, kill_at, lines, run  # noqa: E402
+
+MAX_STEPS = 10  # resume_run.MAX_STEPS
+SOURCE = ROOT / "cli_configs" / "grpo_tools_turns.yaml"
+
+
+def _config(name: str, path: Path) -> Path:
+    """The example's YAML with the lens callbacks of config ``name`` (the run record is left out)."""
+    cfg = yaml.safe_load(SOURCE.read_text())
+    (audit,) = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(".CreditAuditCallback")]
+    cfg["trainer"]["callbacks"] = [audit]
+    if name == "conservation":
+        # float64 and plain SGD: the check holds the summed parts against the update taken, at rounding.
+        cfg["model"]["init_args"].update(dtype="float64", optimizer="sgd", momentum=0.0, weight_decay=0.0)
+        audit["init_args"]["dtype"] = "float64"
+        cfg["trainer"]["callbacks"].append({
+            "class_path": "lens_callbacks.callbacks.ConservationCheckCallback",
+            "init_args": {"every_n_steps": 1, "tolerance": 1.0e-4, "use_credit_audit": True},
+        })
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["credit", "conservation"])
+def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, name):
+    config = _config(name, tmp_path / f"grpo_tools_{name}.yaml")
+    kill_step = random.Random(f"resume-tools-{name}").randrange(1, MAX_STEPS - 2)
+
+    run(config, tmp_path / "full", timeout=300)
+    killed = tmp_path / "killed"
+    kill_at(config, killed, kill_step, timeout=300)
+    assert (killed / "ckpt" / "last.ckpt").exists() and not (killed / "params.pt").exists()
+    run(config, killed, timeout=300)  # resumes from last.ckpt
+
+    full, resumed = lines(tmp_path / "full" / "readings.jsonl"), lines(killed / "readings.jsonl")
+    assert [r["step"] for r in full if "step" in r] == list(range(MAX_STEPS))
+    # The second process started from a checkpoint, not from scratch: step 0 was written once, by the
+    # killed process (the kill step is >= 1).
+    steps = [r["step"] for r in resumed if "step" in r]
+    assert steps.count(0) == 1 and sorted(set(steps)) == list(range(MAX_STEPS)), steps
+
+    a, b = by_key(full), by_key(resumed)
+    assert a.keys() == b.keys()
+    assert sum(k[0] == "epoch" for k in a) >= 2  # epochs ended before and after the kill
+    for key in a:
+        assert a[key] == b[key], key
+
+    # The readings are real ones: each callback of the config read every step, by turn.
+    expect = {"credit": {"CreditAuditCallback"}, "conservation": {"CreditAuditCallback", "ConservationCheckCallback"}}[name]
+    for s in range(MAX_STEPS):
+        got = a[("step", s)]["readings"]
+        assert set(got) == expect and all(got[k] for k in expect), s
+        values = got["CreditAuditCallback"]["values"]
+        assert float.fromhex(values["credit/projected_share/turn_2"]) != 0.0  # the first assistant turn
+        if name == "conservation":
+            reading = got["ConservationCheckCallback"]
+            assert reading["type"] == "ConservationReading" and reading["source"] == "credit_parts"
+            assert float.fromhex(reading["relative_error"]) <= float.fromhex(reading["tolerance"]), s
+
+    pa, pb = torch.load(tmp_path / "full" / "params.pt"), torch.load(killed / "params.pt")
+    assert pa.keys() == pb.keys() and len(pa) > 0
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]), n
