@@ -1,7 +1,8 @@
 """A run of the tool-using GRPO example killed with SIGKILL at a random step and resumed from its last checkpoint.
 
 The example's own config (``cli_configs/grpo_tools_turns.yaml``: the audit by turn, float32) and a
-conservation config built from it (float64 weights, plain SGD, the audit and the step-conservation check),
+conservation config built from it (float64 weights, plain SGD, dropout 0.1, the audit and the
+step-conservation check),
 shrunk by ``resume_run.py`` to 10 steps of 4 per epoch, checkpointing every step. The resumed run ends with
 the uninterrupted run's parameters, bit for bit, and every reading of every step and epoch end (written as
 ``float.hex``) equals the uninterrupted run's. The kill step is drawn from a seeded generator; the process
@@ -34,7 +35,8 @@ def _config(name: str, path: Path) -> Path:
     cfg["trainer"]["callbacks"] = [audit]
     if name == "conservation":
         # float64 and plain SGD: the check holds the summed parts against the update taken, at rounding.
-        cfg["model"]["init_args"].update(dtype="float64", optimizer="sgd", momentum=0.0, weight_decay=0.0)
+        # With dropout: its masks, at sampling and in every forward of the step, must be the step's own.
+        cfg["model"]["init_args"].update(dtype="float64", optimizer="sgd", momentum=0.0, weight_decay=0.0, dropout=0.1)
         audit["init_args"]["dtype"] = "float64"
         cfg["trainer"]["callbacks"].append({
             "class_path": "lens_callbacks.callbacks.ConservationCheckCallback",
@@ -76,6 +78,8 @@ def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninte
         assert set(got) == expect and all(got[k] for k in expect), s
         values = got["CreditAuditCallback"]["values"]
         assert float.fromhex(values["credit/projected_share/turn_2"]) != 0.0  # the first assistant turn
+        # the audit's forward drew the training forward's dropout masks: its gradient is the trained one
+        assert float.fromhex(values["credit/grad_match"]) <= {"credit": 1e-5, "conservation": 1e-12}[name], s
         if name == "conservation":
             reading = got["ConservationCheckCallback"]
             assert reading["type"] == "ConservationReading" and reading["source"] == "credit_parts"
