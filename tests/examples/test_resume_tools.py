@@ -2,8 +2,8 @@
 
 The example's own config (``cli_configs/grpo_tools_turns.yaml``: the audit by turn, float32) and a
 conservation config built from it (float64 weights, plain SGD, dropout 0.1, the audit and the
-step-conservation check),
-shrunk by ``resume_run.py`` to 10 steps of 4 per epoch, checkpointing every step. The resumed run ends with
+step-conservation check), and an anchor config (the projected anchor of ``grpo_anchor.yaml``, Adam,
+dropout 0.1), shrunk by ``resume_run.py`` to 10 steps of 4 per epoch, checkpointing every step. The resumed run ends with
 the uninterrupted run's parameters, bit for bit, and every reading of every step and epoch end (written as
 ``float.hex``) equals the uninterrupted run's. The kill step is drawn from a seeded generator; the process
 is really killed (no cleanup runs).
@@ -26,6 +26,7 @@ from _resume import ROOT, by_key, kill_at, lines, run  # noqa: E402
 
 MAX_STEPS = 10  # resume_run.MAX_STEPS
 SOURCE = ROOT / "cli_configs" / "grpo_tools_turns.yaml"
+ANCHOR_SOURCE = ROOT / "cli_configs" / "grpo_anchor.yaml"
 
 
 def _config(name: str, path: Path) -> Path:
@@ -33,6 +34,12 @@ def _config(name: str, path: Path) -> Path:
     cfg = yaml.safe_load(SOURCE.read_text())
     (audit,) = [c for c in cfg["trainer"]["callbacks"] if c["class_path"].endswith(".CreditAuditCallback")]
     cfg["trainer"]["callbacks"] = [audit]
+    if name == "anchor":
+        # The anchor of grpo_anchor.yaml (resume_run.py shrinks its cadence so it projects within 10 steps),
+        # with Adam and dropout as there: the merger changes .grad, Adam keeps state across the resume.
+        anchor = yaml.safe_load(ANCHOR_SOURCE.read_text())["trainer"]["callbacks"]
+        cfg["trainer"]["callbacks"] = anchor
+        cfg["model"]["init_args"].update(optimizer="adam", lr=0.003, dropout=0.1)
     if name == "conservation":
         # float64 and plain SGD: the check holds the summed parts against the update taken, at rounding.
         # With dropout: its masks, at sampling and in every forward of the step, must be the step's own.
@@ -47,7 +54,7 @@ def _config(name: str, path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["credit", "conservation"])
+@pytest.mark.parametrize("name", ["credit", "conservation", "anchor"])
 def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninterrupted_run(tmp_path, name):
     config = _config(name, tmp_path / f"grpo_tools_{name}.yaml")
     kill_step = random.Random(f"resume-tools-{name}").randrange(1, MAX_STEPS - 2)
@@ -67,15 +74,19 @@ def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninte
 
     a, b = by_key(full), by_key(resumed)
     assert a.keys() == b.keys()
-    assert sum(k[0] == "epoch" for k in a) >= 2  # epochs ended before and after the kill
+    if name != "anchor":  # the audit's epochs ended before and after the kill (the anchor keeps none)
+        assert sum(k[0] == "epoch" for k in a) >= 2
     for key in a:
         assert a[key] == b[key], key
 
-    # The readings are real ones: each callback of the config read every step, by turn.
-    expect = {"credit": {"CreditAuditCallback"}, "conservation": {"CreditAuditCallback", "ConservationCheckCallback"}}[name]
+    # The readings are real ones: each callback of the config read every step (the audit by turn).
+    expect = {"credit": {"CreditAuditCallback"}, "conservation": {"CreditAuditCallback", "ConservationCheckCallback"},
+              "anchor": {"AnchorProjectionCallback"}}[name]
     for s in range(MAX_STEPS):
         got = a[("step", s)]["readings"]
         assert set(got) == expect and all(got[k] for k in expect), s
+        if name == "anchor":
+            continue
         values = got["CreditAuditCallback"]["values"]
         assert float.fromhex(values["credit/projected_share/turn_2"]) != 0.0  # the first assistant turn
         # the audit's forward drew the training forward's dropout masks: its gradient is the trained one
@@ -84,6 +95,11 @@ def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninte
             reading = got["ConservationCheckCallback"]
             assert reading["type"] == "ConservationReading" and reading["source"] == "credit_parts"
             assert float.fromhex(reading["relative_error"]) <= float.fromhex(reading["tolerance"]), s
+
+    if name == "anchor":  # it merged at every step after the first, and projected after the resume
+        anchor = [a[("step", s)]["readings"]["AnchorProjectionCallback"] for s in range(MAX_STEPS)]
+        assert all(r["merged"] == s for s, r in enumerate(anchor) if s >= 1)
+        assert any(r["reading"] and r["reading"]["projected"] for r in anchor[kill_step + 1:])
 
     pa, pb = torch.load(tmp_path / "full" / "params.pt"), torch.load(killed / "params.pt")
     assert pa.keys() == pb.keys() and len(pa) > 0
