@@ -9,12 +9,20 @@ Before RL, ``setup("fit")`` runs a short supervised warm start (:meth:`GRPOTools
 teacher episodes that call the tool, as an SFT stage before RL would; it ends before the Trainer builds
 the optimizer and before a run record writes its step-0 policy, so an offline replay starts from the
 warm-started weights and needs nothing of it.
+
+Dropout: everything random in step ``N`` is a function of ``seed`` and ``N``. The tokens come from a
+generator seeded by both; the dropout masks of the sampling forwards and of every evaluation of
+``credit_terms`` on the step's batch come from the global stream, forked and seeded with the batch's
+``dropout_seed`` (:meth:`GRPOToolsModule.dropout_seed`). So an audit that re-runs the forward draws the
+masks the training forward drew, a run resumed from a checkpoint samples and trains as the uninterrupted
+one, and an offline replay rebuilds the seed from the recorded step.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +46,8 @@ _SEGMENT_BY = ("turn", "role", "turn_index")
 WARM_START_STEPS = 40
 WARM_START_BATCH = 32
 _WARM_START_STREAM = 999_983  # offsets the warm start's generator from every step's sampling stream
+_STEP_STRIDE = 1_000_003
+_DROPOUT_STREAM = 2**62  # above every sampling seed seed·_STEP_STRIDE + step, so the two streams never meet
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,22 @@ class ToolRolloutBatch:
     segments: TurnSegments
     advantages: torch.Tensor  # [B] float64
     trajectories: tuple[Trajectory, ...]
+    dropout_seed: Optional[int] = None  # seeds the global stream around every forward on this batch
+
+
+@contextlib.contextmanager
+def _seeded_stream(seed: Optional[int], device: torch.device) -> Iterator[None]:
+    """The global stream (and the device's) forked and seeded with ``seed``; left as it was afterwards."""
+    if seed is None:
+        yield
+        return
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            with torch.cuda.device(devices[0]):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -70,9 +96,9 @@ class GRPOToolsModule(LightningModule):
         max_new_tokens: tokens per assistant turn at most.
         max_tool_calls: tool calls per episode at most.
         temperature: sampling temperature.
-        dropout: GPT-2 dropout (0 keeps an offline replay exact).
+        dropout: GPT-2 dropout (its masks are seeded by ``seed`` and the step: see the module docstring).
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``. lr, momentum, weight_decay: its settings.
-        seed: model init and sampling seed (sampling at step N uses ``seed`` and N only).
+        seed: model init and sampling seed (sampling and dropout at step N use ``seed`` and N only).
         dtype: ``"float32"`` or ``"float64"`` parameters.
         system_prompt: text of the system turn (``""``: no system turn).
         segment_by: the turn segments ``credit_terms`` reports: ``"turn"``, ``"role"`` or ``"turn_index"``.
@@ -184,31 +210,51 @@ class GRPOToolsModule(LightningModule):
             self.warm_start()
 
     # -- rollouts -------------------------------------------------------------------------------
+    def dropout_seed(self, step: int) -> int:
+        """The seed of step ``step``'s dropout masks: a function of ``seed`` and ``step`` only."""
+        return (int(self.hparams.seed) * _STEP_STRIDE + int(step)) % _DROPOUT_STREAM + _DROPOUT_STREAM
+
     def rollout(self, prompts: Sequence[dict], step: int) -> list[Trajectory]:
-        """Sample ``group_size`` episodes per prompt with a generator seeded by (seed, step) only."""
+        """Sample ``group_size`` episodes per prompt with a generator seeded by (seed, step) only.
+
+        The sampling forwards' dropout masks come from the global stream seeded with
+        :meth:`dropout_seed` ``(step)``, inside a fork: the stream outside is left as it was.
+        """
         hp = self.hparams
-        gen = torch.Generator().manual_seed(int(hp.seed) * 1_000_003 + int(step))
+        gen = torch.Generator().manual_seed(int(hp.seed) * _STEP_STRIDE + int(step))
         out: list[Trajectory] = []
-        for g, p in enumerate(prompts):
-            for _ in range(hp.group_size):
-                turns, r = run_episode(
-                    self.policy,
-                    self.tokenizer,
-                    int(p["a"]),
-                    int(p["b"]),
-                    system_prompt=hp.system_prompt,
-                    max_new_tokens=hp.max_new_tokens,
-                    max_tool_calls=hp.max_tool_calls,
-                    temperature=hp.temperature,
-                    generator=gen,
-                )
-                out.append(Trajectory(tuple(turns), r, g, len(out), str(p["prompt_id"]), int(step)))
+        with _seeded_stream(self.dropout_seed(step), self.device):
+            for g, p in enumerate(prompts):
+                for _ in range(hp.group_size):
+                    turns, r = run_episode(
+                        self.policy,
+                        self.tokenizer,
+                        int(p["a"]),
+                        int(p["b"]),
+                        system_prompt=hp.system_prompt,
+                        max_new_tokens=hp.max_new_tokens,
+                        max_tool_calls=hp.max_tool_calls,
+                        temperature=hp.temperature,
+                        generator=gen,
+                    )
+                    out.append(Trajectory(tuple(turns), r, g, len(out), str(p["prompt_id"]), int(step)))
         return out
 
     def make_rollout_batch(self, trajectories: Sequence[Trajectory]) -> ToolRolloutBatch:
-        """The rollout batch of a list of trajectories (from sampling, or read back from a run record)."""
+        """The rollout batch of one step's trajectories (from sampling, or read back from a run record).
+
+        Its ``dropout_seed`` is :meth:`dropout_seed` of the trajectories' step, so a batch rebuilt from a
+        record draws the masks training drew.
+        """
+        steps = {int(t.step) for t in trajectories}
+        if len(steps) != 1:
+            raise ValueError(
+                f"`trajectories` must all come from one step (their dropout masks are seeded by it), got steps {sorted(steps)}."
+            )
         batch, segments = batch_from_trajectories(self.tokenizer, trajectories, padding_side=self.hparams.padding_side)
-        return ToolRolloutBatch(batch, segments, group_advantages(batch.rewards, batch.group), tuple(trajectories))
+        return ToolRolloutBatch(
+            batch, segments, group_advantages(batch.rewards, batch.group), tuple(trajectories), self.dropout_seed(steps.pop())
+        )
 
     # -- the one interface ----------------------------------------------------------------------
     def credit_terms(self, batch: Any = None) -> CreditTerms:
@@ -222,7 +268,8 @@ class GRPOToolsModule(LightningModule):
         if rb is None:
             raise ValueError("`credit_terms` needs a rollout batch; none was given and no step has run yet.")
         b = rb.batch.to(self.device)
-        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+        with _seeded_stream(rb.dropout_seed, self.device):
+            logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         logp = F.pad(logp, (1, 0))  # [B, T]; position 0 is never trained (it has no context)
         trained = b.trained  # [B, T]

@@ -28,9 +28,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 # Small enough for a test, large enough that the anchor projects and an epoch ends mid-run.
 MAX_STEPS = 10
 MODEL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4)
-DATA = dict(batch_size=2, num_prompts=8)  # 4 steps per epoch
+# Per module class: the tool example's warm start is shortened (it runs once, before step 0).
+MODEL_EXTRA = {"GRPOToolsModule": dict(warm_start_steps=8)}
+# Per datamodule class, 4 steps per epoch.
+DATA = {"AdditionDataModule": dict(batch_size=2, num_prompts=8),
+        "ToolsAdditionDataModule": dict(prompts_per_step=2, n_prompts=8)}
 CALLBACKS = {"AnchorProjectionCallback": dict(cadence=1, delay_K=1, w_cap=4, figure_every_n_fires=0),
              "CreditAuditCallback": dict(print_last_report=False)}
+
+
+def _name(spec: dict) -> str:
+    return spec["class_path"].rpartition(".")[2]
 
 
 def _build(spec: dict, **override):
@@ -113,12 +121,12 @@ def main(config: str, out: str) -> None:
     cfg = yaml.safe_load(Path(config).read_text())
     pl.seed_everything(int(cfg.get("seed_everything", 0)), verbose=False)
     torch.set_num_threads(1)
-    callbacks = [_build(c, **CALLBACKS.get(c["class_path"].rpartition(".")[2], {})) for c in cfg["trainer"].get("callbacks", [])]
+    callbacks = [_build(c, **CALLBACKS.get(_name(c), {})) for c in cfg["trainer"].get("callbacks", [])]
     ckpt_dir = out_dir / "ckpt"
     callbacks += [Record(out_dir / "readings.jsonl"),
                   ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=0, save_last=True)]
-    model = _build(cfg["model"], **MODEL)
-    data = _build(cfg["data"], **DATA)
+    model = _build(cfg["model"], **MODEL, **MODEL_EXTRA.get(_name(cfg["model"]), {}))
+    data = _build(cfg["data"], **DATA[_name(cfg["data"])])
     trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
                          enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     last = ckpt_dir / "last.ckpt"

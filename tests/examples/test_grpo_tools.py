@@ -6,6 +6,7 @@ by one forward pass per prefix without padding, the offline audit against the li
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from examples.grpo_tools.env import VOCAB  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module, replay_to  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
+from lens_callbacks.io.trust import TrustPolicy  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 
 
@@ -131,6 +133,43 @@ def test_sampling_depends_on_seed_and_step_only_and_leaves_the_global_stream(run
     assert [t.turns for t in a] != [t.turns for t in m.rollout(prompts, step=6)]
 
 
+def test_dropout_masks_are_seeded_by_step_and_drawn_again_by_every_evaluation():
+    m = GRPOToolsModule(seed=3, dropout=0.3, warm_start_steps=0, dtype="float64")
+    m.train()
+    prompts = ToolsAdditionDataModule().prompts()[:2]
+    state = torch.get_rng_state()
+    a = m.rollout(prompts, step=4)
+    assert torch.equal(state, torch.get_rng_state())
+    torch.manual_seed(99)  # the open stream does not reach the step's sampling or its masks
+    b = m.rollout(prompts, step=4)
+    assert [t.turns for t in a] == [t.turns for t in b]
+    rb = m.make_rollout_batch(a)
+    assert rb.dropout_seed == m.dropout_seed(4) != m.dropout_seed(5)
+    state = torch.get_rng_state()
+    t1, t2 = m.credit_terms(rb).terms, m.credit_terms(m.make_rollout_batch(b)).terms
+    assert torch.equal(t1, t2) and torch.equal(state, torch.get_rng_state())
+    # dropout is on: another seed draws other masks, and eval mode none
+    other = m.credit_terms(dataclasses.replace(rb, dropout_seed=m.dropout_seed(5))).terms
+    m.eval()
+    plain = m.credit_terms(rb).terms
+    assert not torch.equal(t1, other) and not torch.equal(t1, plain)
+    with pytest.raises(ValueError, match="`trajectories` must all come from one step"):
+        m.make_rollout_batch(a[:1] + m.rollout(prompts, step=5)[:1])
+
+
+def test_dropout_run_replays_bit_for_bit_from_the_record(tmp_path):
+    """With dropout the recorded step rebuilds its batch's seed, so replaying from step 0 meets every checkpoint."""
+    kw = dict(seed=2, dropout=0.1, optimizer="adam", lr=3e-3, warm_start_steps=0)
+    rec = _fit(GRPOToolsModule(**kw), 3, tmp_path, checkpoint_every=1)
+    assert [rec.step_meta(s)["dropout_seed"] for s in rec.steps] == [GRPOToolsModule(**kw).dropout_seed(s) for s in rec.steps]
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    for s in (1, 2, 3):
+        back = replay_to(view, s, progress=False)
+        ck = rec.load_policy(s)
+        assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items()), f"step {s}"
+
+
 def test_credit_terms_against_a_per_prefix_loop(run):
     """terms[k, t] = −A_k log π(y_t | y_<t) / N on trained positions, by one unpadded forward per prefix."""
     m, rec = run
@@ -168,16 +207,25 @@ def test_replay_from_step0_reaches_the_weights_training_had(tmp_path):
     assert all(torch.equal(v, short.state_dict()[k]) for k, v in back.state_dict().items())
 
 
+class _Unseeded(GRPOToolsModule):
+    """The example as a module that does not keep its batches' dropout seed (masks from the open stream)."""
+
+    def make_rollout_batch(self, trajectories):
+        return dataclasses.replace(super().make_rollout_batch(trajectories), dropout_seed=None)
+
+
 def test_audit_refuses_what_it_cannot_replay(tmp_path):
-    m = GRPOToolsModule(seed=1, dropout=0.1)
+    m = _Unseeded(seed=1, dropout=0.1)
     rec = _fit(m, 2, tmp_path)
-    r = audit_record(rec.run_dir, 1, "by_turn", progress=False)
+    assert all("dropout_seed" not in rec.step_meta(s) for s in rec.steps)
+    trust = TrustPolicy(allow_modules=(_Unseeded.__module__,))
+    r = audit_record(rec.run_dir, 1, "by_turn", progress=False, module=_Unseeded(seed=1, dropout=0.1), trust=trust)
     assert isinstance(r, Refusal) and r.condition == "dropout"
     # at a checkpointed step nothing needs replaying
-    ok = audit_record(rec.run_dir, 0, "by_role", "float64", progress=False)
+    ok = audit_record(rec.run_dir, 0, "by_role", "float64", progress=False, trust=trust)
     assert not isinstance(ok, Refusal) and ok.share("tool" if "tool" in ok.part_names else "user") == 0.0
     with pytest.raises(ValueError, match="`step` must be a recorded step"):
-        audit_record(rec.run_dir, 7, progress=False)
+        audit_record(rec.run_dir, 7, progress=False, trust=trust)
 
 
 def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
