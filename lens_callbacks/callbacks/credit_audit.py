@@ -263,12 +263,14 @@ class CreditAuditCallback(Callback):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
             self._reference = None
-        blocked = None
-        if trainer.world_size > 1:
+        blocked = None  # why .grad cannot be read as this batch's own gradient (riding along, full_grad="trainer")
+        if self.capture != "training_step" and self.full_grad != "trainer":
+            pass
+        elif trainer.world_size > 1:
             blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
         elif trainer.accumulate_grad_batches > 1:
             blocked = "gradient accumulation: `.grad` sums several micro-batches"
-        elif not pl_module.automatic_optimization:
+        elif not getattr(pl_module, "automatic_optimization", True):
             blocked = "manual optimization: the callback does not see the loss's backward"
         elif self._mergers:
             blocked = f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
