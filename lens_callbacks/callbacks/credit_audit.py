@@ -4,8 +4,9 @@ A thin adapter over :func:`lens_callbacks.credit.disintegrate`: at ``on_before_o
 step's unclipped ``.grad`` is in place) it re-evaluates ``pl_module.credit_terms(batch)`` on detached
 copies of the parameters with the engine ``engine`` names (``"auto"``: one forward and one backward for
 row partitions, see :mod:`lens_callbacks.credit.engines`), or reads the training step's own backward
-(``capture="training_step"``), and logs the readings through :class:`~lens_callbacks.metrics.credit.CreditMetric`. It is read-only: parameters,
-``.grad``, optimizer state and the random stream are left as they were.
+(``capture="training_step"``), and logs the readings through
+:class:`~lens_callbacks.metrics.credit.CreditMetric`. It is read-only: parameters, ``.grad``, optimizer
+state and the random stream are left as they were.
 
 DDP / FSDP2 (``scope="global"``, the default): each rank disintegrates its local batch and dots its
 parts with the rank-averaged ``.grad`` the optimizer applies; the global reading

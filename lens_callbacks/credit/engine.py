@@ -358,13 +358,15 @@ def disintegrate(
     )
 
 
-def _onto(leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]]) -> Optional[list[torch.Tensor]]:
+def _onto(
+    leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]], name: str = "project_onto"
+) -> Optional[list[torch.Tensor]]:
     if vec is None:
         return None
     vec = list(vec)
     if len(vec) != len(leaves):
         raise ValueError(
-            f"`project_onto` must hold one tensor per trainable parameter ({len(leaves)}), got {len(vec)}; "
+            f"`{name}` must hold one tensor per trainable parameter ({len(leaves)}), got {len(vec)}; "
             "align it with [p for p in module.parameters() if p.requires_grad]."
         )
     out = []
@@ -372,7 +374,7 @@ def _onto(leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.
         if v is None:
             out.append(torch.zeros_like(x))
         elif tuple(v.shape) != tuple(x.shape):
-            raise ValueError(f"`project_onto` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
+            raise ValueError(f"`{name}` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
         else:
             out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
     return out

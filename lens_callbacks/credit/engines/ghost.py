@@ -543,7 +543,7 @@ def disintegrate_ghost(
         finally:
             cap.remove()
         onto = _onto(leaves, project_onto)
-        given = _onto(leaves, full_grad) if full_grad is not None else None
+        given = _onto(leaves, full_grad, "full_grad") if full_grad is not None else None
         if given is not None:
             given = [g.to(x.dtype) for g, x in zip(given, leaves)]
         part = apply_partition(spec, terms)
