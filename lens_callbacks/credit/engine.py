@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .partition import Partition, PartitionFn, apply_partition, resolve_partition
-from .report import CreditGrads, CreditReport
+from .report import CreditGrads, CreditReport, share_readings
 from .terms import CreditTerms, is_credit_source
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
@@ -304,27 +304,9 @@ def disintegrate(
     full_norm = math.sqrt(full_sq)
     part_norm = tuple(math.sqrt(s) for s in sq)
     norm_total = math.fsum(part_norm)
-    reason: Optional[str] = None
-    if not math.isfinite(full_sq):
-        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
-    elif full_sq == 0.0 and onto is None:
-        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
-    onto_sq = full_sq if onto is None else _sqnorm(onto)
-    if onto is not None and reason is None and not (math.isfinite(onto_sq) and onto_sq > 0.0):
-        reason = f"the vector the parts are projected onto has ||v||² = {onto_sq}; shares are undefined this step."
-    if reason is None and full_sq == 0.0:
-        # A rank whose own gradient is zero still has (zero) parts of the global step.
-        projected = tuple(d / onto_sq for d in dots)
-        conservation = _diff_norm(running, g_full)
-        cancellation = float("nan")
-    elif reason is None:
-        projected = tuple(d / onto_sq for d in dots)
-        conservation = _diff_norm(running, g_full) / full_norm
-        cancellation = norm_total / full_norm
-    else:
-        projected = tuple(float("nan") for _ in dots)
-        conservation = float("nan") if not math.isfinite(full_sq) else _diff_norm(running, g_full)
-        cancellation = float("nan")
+    reason, projected, conservation, cancellation = share_readings(
+        dots, full_sq, _diff_norm(running, g_full), norm_total, None if onto is None else _sqnorm(onto)
+    )
     norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
 
     grad_match = _grad_match(module, names, reference_grads, g_full, full_norm)

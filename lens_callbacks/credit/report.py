@@ -188,3 +188,33 @@ class CreditReport:
                 f"{100 * summary['negative_pair_fraction']:.1f}% of part pairs pull against each other"
             )
         return line
+
+
+def share_readings(
+    dots: list[float], full_sq: float, diff_norm: float, norm_total: float, onto_sq: Optional[float] = None
+) -> tuple[Optional[str], tuple[float, ...], float, float]:
+    """``(reason, projected_share, conservation_error, cancellation)`` from an engine's sums.
+
+    Args:
+        dots: ``<g_S, v>`` per part, ``v`` = ``g_full`` or the vector given as ``project_onto``.
+        full_sq: ``‖g_full‖²``. diff_norm: ``‖Σ_S g_S − g_full‖``. norm_total: ``Σ_S ‖g_S‖`` (NaN without norms).
+        onto_sq: ``‖v‖²`` when the parts are projected onto ``v`` (None: onto ``g_full``).
+
+    Every engine decides here when the shares are undefined, so their reasons and numbers agree.
+    """
+    reason: Optional[str] = None
+    if not math.isfinite(full_sq):
+        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
+    elif full_sq == 0.0 and onto_sq is None:
+        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    elif onto_sq is not None and not (math.isfinite(onto_sq) and onto_sq > 0.0):
+        reason = f"the vector the parts are projected onto has ||v||² = {onto_sq}; shares are undefined this step."
+    nan = float("nan")
+    if reason is not None:
+        return reason, tuple(nan for _ in dots), nan if not math.isfinite(full_sq) else diff_norm, nan
+    den = full_sq if onto_sq is None else onto_sq
+    projected = tuple(d / den for d in dots)
+    if full_sq == 0.0:  # a rank whose own gradient is zero still has (zero) parts of the global step
+        return None, projected, diff_norm, nan
+    full_norm = math.sqrt(full_sq)
+    return None, projected, diff_norm / full_norm, norm_total / full_norm

@@ -41,6 +41,17 @@ def assert_same_readings(ref, got, tol=TOL):
     assert got.conservation_error <= 1e-13
 
 
+def random_row_partition(trained, n_parts, seed):
+    """Whole rows drawn into up to ``n_parts`` parts (dense ids, untrained positions in none)."""
+    B, T = trained.shape
+    g = torch.Generator().manual_seed(seed)
+    row_part = torch.randint(0, n_parts, (B,), generator=g)
+    used = sorted(set(row_part.tolist()))
+    dense = torch.tensor([used.index(int(r)) for r in row_part])
+    ids = torch.where(trained, dense[:, None].expand(B, T), torch.full((B, T), -1))  # [B, T]
+    return Partition(ids, tuple(f"p{i}" for i in range(len(used))))
+
+
 def both(module, batch, partition, budget=None, readings="all", **kw):
     ref = disintegrate(module, batch, partition, dtype="float64", engine="reference", keep_parts=True, **kw)
     if budget is None:
@@ -162,12 +173,7 @@ def test_shares_readings_are_the_norms_without_the_gram():
 def test_hypothesis_shapes_and_row_partitions(B, T, d, seed, n_parts, budget, readings):
     module = LayerPolicy(V=7, d=d, T=T, seed=seed)
     tokens, trained, adv, group = layer_batch(B=B, T=T, V=7, seed=seed + 1)
-    g = torch.Generator().manual_seed(seed)
-    row_part = torch.randint(0, n_parts, (B,), generator=g)
-    used = sorted(set(row_part.tolist()))
-    dense = torch.tensor([used.index(int(r)) for r in row_part])
-    ids = torch.where(trained, dense[:, None].expand(B, T), torch.full((B, T), -1))  # [B, T]
-    part = Partition(ids, tuple(f"p{i}" for i in range(len(used))))
+    part = random_row_partition(trained, n_parts, seed)
     ref, got = both(module, (tokens, trained, adv, group), part, budget=budget, readings=readings)
     if ref.ok:
         assert_same_readings(ref, got, tol=1e-11)

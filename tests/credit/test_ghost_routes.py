@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lens_callbacks.credit import CreditTerms, Partition, by_rollout, disintegrate
+from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost
 from lens_callbacks.credit.engines.ghost_routes import choose_route, route_costs
-from tests.credit.test_ghost_engine import LayerPolicy, assert_same_readings, layer_batch
+from tests.credit.test_ghost_engine import LayerPolicy, assert_same_readings, layer_batch, random_row_partition
 
 TOL = 1e-12
 
@@ -90,12 +90,7 @@ def test_ghost_route_in_row_blocks_equals_one_block():
 def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, route, readings):
     module = TwiceLinear(V=7, d=d, seed=seed)
     tokens, trained, adv, group = layer_batch(B=B, T=T, V=7, seed=seed + 1)
-    g = torch.Generator().manual_seed(seed)
-    row_part = torch.randint(0, n_parts, (B,), generator=g)
-    used = sorted(set(row_part.tolist()))
-    dense = torch.tensor([used.index(int(r)) for r in row_part])
-    ids = torch.where(trained, dense[:, None].expand(B, T), torch.full((B, T), -1))  # [B, T]
-    part = Partition(ids, tuple(f"p{i}" for i in range(len(used))))
+    part = random_row_partition(trained, n_parts, seed)
     batch = (tokens, trained, adv, group)
     ref = reference(module, batch, part)
     got = disintegrate_ghost(module, batch, part, dtype="float64", route=route, memory_budget=budget, readings=readings)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
-from ..report import CreditGrads, CreditReport
+from ..report import CreditGrads, CreditReport, share_readings
 from ..terms import CreditTerms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, ghost_param
@@ -301,28 +301,20 @@ def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.T
     B = rows.rp.shape[0]
     sel, dst, c = rows.sel, rows.dst, rows.c
     is_w = param is use.weight
-    if use.rule in ("linear", "conv1d") and is_w and rows.in_order:
-        # One row per part, in order (by_rollout): the per-row product is the piece itself.
-        G = _take(g, sel, B)  # [c, n, out]
-        A = _take(a, sel, B).to(g.dtype)  # [c, n, in]
-        return torch.bmm(G.transpose(1, 2), A) if use.rule == "linear" else torch.bmm(A.transpose(1, 2), G)
+    if use.rule in ("linear", "conv1d") and is_w:
+        G = _take(g, sel, B)  # [r, n, out]
+        A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
+        L, R = (G, A) if use.rule == "linear" else (A, G)  # the weight is Lᵀ R: Linear [out, in], Conv1D [in, out]
+        if rows.in_order:  # one row per part, in order (by_rollout): the per-row product is the piece itself
+            return torch.bmm(L.transpose(1, 2), R)  # [c, d_L, d_R]
     out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
     if sel.numel() == 0:
         return out
-    if use.rule == "linear":
-        G = _take(g, sel, B)  # [r, n, out]
+    if use.rule in ("linear", "conv1d"):
         if is_w:
-            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
-            out.index_add_(0, dst, torch.bmm(G.transpose(1, 2), A))  # [r, out, in]
+            out.index_add_(0, dst, torch.bmm(L.transpose(1, 2), R))  # [r, d_L, d_R]
         else:
-            out.index_add_(0, dst, G.sum(1))  # [r, out]
-    elif use.rule == "conv1d":
-        G = _take(g, sel, B)  # [r, n, out]
-        if is_w:
-            A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
-            out.index_add_(0, dst, torch.bmm(A.transpose(1, 2), G))  # [r, in, out]
-        else:
-            out.index_add_(0, dst, G.sum(1))  # [r, out]
+            out.index_add_(0, dst, _take(g, sel, B).sum(1))  # [r, out]
     elif use.rule == "embedding":
         G = _take(g, sel, B)  # [r, n, d]
         ids = a.reshape(B, -1)
@@ -584,14 +576,6 @@ def build_report(
     m = len(part_names)
     full_sq = _sum_sq(g_full) if full_sq is None else full_sq
     full_norm = math.sqrt(full_sq)
-    reason = None
-    if not math.isfinite(full_sq):
-        reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
-    elif full_sq == 0.0 and onto is None:
-        reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
-    onto_sq = full_sq if onto is None else _sum_sq(onto)
-    if onto is not None and reason is None and not (math.isfinite(onto_sq) and onto_sq > 0.0):
-        reason = f"the vector the parts are projected onto has ||v||² = {onto_sq}; shares are undefined this step."
     dots_l = [float(d) for d in dots.tolist()]
     if gram is not None or sq_parts is not None:
         diag = gram.diagonal() if gram is not None else sq_parts
@@ -603,19 +587,9 @@ def build_report(
         part_norm = tuple(float("nan") for _ in range(m))
         norm_total = float("nan")
         norm_share = part_norm
-    if reason is None and full_sq == 0.0:
-        # A rank whose own gradient is zero still has (zero) parts of the global step.
-        projected = tuple(d / onto_sq for d in dots_l)
-        conservation = math.sqrt(diff_sq)
-        cancellation = float("nan")
-    elif reason is None:
-        projected = tuple(d / onto_sq for d in dots_l)
-        conservation = math.sqrt(diff_sq) / full_norm
-        cancellation = norm_total / full_norm
-    else:
-        projected = tuple(float("nan") for _ in dots_l)
-        conservation = float("nan") if not math.isfinite(full_sq) else math.sqrt(diff_sq)
-        cancellation = float("nan")
+    reason, projected, conservation, cancellation = share_readings(
+        dots_l, full_sq, math.sqrt(diff_sq), norm_total, None if onto is None else _sum_sq(onto)
+    )
     grads = None
     if keep_grads:
         grads = CreditGrads(tuple(names), [g.detach() for g in g_full], [t.detach() for t in total_list])
