@@ -888,15 +888,8 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         if len(runs) > 1:
             ax.fill_between(steps, m.min(0), m.max(0), color=color[a], alpha=0.15)
         drew = True
-    if drew:
-        ax.set_xlabel("step")
-        ax.set_ylabel(str(report.settings.get("score", "score")))
-        ax.set_title("score per arm (mean over seeds, band: min–max)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "scores.png", dpi=100)
-        written.append(out / "scores.png")
-    plt.close(fig)
+    _finish(plt, fig, ax, drew, str(report.settings.get("score", "score")),
+            "score per arm (mean over seeds, band: min–max)", out / "scores.png", written)
     fig, ax = plt.subplots(figsize=(6, 3.2))
     drew = False
     for a in report.arms:
@@ -910,13 +903,19 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         steps = sorted(per)
         ax.plot(steps, [float(np.mean(per[s])) for s in steps], ".-", color=color[a], label=a)
         drew = True
+    _finish(plt, fig, ax, drew, "gated-ON fraction", "gated-ON fraction per fire (mean over seeds)",
+            out / "gated_on.png", written)
+    return written
+
+
+def _finish(plt: Any, fig: Any, ax: Any, drew: bool, ylabel: str, title: str, path: Path, written: list) -> None:
+    """Label, save (when anything was drawn) and close one figure of :func:`figures`."""
     if drew:
         ax.set_xlabel("step")
-        ax.set_ylabel("gated-ON fraction")
-        ax.set_title("gated-ON fraction per fire (mean over seeds)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "gated_on.png", dpi=100)
-        written.append(out / "gated_on.png")
+        fig.savefig(path, dpi=100)
+        written.append(path)
     plt.close(fig)
-    return written
