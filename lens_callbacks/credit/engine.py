@@ -19,7 +19,7 @@ from torch import nn
 
 from .partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .report import CreditGrads, CreditReport, share_readings
-from .terms import CreditTerms, is_credit_source
+from .terms import CreditTerms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
 

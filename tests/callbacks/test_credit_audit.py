@@ -6,7 +6,6 @@ shares in numpy float64; TensorBoard events read back with tensorboard's own Eve
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
@@ -326,7 +325,7 @@ class _ConstantReward(GRPOModule):
 
 def test_zero_gradient_step_is_undefined_not_a_crash():
     audit = CreditAuditCallback()
-    m = _fit([audit], steps=2, module_cls=_ConstantReward)
+    _fit([audit], steps=2, module_cls=_ConstantReward)
     assert not audit.last_report.ok and "zero" in audit.last_report.reason
     assert audit.last_values["credit/undefined_fraction"] == 1.0
 

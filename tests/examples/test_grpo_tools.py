@@ -157,17 +157,22 @@ def test_dropout_masks_are_seeded_by_step_and_drawn_again_by_every_evaluation():
         m.make_rollout_batch(a[:1] + m.rollout(prompts, step=5)[:1])
 
 
+def _assert_replay_from_step_0_meets_every_checkpoint(rec, steps):
+    """Replaying from the step-0 policy alone (no later checkpoint) equals each recorded checkpoint, bit for bit."""
+    view = RunRecord(rec.run_dir)
+    view.manifest["checkpoints"] = [0]
+    for s in steps:
+        back = replay_to(view, s, progress=False)
+        ck = rec.load_policy(s)
+        assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items()), f"step {s}"
+
+
 def test_dropout_run_replays_bit_for_bit_from_the_record(tmp_path):
     """With dropout the recorded step rebuilds its batch's seed, so replaying from step 0 meets every checkpoint."""
     kw = dict(seed=2, dropout=0.1, optimizer="adam", lr=3e-3, warm_start_steps=0)
     rec = _fit(GRPOToolsModule(**kw), 3, tmp_path, checkpoint_every=1)
     assert [rec.step_meta(s)["dropout_seed"] for s in rec.steps] == [GRPOToolsModule(**kw).dropout_seed(s) for s in rec.steps]
-    view = RunRecord(rec.run_dir)
-    view.manifest["checkpoints"] = [0]
-    for s in (1, 2, 3):
-        back = replay_to(view, s, progress=False)
-        ck = rec.load_policy(s)
-        assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items()), f"step {s}"
+    _assert_replay_from_step_0_meets_every_checkpoint(rec, (1, 2, 3))
 
 
 def test_credit_terms_against_a_per_prefix_loop(run):
@@ -239,12 +244,7 @@ def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
     assert all("dropout_seed" in rec.step_meta(s) for s in rec.steps)
     t = rec.trajectories(1)[0]
     assert [x.role for x in t.turns] == ["user", "assistant"] and t.turns[1].trained
-    view = RunRecord(rec.run_dir)
-    view.manifest["checkpoints"] = [0]
-    for s in (1, 2, 3):
-        back = replay_to(view, s, progress=False)
-        ck = rec.load_policy(s)
-        assert all(torch.equal(v, ck[k]) for k, v in back.state_dict().items()), f"step {s}"
+    _assert_replay_from_step_0_meets_every_checkpoint(rec, (1, 2, 3))
     with pytest.raises(ValueError, match="`by_turn` needs"):  # the single-turn module reports no turn segments
         audit_record(rec.run_dir, 2, "by_turn", "float64", progress=False)
     r = audit_record(rec.run_dir, 2, "by_rollout", "float64", progress=False)
