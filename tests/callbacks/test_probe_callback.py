@@ -194,3 +194,53 @@ def test_resume_continues_the_readings(tmp_path):
     # The epoch means (logged when fit stops) hold the checkpoint's readings and the resumed ones.
     assert resumed.last_epoch_values["probe/carry/epoch/readings"] == 4.0
     assert resumed.last_epoch_values == straight.last_epoch_values
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ddp_reading_is_of_the_global_step(tmp_path):
+    """2 ranks (gloo): every rank holds the global reading, equal to one process over both ranks' batches."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=str(here.parents[1]), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(here / "_probe_distributed_worker.py"), str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    sys.path.insert(0, str(here))
+    import _distributed_worker as base
+    import _probe_distributed_worker as worker
+
+    ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False)["rows"] for i in range(worker.W)]
+    assert [row["step"] for row in ranks[0]] == list(range(worker.STEPS))
+    for a, b in zip(*ranks):
+        assert a["contribution"] == b["contribution"] and a["loss_after"] == b["loss_after"]
+    for row in ranks[0]:
+        plain = worker.ProbePolicy(torch.float64)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(row["before"][n])
+        params = list(plain.parameters())
+        # The global step: each rank's terms averaged (DDP's mean), the probe the rank mean.
+        parts = [plain.credit_terms(base.make_batch(rk, row["step"])).terms / worker.W for rk in range(worker.W)]
+        probe = sum(plain.probe_loss(worker.probe_batch(rk)) for rk in range(worker.W)) / worker.W
+        gp = _flat_grad(probe, params)
+        names, want = [], []
+        for rk, terms in enumerate(parts):
+            for k in range(terms.shape[0]):
+                names.append(f"r{rk}/rollout_{k}")
+                want.append(-0.1 * float(_flat_grad(terms[k].sum(), params) @ gp))
+        assert row["part_names"] == tuple(names)
+        for got, w in zip(row["contribution"], want):
+            assert got == pytest.approx(w, rel=1e-10, abs=1e-15)
+        assert row["loss_before"] == pytest.approx(float(probe), rel=1e-13)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(row["after"][n])
+            after = sum(plain.probe_loss(worker.probe_batch(rk)) for rk in range(worker.W)) / worker.W
+        assert row["loss_after"] == pytest.approx(float(after), rel=1e-13)
+        assert row["update_match"] < 1e-10
+        assert row["logged"]["probe/heldout/predicted"] == pytest.approx(math.fsum(want), rel=1e-10)
