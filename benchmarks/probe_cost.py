@@ -84,15 +84,26 @@ def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
         m.credit_terms(batch).terms.sum().backward()
         opt.step()
 
+    parts: dict[str, list[float]] = {k: [] for k in ("update_map", "probe_grad", "engine", "copy", "after")}
+
+    def clock(key, fn, *a, **k):
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        parts[key].append(time.perf_counter() - t0)
+        return out
+
     def reading_before():
-        update = optimizer_update_map(opt, params)
-        loss, gp = probe_value_and_grad(m, m.probe_loss, probe)
-        rep = probe_credit(m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",))
-        return rep, gp, [p.detach().clone() for p in params]
+        update = clock("update_map", optimizer_update_map, opt, params)
+        loss, gp = clock("probe_grad", probe_value_and_grad, m, m.probe_loss, probe)
+        rep = clock("engine", probe_credit, m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",))
+        return rep, gp, clock("copy", lambda: [p.detach().clone() for p in params])
 
     def reading_after(rep, gp, before):
-        after, _ = probe_value_and_grad(m, m.probe_loss, probe, grad=False)
-        return with_actual(rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
+        def after_step():
+            after, _ = probe_value_and_grad(m, m.probe_loss, probe, grad=False)
+            return with_actual(rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
+
+        return clock("after", after_step)
 
     step()  # warm-up: Adam's state exists from here on
     plain, extra = [], []
@@ -115,6 +126,7 @@ def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
         "step_s": statistics.median(plain), "reading_s": statistics.median(extra),
         "ratio": statistics.median(extra) / statistics.median(plain), "update_match": rep.update_match,
         "parts_gap": rep.parts_gap,
+        "breakdown": {k: statistics.median(v) / statistics.median(plain) for k, v in parts.items()},
     }
 
 
@@ -128,12 +140,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     kinds = ["toy", "llama"] if args.policy == "both" else [args.policy]
+    rows = []
     print("| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         r = run(kind, args.B, args.T, args.P, args.repeats)
         print(f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
               f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |")
+        rows.append((r["policy"], r["breakdown"]))
+    print("\nper piece, / plain step: " + "; ".join(
+        f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for kind, b in rows))
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class ProbeCreditCallback(Callback):
         self.n_readings = 0
         self.n_refusals = 0
         self._batch: Any = None
-        self._pending: Optional[tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor]]]]] = None
+        self._pending: Optional[tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]]] = None
         self._refusals_logged: set[str] = set()
         self._last_table_step: Optional[int] = None
         self._global = False
@@ -206,22 +206,27 @@ class ProbeCreditCallback(Callback):
         update = self._update_map(trainer, pl_module, optimizer, params)
         probes: dict[str, Any] = {}
         if not isinstance(update, Refusal):
+            failure = None
             try:
                 probes = self._probes(pl_module)
             except Exception as err:  # a probe that cannot be read must not end the training run
-                update = Refusal("probe_batches", f"{type(err).__name__}: {err}", numbers={"step": step},
-                                 remedy="make `probe_batches` return {name: probe_batch}")
+                failure = f"{type(err).__name__}: {err}"
+            if self._global:  # every rank reads the same probes, or none does: the collectives below pair up
+                failure = self._agree(trainer, failure, sorted(probes))
+            if failure is not None:
+                update = Refusal("probe_batches", failure, numbers={"step": step},
+                                 remedy="make `probe_batches` return {name: probe_batch}, the same names on every rank")
         if isinstance(update, Refusal):
             self._refuse(trainer, update, step, self._known_names())
             return
         before = [p.detach().clone() for p in params]  # one parameter-sized buffer: Δθ is read after the step
-        pending: dict[str, tuple[ProbeCreditReport, list[torch.Tensor]]] = {}
+        pending: dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]] = {}
         for name in sorted(probes):
             got = self._read_one(trainer, pl_module, update, name, probes[name], step)
             if isinstance(got, Refusal):
                 self._refuse(trainer, got, step, [name])
             else:
-                pending[name] = got
+                pending[name] = (*got, probes[name])  # the very batch is evaluated again after the step
         self._pending = (step, before, pending) if pending else None
 
     def _known_names(self) -> list[str]:
@@ -316,6 +321,18 @@ class ProbeCreditCallback(Callback):
             i += p.numel()
         return out, float(total[1]) / w, None
 
+    @staticmethod
+    def _agree(trainer: Trainer, failure: Optional[str], names: list[str]) -> Optional[str]:
+        """``failure`` if any rank failed to read its probes or names other probes than rank 0, else None."""
+        objs: list[Any] = [None] * trainer.world_size
+        torch.distributed.all_gather_object(objs, (failure, names))
+        bad = [f for f, _ in objs if f is not None]
+        if bad:
+            return bad[0]
+        if any(n != objs[0][1] for _, n in objs):
+            return f"the ranks name different probe batches: {[n for _, n in objs]}"
+        return None
+
     def _gather(self, report, failure):
         objs: list[Any] = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(objs, (report, failure))
@@ -333,13 +350,12 @@ class ProbeCreditCallback(Callback):
         params = [p for p in pl_module.parameters() if p.requires_grad]
         delta = [p.detach() - b for p, b in zip(params, before)]  # [θ] the update the optimizer applied
         del before
-        probes = self._probes(pl_module)
         values: dict[str, float] = {}
         n = self.log_table_every_n_steps
         table = bool(n) and (self._last_table_step is None or step - self._last_table_step >= n)
-        for name, (report, gp) in reports.items():
+        for name, (report, gp, probe_batch) in reports.items():
             try:
-                after, _ = self._evaluate(pl_module, probes[name], grad=False)
+                after, _ = self._evaluate(pl_module, probe_batch, grad=False)
                 failure = None
             except Exception as err:
                 after, failure = float("nan"), f"{type(err).__name__}: {err}"
