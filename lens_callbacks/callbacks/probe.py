@@ -217,7 +217,7 @@ class ProbeCreditCallback(Callback):
                 update = Refusal("probe_batches", failure, numbers={"step": step},
                                  remedy="make `probe_batches` return {name: probe_batch}, the same names on every rank")
         if isinstance(update, Refusal):
-            self._refuse(trainer, update, step, self._known_names())
+            self._refuse(trainer, update, step, sorted(probes) or self._known_names(pl_module))
             return
         before = [p.detach().clone() for p in params]  # one parameter-sized buffer: Δθ is read after the step
         pending: dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]] = {}
@@ -229,8 +229,12 @@ class ProbeCreditCallback(Callback):
                 pending[name] = (*got, probes[name])  # the very batch is evaluated again after the step
         self._pending = (step, before, pending) if pending else None
 
-    def _known_names(self) -> list[str]:
-        return sorted(self.metrics) or ["probe"]
+    def _known_names(self, pl_module: Any) -> list[str]:
+        """The probes' names for a refused step: the module's, else those read before, else ``probe``."""
+        try:
+            return sorted(self._probes(pl_module))
+        except Exception:  # the refusal itself says what went wrong
+            return sorted(self.metrics) or ["probe"]
 
     def _update_map(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any, params: list[torch.Tensor]):
         from ._distributed import is_sharded

@@ -143,9 +143,10 @@ def test_an_unknown_optimizer_is_refused_by_name_and_training_goes_on():
     with pytest.warns(RuntimeWarning, match="RMSprop"):
         m = _fit([cb], steps=2, module_cls=RMS, logger=log)
     assert m.trainer.global_step == 2
-    rep = cb.last_reports["probe"]
-    assert isinstance(rep, Refusal) and rep.condition == "optimizer"
-    assert [(s, v) for s, k, v in log.rows if k == "probe/probe/refused"] == [(0, 1.0), (1, 1.0)]
+    for name in ("carry", "no_carry"):
+        rep = cb.last_reports[name]
+        assert isinstance(rep, Refusal) and rep.condition == "optimizer"
+        assert [(s, v) for s, k, v in log.rows if k == f"probe/{name}/refused"] == [(0, 1.0), (1, 1.0)]
 
 
 def test_gradient_clipping_is_refused():
