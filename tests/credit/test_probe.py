@@ -293,3 +293,12 @@ def test_combine_ranks_adds_parts_and_splits():
     c = combine_ranks([a, b])
     assert c.part_names == ("r0/rollout_0", "r1/rollout_0") and c.n_trained == 7
     assert c.predicted == pytest.approx(-0.25) and c.split("by_advantage_sign") == {"positive": -1.0, "negative": 0.25, "zero": 0.0}
+
+
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.probe", "lens_callbacks.metrics.probe"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
