@@ -88,10 +88,11 @@ class UpdateMap:
     Attributes:
         optimizer: the optimizer's class path.
         description: what was read (per group: kind, learning rate, momentum or betas, weight decay).
-        coeff: ``D`` per trainable parameter (float64; a 0-dim tensor where it is one number), aligned with
-            the parameters handed to :func:`optimizer_update_map`; zero for a parameter the step leaves alone.
+        coeff: ``D`` per trainable parameter (a 0-dim tensor where it is one number), aligned with the
+            parameters handed to :func:`optimizer_update_map`; zero for a parameter the step leaves alone.
         carried: the part of ``Δθ`` that is not this step's gradient (momentum of earlier steps, weight
-            decay), float64, None where it is zero.
+            decay), None where it is zero.
+        Both are computed in float64 and kept in the parameter's dtype (at least float32).
     """
 
     optimizer: str
@@ -217,7 +218,10 @@ def optimizer_update_map(
                 d, c = _sgd_map(lr, wd, mom, damp, nest, theta, state.get("momentum_buffer"))
             else:
                 d, c = _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g64, state)
-            coeff[i], carried[i] = d, c
+            # Computed in float64, kept in the parameter's precision (at least float32): the optimizer's own
+            # arithmetic rounds there, and two float64 copies of θ would double the reading's memory.
+            keep = torch.promote_types(p.dtype, torch.float32)
+            coeff[i], carried[i] = d.to(keep), None if c is None else c.to(keep)
     return UpdateMap(name, "; ".join(lines), coeff, carried)
 
 
@@ -653,14 +657,21 @@ def probe_credit(
         reason = f"D ⊙ g_probe is not finite (||v||² = {onto_sq}); contributions are undefined this step."
     else:
         contribution = tuple(-scale * s * onto_sq for s in rep.projected_share)
-    gp64 = [g.detach().double() for g in probe_grad]
-    carried = _dot64([c for c in update.carried if c is not None], [g for c, g in zip(update.carried, gp64) if c is not None])
     applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
-    pred = update.predicted_update(applied)
-    from_grad = _dot64(pred, gp64)
-    g_used = [torch.zeros_like(gp) if g is None else g for g, gp in zip(applied, gp64)]
-    gn, pn = math.sqrt(_dot64(g_used, g_used)), math.sqrt(_dot64(gp64, gp64))
-    align = _dot64(g_used, gp64) / (gn * pn) if gn > 0 and pn > 0 else float("nan")
+    # One parameter at a time in float64: the reading never holds a float64 copy of the whole model.
+    acc: dict[str, list[float]] = {"carried": [], "from_grad": [], "gg": [], "pp": [], "gp": []}
+    for d, c, g, gp in zip(update.coeff, update.carried, applied, probe_grad):
+        gp = gp.detach().double()
+        g = torch.zeros_like(gp) if g is None else g.detach().double().to(gp.device)
+        carry = 0.0 if c is None else float(torch.sum(c.double().to(gp.device) * gp))
+        acc["carried"].append(carry)
+        acc["from_grad"].append(carry - float(torch.sum(d.double().to(gp.device) * g * gp)))
+        acc["gg"].append(float(torch.sum(g * g)))
+        acc["pp"].append(float(torch.sum(gp * gp)))
+        acc["gp"].append(float(torch.sum(g * gp)))
+    carried, from_grad, gg, pp, gdotp = (math.fsum(acc[k]) for k in ("carried", "from_grad", "gg", "pp", "gp"))
+    gn, pn = math.sqrt(gg), math.sqrt(pp)
+    align = gdotp / (gn * pn) if gn > 0 and pn > 0 else float("nan")
     if reason is None and not all(math.isfinite(c) for c in contribution):
         reason = rep.reason or "the step's gradient is not finite; contributions are undefined this step."
     return ProbeCreditReport(
