@@ -92,7 +92,7 @@ class UpdateMap:
             parameters handed to :func:`optimizer_update_map`; zero for a parameter the step leaves alone.
         carried: the part of ``Δθ`` that is not this step's gradient (momentum of earlier steps, weight
             decay), None where it is zero.
-        Both are computed in float64 and kept in the parameter's dtype (at least float32).
+        Both are computed and kept in the parameter's dtype (at least float32), as the optimizer's step is.
     """
 
     optimizer: str
@@ -211,31 +211,29 @@ def optimizer_update_map(
             if g.is_sparse:
                 return Refusal("sparse_grad", "a sparse gradient is not read by probe credit.",
                                numbers={"param_group": gi}, remedy="use dense gradients (e.g. nn.Embedding(sparse=False)).")
-            theta = p.detach().double()
-            g64 = g.detach().double()
+            # In the parameter's precision (at least float32), as the optimizer computes its own step: a
+            # float64 map of a float32 model would cost twice the memory and match the step no better.
+            keep = torch.promote_types(p.dtype, torch.float32)
+            theta = p.detach().to(keep)
             state = opt.state.get(p, {})
             if kind is torch.optim.SGD:
-                d, c = _sgd_map(lr, wd, mom, damp, nest, theta, state.get("momentum_buffer"))
+                coeff[i], carried[i] = _sgd_map(lr, wd, mom, damp, nest, theta, state.get("momentum_buffer"))
             else:
-                d, c = _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g64, state)
-            # Computed in float64, kept in the parameter's precision (at least float32): the optimizer's own
-            # arithmetic rounds there, and two float64 copies of θ would double the reading's memory.
-            keep = torch.promote_types(p.dtype, torch.float32)
-            coeff[i], carried[i] = d.to(keep), None if c is None else c.to(keep)
+                coeff[i], carried[i] = _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g.detach().to(keep), state)
     return UpdateMap(name, "; ".join(lines), coeff, carried)
 
 
 def _sgd_map(lr, wd, mom, damp, nest, theta, buf) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # torch: d = g + wd·θ; buf = d (first step) or μ·buf + (1 − τ)·d; step = d + μ·buf (Nesterov) or buf.
-    one = torch.tensor(1.0, dtype=torch.float64)
+    one = torch.tensor(1.0, dtype=theta.dtype)
     if mom == 0:
         a, old = one, None  # Δθ = −η·d
     elif buf is None:
         a, old = one + (mom if nest else 0.0), None  # the buffer starts as d itself, undamped
     elif nest:
-        a, old = one + mom * (1.0 - damp), buf.detach().double() * (mom * mom)
+        a, old = one + mom * (1.0 - damp), buf.detach().to(theta.dtype) * (mom * mom)
     else:
-        a, old = one * (1.0 - damp), buf.detach().double() * mom
+        a, old = one * (1.0 - damp), buf.detach().to(theta.dtype) * mom
     d = lr * a
     carried = None
     if wd != 0:
@@ -245,15 +243,15 @@ def _sgd_map(lr, wd, mom, damp, nest, theta, buf) -> tuple[torch.Tensor, Optiona
     return d, carried
 
 
-def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g64, state) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     step = _f(state["step"]) if "step" in state else 0.0
     t = step + 1.0
-    m = state["exp_avg"].detach().double() if "exp_avg" in state else torch.zeros_like(theta)
-    v = state["exp_avg_sq"].detach().double() if "exp_avg_sq" in state else torch.zeros_like(theta)
-    d_in = g64 if (decoupled or wd == 0) else g64 + wd * theta  # what the moments see
+    m = state["exp_avg"].detach().to(theta.dtype) if "exp_avg" in state else torch.zeros_like(theta)
+    v = state["exp_avg_sq"].detach().to(theta.dtype) if "exp_avg_sq" in state else torch.zeros_like(theta)
+    d_in = g if (decoupled or wd == 0) else g + wd * theta  # what the moments see
     v_new = b2 * v + (1.0 - b2) * d_in * d_in
     if ams:
-        prev = state["max_exp_avg_sq"].detach().double() if "max_exp_avg_sq" in state else torch.zeros_like(theta)
+        prev = state["max_exp_avg_sq"].detach().to(theta.dtype) if "max_exp_avg_sq" in state else torch.zeros_like(theta)
         v_new = torch.maximum(prev, v_new)
     bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
     denom = v_new.sqrt() / math.sqrt(bc2) + eps
