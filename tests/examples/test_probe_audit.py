@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
