@@ -20,6 +20,7 @@ _LAZY = {
     "AnchorProjectionCallback": "lens_callbacks.callbacks",
     "ProcessRewardCallback": "lens_callbacks.callbacks",
     "RunRecordCallback": "lens_callbacks.callbacks",
+    "ProbeCreditCallback": "lens_callbacks.callbacks",
     "CreditTerms": "lens_callbacks.credit",
     "CreditSource": "lens_callbacks.credit",
     "disintegrate": "lens_callbacks.credit",

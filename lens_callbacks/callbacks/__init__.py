@@ -12,6 +12,7 @@ _CALLBACKS = {
     "ProcessRewardCallback": "process",
     "AnchorProjectionCallback": "anchor",
     "RunRecordCallback": "records",
+    "ProbeCreditCallback": "probe",
     "PowerSGDStrategy": "powersgd",
 }
 

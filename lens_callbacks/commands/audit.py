@@ -358,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default="by_rollout", help=f"one of {sorted(AUDIT_PARTITIONS)} or an import path")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16 or native")
     p.add_argument("--no-progress", action="store_true", help="hide the replay progress bar")
+    p.add_argument("--probe", default=None, metavar="PROBE_FILE",
+                   help="probe credit instead: which parts of the step moved the module's probe objective on these "
+                   "trajectories (JSON Lines in the record's schema), checked against the real change (docs/probe_credit.md)")
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
     p.add_argument("--allow-module", action="append", default=[], metavar="PKG",
                    help="also import record `module`/`batch_builder` paths under this package (repeatable); "
@@ -379,12 +382,17 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"{a.run_dir}: the record holds no steps; record at least one training step.")
         _check_replay_fields(record)
         step = record.steps[-1] if a.step is None else a.step
-        report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
+        if a.probe is not None:
+            from .probe_audit import probe_audit
+
+            report = probe_audit(a.run_dir, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
+        else:
+            report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
         if isinstance(report, Refusal):
             print(report.render())
             return EXIT_REFUSED
         if a.json:
-            d = report.to_dict("credit/")
+            d = report.to_dict() if a.probe is not None else report.to_dict("credit/")
             text = json.dumps({k: (v if math.isfinite(v) else None) for k, v in d.items()}, indent=2)
         else:
             text = f"step {step} of {a.run_dir}\n" + report.render()

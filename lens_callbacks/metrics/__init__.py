@@ -4,6 +4,7 @@ from .anchor import GatedOnFraction, WeightPredictionError, gated_on_fraction, w
 from .conservation import ConservationMetric, conservation_summary
 from .credit import CreditMetric, credit_readings
 
+from .probe import ProbeCreditMetric, probe_summary
 from .process import ProcessRewardMetric, process_reward_stats
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "credit_readings",
     "ConservationMetric",
     "conservation_summary",
+    "ProbeCreditMetric",
+    "probe_summary",
     "ProcessRewardMetric",
     "process_reward_stats",
     "WeightPredictionError",

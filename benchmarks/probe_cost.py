@@ -1,0 +1,156 @@
+"""Cost of one probe-credit reading against the plain training step it reads.
+
+A GRPO-shaped objective (``terms[k, t] = −A_k · log π(x_{k,t+1}) / (B·T)``, parts by rollout) on a causal
+LM, Adam, and one probe batch of ``P`` held-out sequences. Measured in one run, as ratios of medians:
+
+- ``step``: forward + backward + ``optimizer.step()`` (the plain training step);
+- ``reading``: what the callback adds per probe and step: the optimizer's update map, ``g_probe`` (one
+  forward and backward of the probe), the engine's pass projected onto ``D ⊙ g_probe``, the copy of θ,
+  and after the step one probe forward and ``⟨Δθ, g_probe⟩``.
+
+Policies: ``toy`` (GPT-2, 2 layers, width 64, vocabulary 64) and ``llama`` (a LlamaConfig of vocabulary
+32000, width 512, 2 layers, eager attention: a real vocabulary and head at a small depth).
+
+    python benchmarks/probe_cost.py [--policy toy|llama|both --B 8 --T 64 --P 8 --repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lens_callbacks.credit import CreditTerms  # noqa: E402
+from lens_callbacks.credit.probe import optimizer_update_map, probe_credit, probe_value_and_grad, with_actual  # noqa: E402
+
+
+class Policy(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def _logp(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=x).logits[:, :-1]  # [B, T-1, V]
+        return torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None]).squeeze(-1)  # [B, T-1]
+
+    def credit_terms(self, batch) -> CreditTerms:
+        x, adv = batch
+        lp = F.pad(self._logp(x), (1, 0))  # [B, T]
+        trained = torch.ones_like(x, dtype=torch.bool)
+        trained[:, 0] = False
+        terms = torch.where(trained, -adv[:, None] * lp / x.numel(), torch.zeros_like(lp))  # [B, T]
+        n = x.shape[0]
+        return CreditTerms(terms, trained, torch.arange(n), torch.arange(n) // 2, advantages=adv)
+
+    def probe_loss(self, x: torch.Tensor) -> torch.Tensor:
+        return -self._logp(x).mean()
+
+
+def build(kind: str) -> tuple[nn.Module, int]:
+    torch.manual_seed(0)
+    if kind == "toy":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=64, n_positions=256, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg._attn_implementation = "eager"
+        return GPT2LMHeadModel(cfg), 64
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg), 32000
+
+
+def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
+    lm, V = build(kind)
+    m = Policy(lm).train()
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-4)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, V, (B, T), generator=g), torch.randn(B, generator=g))
+    probe = torch.randint(0, V, (P, T), generator=g)
+
+    def step() -> None:
+        opt.zero_grad()
+        m.credit_terms(batch).terms.sum().backward()
+        opt.step()
+
+    parts: dict[str, list[float]] = {k: [] for k in ("update_map", "probe_grad", "engine", "copy", "after")}
+
+    def clock(key, fn, *a, **k):
+        t0 = time.perf_counter()
+        out = fn(*a, **k)
+        parts[key].append(time.perf_counter() - t0)
+        return out
+
+    def reading_before():
+        update = clock("update_map", optimizer_update_map, opt, params)
+        loss, gp = clock("probe_grad", probe_value_and_grad, m, m.probe_loss, probe)
+        rep = clock("engine", probe_credit, m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",))
+        return rep, gp, clock("copy", lambda: [p.detach().clone() for p in params])
+
+    def reading_after(rep, gp, before):
+        def after_step():
+            after, _ = probe_value_and_grad(m, m.probe_loss, probe, grad=False)
+            return with_actual(rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
+
+        return clock("after", after_step)
+
+    step()  # warm-up: Adam's state exists from here on
+    plain, extra = [], []
+    rep = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - t0)
+        opt.zero_grad()
+        m.credit_terms(batch).terms.sum().backward()
+        t0 = time.perf_counter()
+        got = reading_before()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        rep = reading_after(*got)
+        extra.append((t1 - t0) + (time.perf_counter() - t2))
+    return {
+        "policy": kind, "params": sum(p.numel() for p in params), "B": B, "T": T, "P": P, "engine": rep.engine,
+        "step_s": statistics.median(plain), "reading_s": statistics.median(extra),
+        "ratio": statistics.median(extra) / statistics.median(plain), "update_match": rep.update_match,
+        "parts_gap": rep.parts_gap,
+        "breakdown": {k: statistics.median(v) / statistics.median(plain) for k, v in parts.items()},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--policy", default="both", choices=["toy", "llama", "both"])
+    ap.add_argument("--B", type=int, default=8)
+    ap.add_argument("--T", type=int, default=64)
+    ap.add_argument("--P", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    kinds = ["toy", "llama"] if args.policy == "both" else [args.policy]
+    rows = []
+    print("| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for kind in kinds:
+        r = run(kind, args.B, args.T, args.P, args.repeats)
+        print(f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
+              f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |")
+        rows.append((r["policy"], r["breakdown"]))
+    print("\nper piece, / plain step: " + "; ".join(
+        f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for kind, b in rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``lens-callbacks audit RUN_DIR --step N --probe PROBE.jsonl``: probe credit of one recorded step, offline.
+
+The probe file holds trajectories in the record's own JSON Lines schema (``lens_callbacks.trajectory/1``),
+read through the same bounded, validating reader as the record's steps (:func:`lens_callbacks.io.records.
+read_trajectories`); its token ids are checked against the policy's vocabulary before anything runs.
+The probe batch is ``module.make_probe_batch(trajectories)`` when the module has it, else the
+trajectories themselves; the probe objective is ``module.probe_terms(batch)`` or ``module.probe_loss(batch)``.
+
+The weights at step ``N`` are rebuilt as the plain audit does (:func:`~lens_callbacks.commands.audit.replay_to`),
+and so is the optimizer's state: the replay's own optimizer is kept. The step is then taken again — the
+module's ``credit_terms`` loss, one backward, the module's optimizer at the recorded learning rates — so
+the reading holds the prediction, the real change of the probe, and the update applied.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..credit.probe import ProbeCreditReport, optimizer_update_map, probe_credit, probe_value_and_grad, with_actual
+from ..io.records import RunRecord, read_trajectories
+from ..io.trust import TrustPolicy
+from ..refusal import Refusal
+
+__all__ = ["probe_audit"]
+
+
+def _probe_fn(module: Any) -> Any:
+    for name in ("probe_terms", "probe_loss"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    raise ValueError(
+        f"{type(module).__name__} has neither `probe_terms(probe_batch)` nor `probe_loss(probe_batch)`; give the module "
+        "one of them to audit against a probe (see docs/probe_credit.md)."
+    )
+
+
+def probe_audit(
+    run_dir: Union[str, os.PathLike],
+    step: int,
+    probe_file: Union[str, os.PathLike],
+    partition: str = "by_rollout",
+    dtype: str = "float32",
+    *,
+    progress: bool = True,
+    trust: Optional[TrustPolicy] = None,
+) -> Union[ProbeCreditReport, Refusal]:
+    """Probe credit of recorded step ``step`` against the trajectories of ``probe_file``.
+
+    Returns the :class:`ProbeCreditReport` (actual change included), or a :class:`Refusal` when the step
+    cannot be rebuilt exactly or its optimizer is outside the known set.
+    """
+    from .audit import (
+        AUDIT_PARTITIONS,
+        _make_optimizer,
+        _replay_blocker,
+        _stateless,
+        check_token_ids,
+        load_module,
+        rebuild_batch,
+        replay_to,
+    )
+    from ..credit.partition import resolve_partition
+
+    record = RunRecord(run_dir, trust=trust)
+    if step not in record.steps:
+        raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
+    probe_file = Path(probe_file)
+    trajectories = read_trajectories(probe_file, record.limits)
+    if not trajectories:
+        raise ValueError(f"{probe_file}: the probe file holds no trajectories; write one JSON line per trajectory.")
+    part = AUDIT_PARTITIONS.get(partition) if isinstance(partition, str) else None
+    part = part if part is not None else resolve_partition(partition)
+
+    module = load_module(record, record.nearest_checkpoint(step))
+    fn = _probe_fn(module)
+    check_token_ids(module, trajectories, str(probe_file))
+    made: list[torch.optim.Optimizer] = []
+    own = module.configure_optimizers
+
+    def keep(*args: Any, **kwargs: Any) -> Any:  # the replay's optimizer, with the state of the steps it took
+        out = own(*args, **kwargs)
+        made.append(out)
+        return out
+
+    module.configure_optimizers = keep  # an instance attribute: the class is left alone
+    try:
+        m = replay_to(record, step, module, progress)
+    finally:
+        del module.configure_optimizers
+    if isinstance(m, Refusal):
+        return m
+    if made:
+        opt = _make_optimizer(_Returns(made[-1]))
+    else:  # step is a checkpoint: its weights are recorded, its optimizer state is not
+        opt = _make_optimizer(m)
+        if not _stateless(opt) and step != 0:
+            return Refusal(
+                "optimizer_state",
+                f"step {step} is a policy checkpoint and the optimizer ({type(opt).__name__}) carries state the record "
+                "does not hold, so this step's update cannot be read.",
+                numbers={"step": step}, remedy="audit a step that is not a checkpoint (its state is replayed from step 0)",
+            )
+    blocker = _replay_blocker(record, opt)
+    if blocker is not None:
+        return blocker
+    lrs = record.step_meta(step).get("lr")
+    if lrs is not None and len(lrs) == len(opt.param_groups):
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+    tr = record.manifest.get("trainer", {})
+    batch = rebuild_batch(m, record, step)
+    make = getattr(m, "make_probe_batch", None)
+    probe_batch = make(trajectories) if callable(make) else trajectories
+    params = [p for p in m.parameters() if p.requires_grad]
+    m.train()
+    with torch.random.fork_rng():
+        opt.zero_grad(set_to_none=True)
+        m.credit_terms(batch).terms.sum().backward()
+        update = optimizer_update_map(opt, params, gradient_clip_val=tr.get("gradient_clip_val"),
+                                      accumulate_grad_batches=int(tr.get("accumulate_grad_batches", 1) or 1))
+        if isinstance(update, Refusal):
+            return update
+        m.eval()  # the probe is evaluated with dropout off, as the callback's default
+        loss, gp = probe_value_and_grad(m, fn, probe_batch, dtype=dtype)
+        m.train()
+        report = probe_credit(m, batch, part, update, gp, probe=probe_file.stem, loss_before=loss, dtype=dtype, step=step,
+                              texts=[_text(t) for t in record.trajectories(step)])
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        m.eval()
+        after, _ = probe_value_and_grad(m, fn, probe_batch, dtype=dtype, grad=False)
+    opt.zero_grad(set_to_none=True)
+    return with_actual(report, after, [p.detach() - b for p, b in zip(params, before)], gp)
+
+
+class _Returns:
+    """Hands a kept optimizer to :func:`_make_optimizer`, which unpacks what ``configure_optimizers`` returns."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+
+    def configure_optimizers(self) -> Any:
+        return self._out
+
+
+def _text(traj: Any) -> str:
+    return " | ".join(t.text for t in traj.turns if t.role != "system")

@@ -1,0 +1,247 @@
+"""``ProbeCreditCallback`` on the GRPO example with a probe: against a plain reference, read-only, resumable.
+
+Reference: at the hook a spy takes per-rollout gradients of ``credit_terms`` and ``∇L_probe`` (eval mode)
+by a plain ``autograd.grad`` loop on the live module and the optimizer's learning rate; after the step it
+evaluates the probe again. Nothing of the callback's code is used to make the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import Logger
+
+from examples.grpo import AdditionDataModule
+from examples.grpo.probe import GRPOProbeModule
+from lens_callbacks import ProbeCreditCallback
+from lens_callbacks.credit.probe import ProbeCreditReport
+from lens_callbacks.refusal import Refusal
+
+SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, n_probe=4)
+F64 = dict(dtype="float64")
+
+
+class _Memory(Logger):
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.extend((step, k, float(v)) for k, v in metrics.items())
+
+
+def _fit(callbacks=(), steps=3, seed=0, module_kw=None, module_cls=GRPOProbeModule, logger=False, ckpt=None, **kw):
+    pl.seed_everything(seed, verbose=False)
+    m = module_cls(**{**SMALL, **(module_kw or {})})
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=any(
+            isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+    )
+    trainer.fit(m, AdditionDataModule(batch_size=2, data_seed=seed), ckpt_path=ckpt)
+    return m
+
+
+def _flat_grad(loss, params):
+    gs = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+    return torch.cat([(torch.zeros_like(p) if g is None else g).detach().double().reshape(-1) for p, g in zip(params, gs)])
+
+
+class _Spy(pl.Callback):
+    """Per-rollout gradients and ``g_probe`` by plain autograd at the hook; the probe losses after the step."""
+
+    def __init__(self, probe_cb):
+        self.probe_cb, self.checked = probe_cb, []
+
+    def _probe_eval(self, m, batch, grad):
+        flags = [(mod, mod.training) for mod in m.modules()]
+        m.eval()
+        try:
+            with torch.enable_grad() if grad else torch.no_grad():
+                return m.probe_loss(batch)
+        finally:
+            for mod, was in flags:
+                mod.training = was
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            terms = pl_module.credit_terms(None).terms
+            rows = [_flat_grad(terms[k].sum(), params) for k in range(terms.shape[0])]
+            probes = {}
+            for name, batch in pl_module.probe_batches().items():
+                loss = self._probe_eval(pl_module, batch, True)
+                probes[name] = (float(loss.detach()), _flat_grad(loss, params))
+        lr = optimizer.param_groups[0]["lr"]
+        self.ref = (lr, rows, probes)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        lr, rows, probes = self.ref
+        for name, (before, gp) in probes.items():
+            rep = self.probe_cb.last_reports[name]
+            assert isinstance(rep, ProbeCreditReport) and rep.step == trainer.global_step - 1
+            for k, g in enumerate(rows):
+                want = -lr * float(g @ gp)
+                assert rep.contribution[k] == pytest.approx(want, rel=1e-9, abs=1e-14)
+            after = float(self._probe_eval(pl_module, pl_module.probe_batches()[name], False))
+            assert rep.loss_before == pytest.approx(before, rel=1e-13)
+            assert rep.actual == pytest.approx(after - before, rel=1e-9, abs=1e-15)
+            assert rep.update_match < 1e-10
+            self.checked.append(name)
+
+
+def test_sgd_readings_equal_a_plain_reference_loop():
+    cb = ProbeCreditCallback(dtype="float64", log_table_every_n_steps=1)
+    spy = _Spy(cb)
+    log = _Memory()
+    _fit([cb, spy], steps=3, module_kw={**F64, "optimizer": "sgd", "lr": 0.5}, logger=log)
+    assert sorted(set(spy.checked)) == ["carry", "no_carry"] and len(spy.checked) == 6
+    names = {k for _, k, _ in log.rows}
+    for key in ("predicted", "actual", "first_order_gap", "alignment", "split/by_advantage_sign/positive", "refused"):
+        assert f"probe/carry/{key}" in names
+    rep = cb.last_reports["carry"]
+    assert rep.carried == 0.0 and rep.parts_gap < 1e-12
+    assert math.fsum(rep.split("by_advantage_sign").values()) == pytest.approx(rep.parts_sum, rel=1e-12, abs=1e-16)
+    assert cb.n_readings == 6 and cb.n_refusals == 0
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_prediction_is_the_applied_update(optimizer):
+    cb = ProbeCreditCallback(dtype="float64")
+    _fit([cb], steps=3, module_kw={**F64, "optimizer": optimizer, "lr": 1e-2, "weight_decay": 0.1})
+    for name in ("carry", "no_carry"):
+        rep = cb.last_reports[name]
+        # ⟨θ_after − θ_before, g_probe⟩ against −⟨D ⊙ .grad, g_probe⟩ + carried, and the parts through D.
+        assert rep.update_match < 1e-10 and rep.parts_gap < 1e-9
+        assert rep.carried != 0.0  # first moment of earlier steps and weight decay
+
+
+def test_an_unknown_optimizer_is_refused_by_name_and_training_goes_on():
+    class RMS(GRPOProbeModule):
+        def configure_optimizers(self):
+            return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+    cb = ProbeCreditCallback()
+    log = _Memory()
+    with pytest.warns(RuntimeWarning, match="RMSprop"):
+        m = _fit([cb], steps=2, module_cls=RMS, logger=log)
+    assert m.trainer.global_step == 2
+    for name in ("carry", "no_carry"):
+        rep = cb.last_reports[name]
+        assert isinstance(rep, Refusal) and rep.condition == "optimizer"
+        assert [(s, v) for s, k, v in log.rows if k == f"probe/{name}/refused"] == [(0, 1.0), (1, 1.0)]
+
+
+def test_gradient_clipping_is_refused():
+    cb = ProbeCreditCallback()
+    with pytest.warns(RuntimeWarning, match="gradient_clip_val"):
+        _fit([cb], steps=1, gradient_clip_val=1.0)
+    assert all(isinstance(r, Refusal) and r.condition == "gradient_clip_val" for r in cb.last_reports.values())
+
+
+class _Params(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.mark.slow
+def test_training_with_the_callback_is_bitwise_training_without():
+    kw = dict(dropout=0.1, optimizer="adam", lr=3e-3)
+    plain = _Params()
+    a = _fit([plain], steps=20, module_kw=kw)
+    watched = _Params()
+    cb = ProbeCreditCallback(probe_mode="train")  # the probe draws dropout masks too: from a forked stream
+    b = _fit([cb, watched], steps=20, module_kw=kw)
+    assert cb.n_readings == 40
+    assert plain.losses == watched.losses
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_continues_the_readings(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    kw = {**F64, "optimizer": "adam", "lr": 1e-2}
+    straight = ProbeCreditCallback(dtype="float64")
+    _fit([straight], steps=4, module_kw=kw)
+
+    first = ProbeCreditCallback(dtype="float64")
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=2)
+    _fit([first, ckpt], steps=2, module_kw=kw)
+    resumed = ProbeCreditCallback(dtype="float64")
+    _fit([resumed], steps=4, module_kw=kw, ckpt=str(tmp_path / "last.ckpt"))
+    assert resumed.n_readings == straight.n_readings == 8
+    assert resumed.history == straight.history  # the checkpoint's readings, continued bit for bit
+    # The epoch means (logged when fit stops) hold the checkpoint's readings and the resumed ones.
+    assert resumed.last_epoch_values["probe/carry/epoch/readings"] == 4.0
+    assert resumed.last_epoch_values == straight.last_epoch_values
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ddp_reading_is_of_the_global_step(tmp_path):
+    """2 ranks (gloo): every rank holds the global reading, equal to one process over both ranks' batches."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=str(here.parents[1]), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(here / "_probe_distributed_worker.py"), str(tmp_path)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    sys.path.insert(0, str(here))
+    import _distributed_worker as base
+    import _probe_distributed_worker as worker
+
+    ranks = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False)["rows"] for i in range(worker.W)]
+    assert [row["step"] for row in ranks[0]] == list(range(worker.STEPS))
+    for a, b in zip(*ranks):
+        assert a["contribution"] == b["contribution"] and a["loss_after"] == b["loss_after"]
+    for row in ranks[0]:
+        plain = worker.ProbePolicy(torch.float64)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(row["before"][n])
+        params = list(plain.parameters())
+        # The global step: each rank's terms averaged (DDP's mean), the probe the rank mean.
+        parts = [plain.credit_terms(base.make_batch(rk, row["step"])).terms / worker.W for rk in range(worker.W)]
+        probe = sum(plain.probe_loss(worker.probe_batch(rk)) for rk in range(worker.W)) / worker.W
+        gp = _flat_grad(probe, params)
+        names, want = [], []
+        for rk, terms in enumerate(parts):
+            for k in range(terms.shape[0]):
+                names.append(f"r{rk}/rollout_{k}")
+                want.append(-0.1 * float(_flat_grad(terms[k].sum(), params) @ gp))
+        assert row["part_names"] == tuple(names)
+        for got, w in zip(row["contribution"], want):
+            assert got == pytest.approx(w, rel=1e-10, abs=1e-15)
+        assert row["loss_before"] == pytest.approx(float(probe), rel=1e-13)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(row["after"][n])
+            after = sum(plain.probe_loss(worker.probe_batch(rk)) for rk in range(worker.W)) / worker.W
+        assert row["loss_after"] == pytest.approx(float(after), rel=1e-13)
+        assert row["update_match"] < 1e-10
+        assert row["logged"]["probe/heldout/predicted"] == pytest.approx(math.fsum(want), rel=1e-10)

@@ -1,0 +1,304 @@
+"""Probe credit against plain references: per-part backward passes, real optimizer steps, finite differences.
+
+Every reading is computed by :mod:`lens_callbacks.credit.probe` and held against a reference built here
+independently: a per-part ``autograd.grad`` in a loop dotted with ``g_probe``, the update a real
+``torch.optim`` step applied (``θ_after − θ_before``), and a central finite difference of ``∇L_probe``
+for the second-order term.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lens_callbacks.credit import CreditTerms, Partition
+from lens_callbacks.credit.probe import (
+    ProbeCreditReport,
+    combine_ranks,
+    optimizer_update_map,
+    probe_credit,
+    probe_value_and_grad,
+    with_actual,
+)
+from lens_callbacks.refusal import Refusal
+
+V, D, B, T = 11, 6, 6, 5
+
+
+class Bigram(nn.Module):
+    """``terms[k, t] = −A_k · log π(x_{k,t+1} | x_{k,t}) / (B·T)`` with a tanh layer (curvature), float64."""
+
+    def __init__(self, seed: int = 0, dropout: float = 0.0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = nn.Embedding(V, D).double()
+        self.hid = nn.Linear(D, D).double()
+        self.out = nn.Linear(D, V).double()
+        self.drop = nn.Dropout(dropout)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.7)
+
+    def logp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.hid(self.emb(x[:, :-1]))))  # [B, T-1, D]
+        lp = torch.log_softmax(self.out(h), -1)  # [B, T-1, V]
+        return lp.gather(-1, x[:, 1:, None]).squeeze(-1)  # [B, T-1]
+
+    def credit_terms(self, batch) -> CreditTerms:
+        x, adv, rew, src = batch
+        lp = F.pad(self.logp(x), (1, 0))  # [B, T]
+        trained = torch.ones_like(x, dtype=torch.bool)
+        trained[:, 0] = False
+        terms = torch.where(trained, -adv[:, None] * lp / x.numel(), torch.zeros_like(lp))  # [B, T]
+        n = x.shape[0]
+        return CreditTerms(terms, trained, torch.arange(n), torch.arange(n) // 2, rewards=rew, advantages=adv,
+                           source=src, source_names=("easy", "hard"))
+
+    def probe_loss(self, x: torch.Tensor) -> torch.Tensor:
+        return -self.logp(x).mean()
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, T), generator=g)
+    rew = torch.tensor([1.0, 0.0, 1.1, 0.1, 0.0, 1.0], dtype=torch.float64)
+    adv = torch.tensor([0.7, -0.7, 0.7, -0.7, -0.5, 0.5], dtype=torch.float64)
+    return x, adv, rew, torch.tensor([0, 0, 1, 1, 0, 1])
+
+
+def _probe_batch(seed: int = 2):
+    return torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _one_part(terms: CreditTerms) -> Partition:
+    ids = torch.where(terms.trained, 0, -1)  # [B, T]
+    return Partition(ids, ("all",))
+
+
+def _grads(m, loss):
+    ps = [p for p in m.parameters() if p.requires_grad]
+    return [g.detach() for g in torch.autograd.grad(loss, ps, retain_graph=True)]
+
+
+def _dot(a, b):
+    return math.fsum(float((x.double() * y.double()).sum()) for x, y in zip(a, b))
+
+
+def _set_grad(m, batch):
+    for p in m.parameters():
+        p.grad = None
+    m.credit_terms(batch).terms.sum().backward()
+
+
+def _reading(m, batch, opt, probe_x, partition="by_rollout", engine="auto", **kw):
+    params = [p for p in m.parameters() if p.requires_grad]
+    update = optimizer_update_map(opt, params)
+    assert not isinstance(update, Refusal), update
+    before, gp = probe_value_and_grad(m, m.probe_loss, probe_x, dtype="float64")
+    return probe_credit(m, batch, partition, update, gp, loss_before=before, dtype="float64", engine=engine, **kw), gp
+
+
+@pytest.mark.parametrize("engine", ["auto", "reference"])
+def test_sgd_parts_add_up_to_minus_eta_dot(engine):
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    eta = 0.3
+    _set_grad(m, batch)
+    rep, gp = _reading(m, batch, torch.optim.SGD(m.parameters(), lr=eta), px, engine=engine)
+    # Independent references: g_full by its own backward, g_probe by a plain backward of the probe loss.
+    g_full = _grads(m, m.credit_terms(batch).terms.sum())
+    g_probe = _grads(m, m.probe_loss(px))
+    assert _dot(gp, g_probe) == pytest.approx(_dot(g_probe, g_probe), rel=1e-14)
+    want = -eta * _dot(g_full, g_probe)
+    assert rep.parts_sum == pytest.approx(want, rel=1e-12, abs=1e-16)
+    assert rep.carried == 0.0
+    assert rep.predicted == pytest.approx(want, rel=1e-12)
+    assert rep.parts_gap < 1e-12
+    # Each part against a per-part backward and a dot.
+    terms = m.credit_terms(batch).terms
+    for k in range(B):
+        g_k = _grads(m, terms[k].sum())
+        assert rep.contribution[k] == pytest.approx(-eta * _dot(g_k, g_probe), rel=1e-11, abs=1e-15)
+    cos = _dot(g_full, g_probe) / math.sqrt(_dot(g_full, g_full) * _dot(g_probe, g_probe))
+    assert rep.alignment == pytest.approx(cos, rel=1e-12)
+
+
+def test_splits_sum_the_parts_by_stable_names():
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    _set_grad(m, batch)
+    rep, _ = _reading(m, batch, torch.optim.SGD(m.parameters(), lr=0.1), px)
+    sign = rep.split("by_advantage_sign")
+    adv = batch[1]
+    assert sign["positive"] == pytest.approx(math.fsum(c for c, a in zip(rep.contribution, adv) if a > 0), rel=1e-14)
+    assert sign["negative"] == pytest.approx(math.fsum(c for c, a in zip(rep.contribution, adv) if a < 0), rel=1e-14)
+    assert sign["zero"] == 0.0
+    src = rep.split("by_source")
+    assert set(src) == {"easy", "hard"}
+    assert math.fsum(src.values()) == pytest.approx(rep.parts_sum, rel=1e-13)
+    assert set(rep.split("by_reward")) == {"reward=0", "reward=0.1", "reward=1", "reward=1.1"}
+    info = rep.part_info[rep.helped(1)[0]]
+    k = rep.helped(1)[0]
+    assert (info.group, info.advantage, info.reward) == (k // 2, float(adv[k]), float(batch[2][k]))
+    d = rep.to_dict()
+    assert d["probe/probe/split/by_advantage_sign/positive"] == sign["positive"]
+    assert "helped" in rep.render()
+
+
+def _fd_second_order(m, px, delta, h=1e-4):
+    """``½ ⟨Δθ, H_probe Δθ⟩`` by a central difference of ``∇L_probe`` along ``Δθ``."""
+    ps = [p for p in m.parameters() if p.requires_grad]
+    out = []
+    for s in (h, -h):
+        mm = copy.deepcopy(m)
+        with torch.no_grad():
+            for p, d in zip([p for p in mm.parameters() if p.requires_grad], delta):
+                p.add_(s * d)
+        out.append(_grads(mm, mm.probe_loss(px)))
+    hv = [(a - b) / (2 * h) for a, b in zip(*out)]
+    assert len(hv) == len(ps)
+    return 0.5 * _dot(delta, hv)
+
+
+def test_gap_shrinks_as_eta_squared_against_finite_differences():
+    base, batch, px = Bigram(), _batch(), _probe_batch()
+    gaps, refs = [], []
+    for eta in (0.4, 0.2, 0.1):
+        m = copy.deepcopy(base)
+        _set_grad(m, batch)
+        opt = torch.optim.SGD(m.parameters(), lr=eta)
+        rep, gp = _reading(m, batch, opt, px)
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.step()
+        delta = [p.detach() - b for p, b in zip(m.parameters(), before)]
+        after, _ = probe_value_and_grad(m, m.probe_loss, px, dtype="float64", grad=False)
+        rep = with_actual(rep, after, delta, gp)
+        assert rep.update_match < 1e-12  # the update map is the update SGD applied
+        gaps.append(rep.first_order_gap)
+        refs.append(_fd_second_order(base, px, delta))
+    for gap, ref in zip(gaps, refs):
+        assert gap == pytest.approx(ref, rel=0.5)  # second order dominates the gap
+    # The gap is second order: halving η quarters it (up to the third-order term, itself shrinking).
+    r1, r2 = gaps[0] / gaps[1], gaps[1] / gaps[2]
+    assert abs(r2 - 4) < abs(r1 - 4) + 1e-9 and abs(r2 - 4) < 0.5
+    # Against the finite-difference second-order term the remainder is third order: it shrinks ~8×.
+    e = [abs(g - r) for g, r in zip(gaps, refs)]
+    assert e[1] / e[2] > 5 and e[0] / e[1] > 5
+
+
+def _optimizers():
+    return {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.05),
+        "adam_l2": lambda ps: torch.optim.Adam(ps, lr=0.05, weight_decay=0.1),
+        "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.05, amsgrad=True),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+        "sgd_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, weight_decay=0.05),
+        "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.2),
+        "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_optimizers()))
+@pytest.mark.parametrize("warm", [0, 2])
+def test_preconditioned_prediction_is_the_applied_update(kind, warm):
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    opt = _optimizers()[kind](list(m.parameters()))
+    for s in range(warm):  # earlier steps fill the optimizer's state (momentum, moments)
+        _set_grad(m, _batch(10 + s))
+        opt.step()
+    _set_grad(m, batch)
+    rep, gp = _reading(m, batch, opt, px, partition=_one_part)
+    params = [p for p in m.parameters()]
+    update = optimizer_update_map(opt, params)
+    predicted = update.predicted_update([p.grad for p in params])
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    delta = [p.detach() - b for p, b in zip(params, before)]
+    for u, d in zip(predicted, delta):
+        assert torch.allclose(u.expand_as(d), d, rtol=1e-10, atol=1e-15)
+    applied = _dot(delta, gp)
+    assert rep.n_parts == 1
+    assert rep.contribution[0] + rep.carried == pytest.approx(applied, rel=1e-10)
+    if warm == 0 and kind in ("adam", "adam_amsgrad", "momentum"):
+        assert rep.carried == 0.0  # nothing carried into the first step without weight decay
+    if warm and kind != "adam_amsgrad":
+        assert rep.carried != 0.0
+
+
+def test_parts_split_an_adam_step_exactly():
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.1)
+    for s in range(2):
+        _set_grad(m, _batch(20 + s))
+        opt.step()
+    _set_grad(m, batch)
+    rep, gp = _reading(m, batch, opt, px)
+    update = optimizer_update_map(opt, list(m.parameters()))
+    terms = m.credit_terms(batch).terms
+    for k in range(B):
+        g_k = _grads(m, terms[k].sum())
+        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
+        assert rep.contribution[k] == pytest.approx(want, rel=1e-10, abs=1e-16)
+    assert rep.parts_gap < 1e-10
+
+
+def test_optimizers_outside_the_known_set_are_refused_by_name():
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = torch.ones(3, dtype=torch.float64)
+    r = optimizer_update_map(torch.optim.RMSprop([p]), [p])
+    assert isinstance(r, Refusal) and r.condition == "optimizer" and "RMSprop" in r.reason
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    r = optimizer_update_map(MySGD([p], lr=0.1), [p])
+    assert isinstance(r, Refusal) and "MySGD" in r.reason
+    assert optimizer_update_map(torch.optim.Adam([p], maximize=True), [p]).condition == "maximize"
+    assert optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], gradient_clip_val=1.0).condition == "gradient_clip_val"
+    assert optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], accumulate_grad_batches=2).condition == "accumulate_grad_batches"
+    assert r.to_dict("probe/x/")["probe/x/refused"] == 1.0
+
+
+def test_probe_gradient_is_read_only_and_repeatable():
+    m, px = Bigram(dropout=0.3).train(), _probe_batch()
+    for p in m.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    state = torch.random.get_rng_state()
+    v1, g1 = probe_value_and_grad(m, m.probe_loss, px, dtype="float64")
+    v2, g2 = probe_value_and_grad(m, m.probe_loss, px, dtype="float64")
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in m.parameters())
+    assert v1 == v2 and all(torch.equal(a, b) for a, b in zip(g1, g2))  # the same dropout masks each time
+    with pytest.raises(TypeError, match="scalar float tensor"):
+        probe_value_and_grad(m, lambda x: m.logp(x), px)
+
+
+def test_zero_probe_gradient_gives_zero_contributions():
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    _set_grad(m, batch)
+    params = list(m.parameters())
+    update = optimizer_update_map(torch.optim.SGD(params, lr=0.1), params)
+    rep = probe_credit(m, batch, "by_rollout", update, [torch.zeros_like(p) for p in params], dtype="float64")
+    assert rep.ok and rep.contribution == (0.0,) * B and rep.predicted == 0.0
+
+
+def test_combine_ranks_adds_parts_and_splits():
+    a = ProbeCreditReport("p", ("rollout_0",), (-1.0,), 0.5, -0.5, 2.0, 0.1, 1.0, 1.0, "torch.optim.SGD", "float64", 3,
+                          splits=(("by_advantage_sign", ("positive", "negative", "zero"), (-1.0, 0.0, 0.0)),))
+    b = ProbeCreditReport("p", ("rollout_0",), (0.25,), 0.5, -0.5, 2.0, 0.1, 1.0, 1.0, "torch.optim.SGD", "float64", 4,
+                          splits=(("by_advantage_sign", ("positive", "negative", "zero"), (0.0, 0.25, 0.0)),))
+    c = combine_ranks([a, b])
+    assert c.part_names == ("r0/rollout_0", "r1/rollout_0") and c.n_trained == 7
+    assert c.predicted == pytest.approx(-0.25) and c.split("by_advantage_sign") == {"positive": -1.0, "negative": 0.25, "zero": 0.0}
+
+
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.probe", "lens_callbacks.metrics.probe"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(name), optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert res.attempted > 0 and res.failed == 0
