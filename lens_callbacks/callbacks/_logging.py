@@ -16,6 +16,8 @@ import logging
 import warnings
 from typing import Any, Mapping, Optional
 
+from ..refusal import ReadingWarning
+
 __all__ = ["log_scalars", "log_text", "log_figure", "log_dir", "tensorboard_dir", "OncePerCause"]
 
 log = logging.getLogger("lens_callbacks")
@@ -110,7 +112,7 @@ class OncePerCause:
         self.seen.add(cause)
         if _is_rank_zero(trainer):
             # stacklevel 3: the callback hook that decided to warn, not this helper or Lightning's dispatcher
-            warnings.warn(f"{self.owner}: {message}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{self.owner}: {message}", ReadingWarning, stacklevel=3)
         return True
 
     def refused(self, trainer: Any, refusal: Any, step: int, what: str = "step") -> None:
@@ -118,12 +120,10 @@ class OncePerCause:
         entry[0] += 1
         entry[2] = step
         if entry[0] == 1 and _is_rank_zero(trainer):
-            remedy = f" Remedy: {refusal.remedy}" if getattr(refusal, "remedy", "") else ""
-            self.seen.add(f"refused:{refusal.condition}")
             warnings.warn(
-                f"{self.owner}: {what} {step} declined ({refusal.condition}): {refusal.reason}{remedy} Later refusals "
-                "for this reason are not repeated; they are counted and summarised at the end of fit.",
-                RuntimeWarning,
+                f"{self.owner}: {what} at step {step} declined: {refusal.render()}\nLater refusals for this reason are "
+                "not repeated; they are counted and summarised at the end of fit.",
+                ReadingWarning,
                 stacklevel=3,
             )
 
