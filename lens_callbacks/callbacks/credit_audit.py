@@ -782,6 +782,7 @@ class CreditAuditCallback(Callback):
         self._partition_fn = self._recorder
 
     def _with_readings(self, pl_module: LightningModule, report: CreditReport, values: dict, step: int) -> dict:
+        trainer = pl_module.trainer
         terms, partition = self._recorder.take() if self._recorder is not None else (None, None)
 
         def run_engine(name: str, fn: Any):
@@ -792,22 +793,25 @@ class CreditAuditCallback(Callback):
                 return Refusal("credit_audit", f"{name}: {type(err).__name__}: {err}", numbers={"step": step})
 
         values = self._drop_positional(values)
-        if self._global:
-            # The report is the global step's; this rank's terms and partition describe its own rows only,
-            # so readings built from them (extra partitions, the noise scale) would mix scopes: not read.
-            saved, self.readings.extra = self.readings.extra, []
-            try:
-                values.update(self.readings.read(report, None, None, step, None))
-            finally:
-                self.readings.extra = saved
-            for name, _ in saved:
-                self.readings.last_errors[name] = "not read under scope='global' (use scope='rank' for per-rank extra partitions)"
-            return values
         try:
-            values.update(self.readings.read(report, partition, terms, step, run_engine))
+            if self._global:
+                # The report is the global step's and this rank's terms describe its own rows: each rank sums
+                # its rows' global shares into the extra parts and the ranks meet by part name (a collective;
+                # every rank reaches it with the same global report).
+                from lens_callbacks.credit.distributed import global_extra_shares
+
+                from ._distributed import strategy_collectives
+
+                whole, extra = global_extra_shares(report, partition, terms, self.readings.extra, strategy_collectives(trainer))
+                values.update(self.readings.read(report, None, None, step, None, whole=whole, extra_shares=extra))
+            else:
+                values.update(self.readings.read(report, partition, terms, step, run_engine))
+            for name, why in self.readings.last_errors.items():
+                self._once.warn(trainer, f"extra:{name}", f"extra partition {name!r} not read at step {step} (nor later, "
+                                f"for the same reason): {why}")
         except Exception as err:  # a reading beyond the primary one must not end the training run
             self._once.warn(
-                pl_module.trainer, f"readings:{type(err).__name__}",
+                trainer, f"readings:{type(err).__name__}",
                 f"credit readings beyond the primary one not made at step {step} (later failures of this kind are not "
                 f"repeated): {type(err).__name__}: {err}",
             )
