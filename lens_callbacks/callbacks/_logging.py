@@ -111,8 +111,8 @@ class OncePerCause:
             return False
         self.seen.add(cause)
         if _is_rank_zero(trainer):
-            # stacklevel 3: the callback hook that decided to warn, not this helper or Lightning's dispatcher
-            warnings.warn(f"{self.owner}: {message}", ReadingWarning, stacklevel=3)
+            # stacklevel 2: the callback line that decided to warn, not this helper or Lightning's dispatcher
+            warnings.warn(f"{self.owner}: {message}", ReadingWarning, stacklevel=2)
         return True
 
     def refused(self, trainer: Any, refusal: Any, step: int, what: str = "step") -> None:
@@ -124,7 +124,7 @@ class OncePerCause:
                 f"{self.owner}: {what} at step {step} declined: {refusal.render()}\nLater refusals for this reason are "
                 "not repeated; they are counted and summarised at the end of fit.",
                 ReadingWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
 
     def summary(self, n_readings: int, noun: str = "audited steps") -> Optional[str]:
@@ -132,7 +132,7 @@ class OncePerCause:
         if not self.refusals:
             return None
         total = sum(e[0] for e in self.refusals.values())
-        lines = [f"{self.owner}: {total} of {n_readings} {noun} declined:"]
+        lines = [f"{self.owner}: {total} reading(s) declined over {n_readings} {noun}:"]
         for cond, (count, first, last, reason) in sorted(self.refusals.items(), key=lambda kv: -kv[1][0]):
             where = f"step {first}" if first == last else f"steps {first}..{last}"
             lines.append(f"  {cond}: {count} ({where}); first reason: {reason}")

@@ -9,7 +9,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ._logging import log_figure, log_text
-from ..credit.terms import validate_terms
 from ..metrics.process import ProcessRewardMetric, readings_to_tensors
 from ..process.instrument import ProcessAudit, audit_groups
 from ..process.sources import groups_from_terms
@@ -162,7 +161,7 @@ class ProcessRewardCallback(Callback):
         devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                terms = validate_terms(pl_module.credit_terms(batch))
+                terms = pl_module.credit_terms(batch)
             groups = groups_from_terms(terms)
             return audit_groups(groups, source=f"step {step}")
         except Exception as err:  # noqa: BLE001 - any failure of the reading becomes a Refusal
