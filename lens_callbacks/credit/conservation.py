@@ -59,7 +59,7 @@ _REMEDY = (
 )
 
 
-#: The status words a step-conservation reading (or its refusal) takes, in ``conservation/status`` order.
+#: The status words of a step-conservation reading (:attr:`ConservationReading.status`); a Refusal reads ``refused``.
 STATUSES = ("holds", "holds within precision", "violated", "refused")
 
 #: An audit ``conservation_error`` up to this many unit roundoffs of the parts' dtype is read as their rounding;
@@ -179,7 +179,9 @@ class ConservationReading:
         )
         c = self.scale
         fit = _scaled_residual(self.relative_error, c)
-        if self.source == "credit_parts" and math.isfinite(c) and abs(c - 1.0) > 0.05 and fit <= 0.1 * self.relative_error + self.update_precision_floor:
+        # A multiple of Σ g_S: scaling removes most of the error (what is left is within 10% of it, or the floor).
+        multiple = math.isfinite(c) and abs(c - 1.0) > 0.05 and fit <= 0.1 * self.relative_error + self.update_precision_floor
+        if self.source == "credit_parts" and multiple:
             cause = (
                 f" The applied update is {c:.4g} × Σ g_S: the loss the trainer backpropagated is {c:.4g} × terms.sum() "
                 "(a wrong normaliser, or a loss scaled after credit_terms)."

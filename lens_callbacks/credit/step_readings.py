@@ -116,8 +116,8 @@ class StepReadings:
         """All scalars of this step's extra readings; updates the ledger and the smoothed noise scale.
 
         ``whole`` and ``extra_shares`` stand in for ``partition``/``terms`` when the report is a global one
-        (:func:`~lens_callbacks.credit.distributed.global_extra_shares` made them over every rank). Smoothed
-        readings that have nothing to smooth yet are left out rather than logged as NaN.
+        (:func:`~lens_callbacks.credit.distributed.global_extra_shares` made them over every rank). The smoothed
+        noise readings are left out until there is a reading to smooth, rather than logged as NaN.
         """
         p = self.prefix
         out: dict[str, float] = {}
@@ -132,7 +132,8 @@ class StepReadings:
             self.last_noise = noise_scale(report.part_norm, report.full_grad_norm)
             self.noise_ema.update(self.last_noise)
             out.update(self.last_noise.to_dict(f"{p}noise/"))
-        out.update({k: v for k, v in self.noise_ema.to_dict(f"{p}noise/").items() if math.isfinite(v)})
+        if self.noise_ema.n:  # nothing smoothed yet: left out, not logged as NaN
+            out.update(self.noise_ema.to_dict(f"{p}noise/"))
 
         if report.ok and self.primary_name not in POSITIONAL_PARTITIONS:
             self.ledger.update("gradient", self.primary_name, dict(zip(report.part_names, report.projected_share)), step)

@@ -104,8 +104,8 @@ class CreditTerms:
             if wrong == "terms":
                 raise CreditTermsError(
                     "terms",
-                    f"`terms` must have the shape of `trained` [B, T] = {list(tr.shape)} (which the other [B, T] fields "
-                    f"share), got {list(t.shape)}. Return one term per (row, position) of the batch, including the "
+                    f"`terms` must have the shape of `trained` [B, T] = {list(tr.shape)} (which the other fields agree "
+                    f"with), got {list(t.shape)}. Return one term per (row, position) of the batch, including the "
                     "zeros at untrained positions.",
                     numbers,
                 )

@@ -188,8 +188,13 @@ def test_ddp_extra_partitions_are_read_over_all_ranks_without_nan_or_deprecated_
     for rank in records:
         for row in rank["rows"]:
             logged = row["logged"]
-            assert all(v == v for v in logged.values()), [k for k, v in logged.items() if v != v]  # no NaN scalar
-            assert "credit/noise/b_simple_ema" in logged or "credit/noise/grad_sq_ema" in logged
+            # No NaN scalar, the smoothed noise readings included; b_simple_ema alone reads NaN, as documented,
+            # while the smoothed ‖G‖² is not positive (noise swamps the signal).
+            nan = [k for k, v in logged.items() if v != v]
+            assert nan in ([], ["credit/noise/b_simple_ema"]), nan
+            assert logged["credit/noise/grad_sq_ema"] == logged["credit/noise/grad_sq_ema"]
+            if nan:
+                assert logged["credit/noise/grad_sq_ema"] <= 0
         # Our collectives raise no FutureWarning (torch.distributed.nn.functional.all_gather is deprecated).
         ours = [w for w in rank["warnings"] if w[0] == "FutureWarning" and "distributed" in w[1]]
         assert ours == [], ours
