@@ -97,7 +97,7 @@ from ..credit.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E4
 from ..credit.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.distributed import Collectives, global_report  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
-from ..credit.terms import CreditTerms  # noqa: E402
+from ..credit.terms import CreditTerms, CreditTermsError  # noqa: E402
 
 __all__ = [
     "LensGRPOMixin",
@@ -836,6 +836,8 @@ class LensTRLCallback(TrainerCallback):
                 log.warning("LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.", self.engine)
         try:
             return disintegrate(model, micro, self.partition, **kwargs), applied
+        except CreditTermsError as e:  # the re-derived terms break the contract: named by field, as the callbacks do
+            return Refusal(f"credit_terms.{e.field}", f"{type(e).__name__}: {e}", numbers=dict(e.numbers)), applied
         except Exception as e:  # a reading that cannot be made never crashes the training run
             return Refusal("audit_failed", f"the audit raised {type(e).__name__}: {e}", numbers={}), applied
 
