@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .refusal import Refusal
+from .refusal import ReadingWarning, Refusal
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ _LAZY = {
     "audit_groups": "lens_callbacks.process",
 }
 
-__all__ = ["Refusal", "__version__", *_LAZY]
+__all__ = ["Refusal", "ReadingWarning", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 
+class ReadingWarning(RuntimeWarning, UserWarning):
+    """What the instruments warn with: a refused reading, or a reading that says the run is not what it claims.
+
+    Said once per cause (the counts come in a summary at the end of fit); filter it with
+    ``warnings.filterwarnings("ignore", category=ReadingWarning)``.
+    """
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A reading that was declined, with its reason and numbers.

@@ -33,17 +33,39 @@ __all__ = [
 
 
 def strategy_collectives(trainer: Any) -> Collectives:
-    """:class:`Collectives` over the Trainer's strategy (every rank of the world)."""
+    """:class:`Collectives` over the Trainer's strategy (every rank of the world).
+
+    With a process group, ``torch.distributed``'s own ``all_gather``/``all_reduce`` on the default group:
+    the audit needs no gradient through them, and Lightning's ``strategy.all_gather`` goes through the
+    deprecated ``torch.distributed.nn.functional.all_gather`` (a FutureWarning per call).
+    """
     strategy = trainer.strategy
+    W, rank = int(trainer.world_size), int(trainer.global_rank)
+    dist = torch.distributed
+    ready = W > 1 and dist.is_available() and dist.is_initialized()
 
     def gather(x: torch.Tensor) -> torch.Tensor:
-        return strategy.all_gather(x.to(strategy.root_device))
+        x = x.to(strategy.root_device).contiguous()
+        if not ready:
+            return x[None]  # [1, *]
+        out = [torch.empty_like(x) for _ in range(W)]
+        dist.all_gather(out, x)
+        return torch.stack(out)  # [W, *]
 
     def reduce_sum(x: torch.Tensor) -> torch.Tensor:
-        # The strategy reduces in place: hand it a copy.
-        return strategy.reduce(x.to(strategy.root_device).clone(), reduce_op="sum")
+        x = x.to(strategy.root_device).clone()  # reduced in place: a copy
+        if ready:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
 
-    return Collectives(int(trainer.global_rank), int(trainer.world_size), gather, reduce_sum)
+    def gather_object(obj: Any) -> list:
+        if not ready:
+            return [obj]
+        out: list = [None] * W
+        dist.all_gather_object(out, obj)
+        return out
+
+    return Collectives(rank, W, gather, reduce_sum, gather_object)
 
 
 def _dtensor_type() -> Optional[type]:

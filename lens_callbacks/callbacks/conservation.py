@@ -8,12 +8,11 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from ._logging import log_figure, log_scalars, log_text
+from ._logging import OncePerCause, log_figure, log_scalars, log_text
 from ._mergers import grad_mergers, merger_at
-from ..credit.conservation import ConservationReading, exact_optimizer_precondition, step_conservation
+from ..credit.conservation import UNIT_ROUNDOFF, ConservationReading, exact_optimizer_precondition, step_conservation
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
 
@@ -45,13 +44,18 @@ class ConservationCheckCallback(Callback):
     one (the audit's claim), else the trainer's ``.grad`` (a second buffer). After the update (in
     ``on_train_batch_end``, or at the next optimizer step under manual optimization) it reads
     ``θ_after`` and logs ``conservation/error``, ``conservation/floor``, ``conservation/limited``,
-    ``conservation/violated`` and ``conservation/refused``.
+    ``conservation/holds``, ``conservation/violated`` and ``conservation/refused``; the reading's status
+    (``holds``, ``holds within precision``, ``violated``, ``refused``) is in its text. Held against the
+    audit's parts, the floor includes their own rounding (the audit's ``conservation_error``, up to a few
+    unit roundoffs of the dtype they were computed in: bfloat16 under ``bf16-mixed``), so an honest
+    reduced-precision step holds within precision while a wrong normaliser still reads violated. The first
+    violation is also a warning in words (what was compared, the figure, the likely cause, the fix).
 
     Optimizers and trainer settings outside the exact set (see
     :func:`~lens_callbacks.credit.conservation.exact_optimizer_precondition`) are refused: the refusal is
-    logged once as text (a warning and TensorBoard text) and ``conservation/refused = 1`` every step; no
-    buffer is copied for a refused step. The callback is read-only: weights, gradients, optimizer state and
-    the random stream are left as they were.
+    logged once per reason as text (a warning and TensorBoard text) and ``conservation/refused = 1`` every
+    step; no buffer is copied for a refused step; the refusals are counted and summarised at the end of fit.
+    The callback is read-only: weights, gradients, optimizer state and the random stream are left as they were.
 
     Place it after the ``CreditAuditCallback`` in ``trainer.callbacks`` to save the ``.grad`` copy.
 
@@ -92,7 +96,7 @@ class ConservationCheckCallback(Callback):
         self._mergers: list[Any] = []
         self._pending: Optional[_Pending] = None
         self._pending_refusal: Optional[tuple[int, Refusal]] = None
-        self._refusals_logged: set[str] = set()
+        self._once = OncePerCause("ConservationCheckCallback")
         self._sharded = False
         self._history: deque[tuple[int, float, float]] = deque(maxlen=2048)  # (step, error, floor); NaN: refused
         self.last_epoch_values: dict[str, float] = {}
@@ -122,10 +126,6 @@ class ConservationCheckCallback(Callback):
                     cb.keep_grads = True
                     self._audit_first = i < cbs.index(self) if self in cbs else False
                     break
-        if self._audit is not None and _autocast_precision(trainer):
-            # Under autocast each part's backward rounds in bfloat16/float16, so Σ g_S misses .grad by that
-            # rounding (~2e-3 measured); .grad, the float32 master-weight gradient, is what the step applied.
-            self._audit = None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = int(trainer.global_step)
@@ -178,6 +178,8 @@ class ConservationCheckCallback(Callback):
         self.metric.reset()
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        last = self._history[-1][0] if self._history else max(int(trainer.global_step) - 1, 0)
+        self._once.say_summary(trainer, self.readings_made, f"{self.prefix}refusal_summary", last, noun="checked steps")
         if not self.log_figure or not self._history or trainer.global_rank != 0:
             return
         log_figure(trainer, f"{self.prefix}error_vs_floor", self.figure(), self._history[-1][0])
@@ -214,7 +216,7 @@ class ConservationCheckCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "refusals_logged": sorted(self._refusals_logged),
+            "once": self._once.state_dict(),
             "readings_made": self.readings_made,
             # The epoch's counts so far: a run resumed mid-epoch reports the uninterrupted run's epoch readings.
             "metric": {k: getattr(self.metric, k).detach().cpu().clone() for k in self.metric._defaults},
@@ -223,7 +225,7 @@ class ConservationCheckCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._refusals_logged = set(state_dict.get("refusals_logged", ()))
+        self._once.load_state_dict(state_dict.get("once"))
         self.readings_made = int(state_dict.get("readings_made", 0))
         self._epoch_of_state = state_dict.get("epoch_of_state")
         self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
@@ -325,7 +327,7 @@ class ConservationCheckCallback(Callback):
                 grads = _mean_over_ranks(trainer, grads)
             # else: a global audit's Σ parts is already the rank average of every rank's parts.
             try:
-                reading = self._read(pend, grads, source)
+                reading = self._read(pend, grads, source, *(self._parts_precision(trainer, pend.step) if source == "credit_parts" else (None, None)))
             except Exception as err:  # a reading that cannot be made must not end the training run
                 reading = Refusal(
                     "conservation",
@@ -335,7 +337,20 @@ class ConservationCheckCallback(Callback):
                 )
         self._emit(trainer, pl_module, reading, pend.step)
 
-    def _read(self, pend: _Pending, grads: Any, source: str) -> Union[ConservationReading, Refusal]:
+    def _parts_precision(self, trainer: Trainer, step: int) -> tuple[Optional[float], Optional[torch.dtype]]:
+        """The audit's ``conservation_error`` of this step and the coarsest dtype its parts were computed in."""
+        report = getattr(self._audit, "last_report", None)
+        if report is None or getattr(self._audit, "last_report_step", None) != step:
+            return None, None
+        dtypes = [getattr(torch, str(getattr(report, "dtype", "")), None), _autocast_dtype(trainer)]
+        dtypes = [d for d in dtypes if isinstance(d, torch.dtype) and d in UNIT_ROUNDOFF]
+        coarsest = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d], default=None)
+        return float(getattr(report, "conservation_error", float("nan"))), coarsest
+
+    def _read(
+        self, pend: _Pending, grads: Any, source: str,
+        parts_error: Optional[float] = None, parts_dtype: Optional[torch.dtype] = None,
+    ) -> Union[ConservationReading, Refusal]:
         with torch.no_grad():
             return step_conservation(
                 pend.theta_before,
@@ -346,6 +361,8 @@ class ConservationCheckCallback(Callback):
                 tolerance=self.tolerance,
                 source=source,
                 step=pend.step,
+                parts_error=parts_error,
+                parts_dtype=parts_dtype,
             )
 
     def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
@@ -359,19 +376,20 @@ class ConservationCheckCallback(Callback):
             self._history.append((step, reading.relative_error, reading.update_precision_floor))
         if isinstance(reading, Refusal):
             values = {f"{self.prefix}refused": 1.0}
-            key = f"{reading.condition}: {reading.reason}"
-            if key not in self._refusals_logged:
-                self._refusals_logged.add(key)
-                text = reading.render()
-                rank_zero_warn(f"ConservationCheckCallback: {text}")
-                log_text(trainer, f"{self.prefix}refusal", text, step)
+            if reading.condition not in self._once.refusals:
+                log_text(trainer, f"{self.prefix}refusal", reading.render(), step)
+            self._once.refused(trainer, reading, step, what="conservation check")
         else:
             values = reading.to_dict(self.prefix)
+            if reading.violated and self._once.warn(trainer, f"violated:{reading.source}", reading.explain()):
+                log_text(trainer, f"{self.prefix}violation", reading.explain(), step)
         log_scalars(trainer, values, step)
 
 
-def _autocast_precision(trainer: Trainer) -> bool:
-    return str(getattr(trainer, "precision", "")) in ("bf16-mixed", "16-mixed")
+def _autocast_dtype(trainer: Trainer) -> Optional[torch.dtype]:
+    """The dtype autocast computes in under ``bf16-mixed``/``16-mixed``; None otherwise."""
+    precision = str(getattr(trainer, "precision", ""))
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
 
 
 def _whole(t: torch.Tensor, sharded: bool) -> torch.Tensor:

@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.engines.ghost import RideAlong
+from lens_callbacks.credit.mismatch import grad_match_threshold, terms_not_loss_words
 from lens_callbacks.credit.partition import (
     PARTITION_REMEDY,
     POSITIONAL_PARTITIONS,
@@ -49,7 +50,7 @@ from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
 from lens_callbacks.credit.terms import CreditTermsError, is_credit_source
 from lens_callbacks.credit.update_share import update_shares as _update_shares
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
-from ._logging import log_dir, log_figure, log_scalars, log_text, tensorboard_dir
+from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
@@ -220,6 +221,9 @@ class CreditAuditCallback(Callback):
         self.last_refusal: Optional[Refusal] = None
         self.n_audits = 0
         self.n_refusals = 0
+        # One warning per cause (a refusal's condition, the terms not being the loss), not one per step,
+        # and the refusals counted for the summary at the end of fit.
+        self._once = OncePerCause("CreditAuditCallback")
         self.metric = CreditMetric(max_parts=max_logged_parts)
         self.part_shares = PartShares()  # epoch shares keyed by part name (docs/metrics.md)
         self._partition_fn: Any = None
@@ -387,13 +391,14 @@ class CreditAuditCallback(Callback):
             self._drop_recorded()
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
-            warnings.warn(f"credit audit at step {step} declined: {reading.reason}", RuntimeWarning, stacklevel=2)
+            self._once.refused(trainer, reading, step, what="credit audit")
             # One update per reading: forward() below adds this step to the epoch state itself.
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
             text = reading.render()
             log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
             self.last_report, self.last_report_step = reading, step
+            self._check_terms_are_loss(trainer, reading, step)
             values = self.metric_values(reading)
             if reading.ok:
                 self.part_shares.update(reading.part_names, reading.projected_share, reading.norm_share)
@@ -432,7 +437,7 @@ class CreditAuditCallback(Callback):
                 "update_share", f"{type(err).__name__}: {err}", numbers={"step": step},
                 remedy="use eager (math) attention so credit_terms has forward-mode derivatives, or update_shares=False",
             )
-            warnings.warn(f"update shares at step {step} declined: {refusal.reason}", RuntimeWarning, stacklevel=2)
+            self._once.refused(trainer, refusal, step, what="update shares")
             log_text(trainer, f"{self.prefix}update_share_refusal", refusal.render(), step)
             return
         values = report.to_dict(self.prefix, max_parts=self.max_logged_parts)
@@ -648,7 +653,18 @@ class CreditAuditCallback(Callback):
                 out[f"{p}{key}/{name}"] = shares[key][name]
         return out
 
+    def _check_terms_are_loss(self, trainer: Trainer, report: CreditReport, step: int) -> None:
+        """Warn once, in words, when ``grad_match`` says the audited terms are not the loss that was trained."""
+        gm = report.grad_match
+        if gm is None or not math.isfinite(gm):
+            return
+        limit = grad_match_threshold(_dtype_of(report.dtype), _compute_dtype(trainer))
+        if gm > limit:
+            self._once.warn(trainer, "terms_not_loss", terms_not_loss_words(gm, limit, step))
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        step_now = max(int(trainer.global_step) - 1, 0)
+        self._once.say_summary(trainer, self.n_audits, f"{self.prefix}refusal_summary", step_now)
         if self._last_text is None:
             return
         step, text = self._last_text
@@ -766,6 +782,7 @@ class CreditAuditCallback(Callback):
         self._partition_fn = self._recorder
 
     def _with_readings(self, pl_module: LightningModule, report: CreditReport, values: dict, step: int) -> dict:
+        trainer = pl_module.trainer
         terms, partition = self._recorder.take() if self._recorder is not None else (None, None)
 
         def run_engine(name: str, fn: Any):
@@ -776,21 +793,28 @@ class CreditAuditCallback(Callback):
                 return Refusal("credit_audit", f"{name}: {type(err).__name__}: {err}", numbers={"step": step})
 
         values = self._drop_positional(values)
-        if self._global:
-            # The report is the global step's; this rank's terms and partition describe its own rows only,
-            # so readings built from them (extra partitions, the noise scale) would mix scopes: not read.
-            saved, self.readings.extra = self.readings.extra, []
-            try:
-                values.update(self.readings.read(report, None, None, step, None))
-            finally:
-                self.readings.extra = saved
-            for name, _ in saved:
-                self.readings.last_errors[name] = "not read under scope='global' (use scope='rank' for per-rank extra partitions)"
-            return values
         try:
-            values.update(self.readings.read(report, partition, terms, step, run_engine))
+            if self._global:
+                # The report is the global step's and this rank's terms describe its own rows: each rank sums
+                # its rows' global shares into the extra parts and the ranks meet by part name (a collective;
+                # every rank reaches it with the same global report).
+                from lens_callbacks.credit.distributed import global_extra_shares
+
+                from ._distributed import strategy_collectives
+
+                whole, extra = global_extra_shares(report, partition, terms, self.readings.extra, strategy_collectives(trainer))
+                values.update(self.readings.read(report, None, None, step, None, whole=whole, extra_shares=extra))
+            else:
+                values.update(self.readings.read(report, partition, terms, step, run_engine))
+            for name, why in self.readings.last_errors.items():
+                self._once.warn(trainer, f"extra:{name}", f"extra partition {name!r} not read at step {step} (nor later, "
+                                f"for the same reason): {why}")
         except Exception as err:  # a reading beyond the primary one must not end the training run
-            warnings.warn(f"credit readings at step {step} not made: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
+            self._once.warn(
+                trainer, f"readings:{type(err).__name__}",
+                f"credit readings beyond the primary one not made at step {step} (later failures of this kind are not "
+                f"repeated): {type(err).__name__}: {err}",
+            )
         return values
 
     def _drop_recorded(self) -> None:
@@ -817,6 +841,21 @@ class CreditAuditCallback(Callback):
         log_figure(trainer, f"{self.prefix}concentration/lorenz", self.readings.lorenz_figure(), step)
         for book, part in self.readings.ledger.books():
             log_figure(trainer, f"{self.prefix}ledger/{book}/{part}", self.readings.ledger.figure(book, part), step)
+
+
+def _dtype_of(name: str) -> Optional[torch.dtype]:
+    d = getattr(torch, str(name).replace("torch.", ""), None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def _compute_dtype(trainer: Trainer) -> Optional[torch.dtype]:
+    """The reduced precision the trainer computes in (``bf16-*``, ``16-*``), None at full precision."""
+    precision = str(getattr(trainer, "precision", ""))
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
 
 
 def _name_of(spec: Any) -> str:

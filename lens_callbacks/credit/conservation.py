@@ -12,7 +12,14 @@ condition otherwise. :func:`step_conservation` makes the reading.
 
 The update is read as a difference of rounded parameters, so the check has a precision floor: with
 ``u`` the unit roundoff of the parameter dtype, rounding ``θ_after`` alone moves ``Δθ/η`` by up to
-``u·|θ_after|/η`` per entry. A measured error under that floor is not evidence of anything.
+``u·|θ_after|/η`` per entry. When the gradient held against is the audit's summed parts, their own
+rounding (the audit's ``conservation_error``, ``‖Σ g_S − g_full‖/‖g_full‖``, in the dtype they were
+computed in) joins the floor. A measured error under that floor is not evidence of anything.
+
+Each reading says what it found in one word: ``holds`` (error within the tolerance, or under a floor
+finer than the tolerance), ``holds within precision`` (under a floor coarser than the tolerance: no
+evidence of a violation, and none could be seen below the floor), ``violated``; a reading that cannot
+be made is a Refusal (``refused``).
 
 This module is pure torch: it never imports lightning.
 """
@@ -29,6 +36,8 @@ from ..refusal import Refusal
 
 __all__ = [
     "ConservationReading",
+    "STATUSES",
+    "parts_precision_floor",
     "step_conservation",
     "exact_optimizer_precondition",
     "unit_roundoff",
@@ -48,6 +57,32 @@ _REMEDY = (
     "momentum=0, weight_decay=0, nesterov=False, maximize=False, no gradient clipping and "
     "accumulate_grad_batches=1 on the steps you want checked (e.g. a short audit run)."
 )
+
+
+#: The status words of a step-conservation reading (:attr:`ConservationReading.status`); a Refusal reads ``refused``.
+STATUSES = ("holds", "holds within precision", "violated", "refused")
+
+#: An audit ``conservation_error`` up to this many unit roundoffs of the parts' dtype is read as their rounding;
+#: above it, parts that do not add up are a finding the floor must not hide.
+PARTS_ROUNDING_UNITS = 8.0
+
+
+def parts_precision_floor(parts_error: Optional[float], parts_dtype: Optional[torch.dtype]) -> float:
+    """What the audit's own rounding adds to the floor when ``Σ g_S`` is the gradient held against.
+
+    ``‖Σ g_S − g_full‖ = e·‖g_full‖ ≤ e/(1 − e)·‖Σ g_S‖`` for the audit's ``conservation_error`` ``e``; it
+    counts only while ``e ≤ 8·u(parts_dtype)`` (rounding), so a real gap between parts and gradient still shows.
+
+    Example:
+        >>> parts_precision_floor(2e-3, torch.bfloat16) > 2e-3, parts_precision_floor(0.5, torch.bfloat16)
+        (True, 0.0)
+    """
+    if parts_error is None or parts_dtype is None or parts_dtype not in UNIT_ROUNDOFF:
+        return 0.0
+    e = float(parts_error)
+    if not (math.isfinite(e) and 0.0 <= e <= PARTS_ROUNDING_UNITS * UNIT_ROUNDOFF[parts_dtype]):
+        return 0.0
+    return e / (1.0 - e)
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -72,21 +107,26 @@ class ConservationReading:
     gradient held against (zero for parameters that had no gradient: the optimizer must leave them):
 
     - ``relative_error = ||Δθ ⊘ η − g|| / ||g||``;
-    - ``update_precision_floor = u · (||θ_after ⊘ η||_upd / ||g|| + 2)``, over the entries the optimizer
+    - ``update_precision_floor = u · (||θ_after ⊘ η||_upd / ||g|| + 2) + parts_floor``, over the entries the optimizer
       updated (``u`` per tensor when dtypes are mixed; the ``+ 2u`` term takes the coarsest); for one group
       and a small step this is ``u·||θ_after|| / ||η·g||`` ≈
       ``u·||θ_after|| / ||Δθ||``. The ``+ 2`` covers rounding ``η`` and ``η·g`` themselves. The floor uses
       the update the gradient claims, ``η·g``, not the measured ``Δθ``: a step that never happened
-      (``Δθ = 0``) must read as an error of 1, not as an unresolvable reading;
+      (``Δθ = 0``) must read as an error of 1, not as an unresolvable reading. ``parts_floor`` is the
+      rounding of the audit's parts when ``g`` is ``Σ g_S`` (:func:`parts_precision_floor`), else 0;
     - ``update_precision_limited = relative_error <= update_precision_floor``: the measured error is within
       what rounding the parameters can produce, so it is no evidence of a violation (and the check
       resolves nothing finer than the floor);
-    - ``holds = update_precision_limited or relative_error <= tolerance``.
+    - ``holds = update_precision_limited or relative_error <= tolerance``;
+    - ``status``: ``"holds"``, ``"holds within precision"`` (under a floor coarser than ``tolerance``) or
+      ``"violated"``;
+    - ``scale = <Δθ ⊘ η, g> / ||g||²``: the factor that best maps ``g`` onto the applied update (1 when they
+      agree; 2 for a loss of ``2·terms.sum()``), for the words of a violation.
 
     Example:
         >>> r = ConservationReading(0.151, 7.9, True, "float32", "grad", 1e-3)
-        >>> r.holds, r.to_dict()["conservation/limited"]
-        (True, 1.0)
+        >>> r.holds, r.status, r.to_dict()["conservation/holds"]
+        (True, 'holds within precision', 1.0)
     """
 
     relative_error: float
@@ -102,6 +142,8 @@ class ConservationReading:
     n_tensors: int = 0
     n_without_grad: int = 0
     step: Optional[int] = None
+    parts_floor: float = 0.0
+    scale: float = float("nan")
 
     @property
     def holds(self) -> bool:
@@ -112,6 +154,52 @@ class ConservationReading:
     def violated(self) -> bool:
         return not self.holds
 
+    @property
+    def status(self) -> str:
+        """``"holds"``, ``"holds within precision"`` or ``"violated"`` (see the class docstring)."""
+        if self.violated:
+            return "violated"
+        if self.relative_error <= self.tolerance or self.update_precision_floor <= self.tolerance:
+            return "holds"
+        return "holds within precision"
+
+    def explain(self) -> str:
+        """A violation in words: what was compared, the figure, the likely cause and the fix ('' if none)."""
+        if not self.violated:
+            return ""
+        where = f" at step {self.step}" if self.step is not None else ""
+        against = (
+            "the credit audit's summed parts Σ g_S (the gradient of credit_terms(batch).terms.sum())"
+            if self.source == "credit_parts" else f"the gradient `{self.source}` read before the step"
+        )
+        head = (
+            f"step conservation violated{where}: the update the optimizer applied, (θ_before − θ_after)/η, differs "
+            f"from {against} by a relative error of {self.relative_error:.3g}, above the precision floor "
+            f"{self.update_precision_floor:.2g} and the tolerance {self.tolerance:.2g}."
+        )
+        c = self.scale
+        fit = _scaled_residual(self.relative_error, c)
+        # A multiple of Σ g_S: scaling removes most of the error (what is left is within 10% of it, or the floor).
+        multiple = math.isfinite(c) and abs(c - 1.0) > 0.05 and fit <= 0.1 * self.relative_error + self.update_precision_floor
+        if self.source == "credit_parts" and multiple:
+            cause = (
+                f" The applied update is {c:.4g} × Σ g_S: the loss the trainer backpropagated is {c:.4g} × terms.sum() "
+                "(a wrong normaliser, or a loss scaled after credit_terms)."
+            )
+        elif self.source == "credit_parts":
+            cause = (
+                " The applied update is not a multiple of Σ g_S: a term of the loss is missing from `terms` (a KL, "
+                "entropy or auxiliary term), or something changed `.grad` after it was read."
+            )
+        else:
+            cause = " Something changed `.grad` or the parameters between the read and the update, or the step is not plain SGD."
+        fix = (
+            " Fix: build the loss as `loss = self.credit_terms(batch).terms.sum()`, with every term of the objective in "
+            "`terms` at the position it comes from."
+            if self.source == "credit_parts" else " Fix: leave `.grad` alone after backward on the steps you check."
+        )
+        return head + cause + fix
+
     def __bool__(self) -> bool:  # a reading was made (a Refusal is falsy)
         return True
 
@@ -121,6 +209,7 @@ class ConservationReading:
             f"{prefix}error": float(self.relative_error),
             f"{prefix}floor": float(self.update_precision_floor),
             f"{prefix}limited": 1.0 if self.update_precision_limited else 0.0,
+            f"{prefix}holds": 1.0 if self.holds else 0.0,
             f"{prefix}violated": 1.0 if self.violated else 0.0,
             f"{prefix}refused": 0.0,
             f"{prefix}grad_norm": float(self.grad_norm),
@@ -130,26 +219,37 @@ class ConservationReading:
     def render(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
         lrs = ", ".join(f"{x:.3g}" for x in self.lrs)
-        if self.update_precision_limited:
+        status = self.status
+        if status == "holds within precision":
             verdict = (
-                f"PRECISION-LIMITED: the error is under the floor of the instrument ({self.dtype} parameters); "
-                "not a failure"
+                f"HOLDS WITHIN PRECISION: the error is under the floor ({self.dtype} parameters"
+                f"{', and the audit parts rounding' if self.parts_floor else ''}), which is coarser than the tolerance "
+                f"{self.tolerance:.1e}: no evidence of a violation"
             )
-        elif self.holds:
-            verdict = f"HOLDS (error <= tolerance {self.tolerance:.1e})"
+        elif status == "holds":
+            bound = ("floor", self.update_precision_floor) if self.update_precision_limited else ("tolerance", self.tolerance)
+            verdict = f"HOLDS (error <= {bound[0]} {bound[1]:.1e})"
         else:
             verdict = f"VIOLATED (error > floor and > tolerance {self.tolerance:.1e})"
         return "\n".join(
             [
                 f"step conservation{where}: (θ_before − θ_after)/η against {self.source}",
                 f"  relative_error          {self.relative_error:.3e}",
-                f"  update_precision_floor  {self.update_precision_floor:.3e}",
+                f"  update_precision_floor  {self.update_precision_floor:.3e}"
+                + (f" (audit parts {self.parts_floor:.2e})" if self.parts_floor else ""),
                 f"  update_precision_limited {self.update_precision_limited}",
                 f"  ||g|| {self.grad_norm:.4e}  ||Δθ|| {self.update_norm:.4e}  ||θ_after|| {self.param_norm:.4e}",
                 f"  lr per group [{lrs}]  {self.n_tensors} tensors ({self.n_without_grad} without gradient)",
                 f"  {verdict}",
             ]
         )
+
+
+def _scaled_residual(relative_error: float, c: float) -> float:
+    """``min_c ||Δθ/η − c·g|| / ||g||`` from the error at ``c = 1`` and the best ``c`` (Pythagoras)."""
+    if not math.isfinite(c):
+        return float("inf")
+    return math.sqrt(max(relative_error**2 - (c - 1.0) ** 2, 0.0))
 
 
 def _scalar(v: Any) -> Any:
@@ -264,6 +364,8 @@ def step_conservation(
     tolerance: float = 1e-4,
     source: str = "grad",
     step: Optional[int] = None,
+    parts_error: Optional[float] = None,
+    parts_dtype: Optional[torch.dtype] = None,
 ) -> Union[ConservationReading, Refusal]:
     r"""Read one optimizer step against the gradient ``g`` it should have applied.
 
@@ -281,6 +383,10 @@ def step_conservation(
         tolerance: relative error under which a resolvable reading holds.
         source: what ``g`` is (``"credit_parts"``, ``"grad"``), for the report.
         step: the step index, for the report.
+        parts_error: when ``grad`` is an audit's ``Σ g_S``, that audit's ``conservation_error``; with
+            ``parts_dtype`` (the dtype the parts were computed in, e.g. ``torch.bfloat16`` under autocast) it
+            joins the floor as :func:`parts_precision_floor`.
+        parts_dtype: see ``parts_error``.
 
     Returns:
         A :class:`ConservationReading`, or a :class:`Refusal` when the reading cannot be made (refused
@@ -328,7 +434,7 @@ def step_conservation(
     dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d])  # the coarsest, for the report and the `+ 2u` term
     u = UNIT_ROUNDOFF[dtype]
 
-    # Per tensor: [‖r‖², ‖g‖², ‖Δθ‖², ‖θ_after‖², u_i²‖θ_after‖²/η²] as float64 tensors, read back with one sync.
+    # Per tensor: [‖r‖², ‖g‖², ‖Δθ‖², ‖θ_after‖², u_i²‖θ_after‖²/η², <r, g>] as float64 tensors, read back with one sync.
     sums: list[torch.Tensor] = []
     n_without = 0
     for tb, ta, g, gi in zip(theta_before, theta_after, grad, group_index):
@@ -342,7 +448,7 @@ def step_conservation(
         if g is None:
             n_without += 1
             zero = torch.zeros((), dtype=torch.float64, device=a.device)
-            sums.append(torch.stack([torch.dot(r, r), zero, upd, zero, zero]))
+            sums.append(torch.stack([torch.dot(r, r), zero, upd, zero, zero, zero]))
             continue
         g64 = _f64(g).to(a.device)
         if g64.numel() != r.numel() or tuple(g64.shape) != tuple(ta.shape):
@@ -351,9 +457,9 @@ def step_conservation(
         r.sub_(g64)  # Δθ/η − g
         a_sq = torch.dot(a, a)
         u_i = UNIT_ROUNDOFF[ta.dtype]  # each tensor is rounded in its own dtype
-        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2]))
+        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2, torch.dot(r, g64)]))
     dev = sums[0].device
-    res_sq, g_sq, upd_sq, after_sq, par_sq = (float(x) for x in torch.stack([t.to(dev) for t in sums]).sum(0).cpu())
+    res_sq, g_sq, upd_sq, after_sq, par_sq, rg = (float(x) for x in torch.stack([t.to(dev) for t in sums]).sum(0).cpu())
 
     g_norm, res_norm, upd_norm = math.sqrt(g_sq), math.sqrt(res_sq), math.sqrt(upd_sq)
     if not (math.isfinite(g_norm) and math.isfinite(res_norm)):
@@ -369,7 +475,8 @@ def step_conservation(
             numbers={"grad_norm": 0.0, "update_norm": upd_norm},
         )
     error = res_norm / g_norm
-    floor = math.sqrt(par_sq) / g_norm + 2.0 * u
+    parts_floor = parts_precision_floor(parts_error, parts_dtype) if source == "credit_parts" else 0.0
+    floor = math.sqrt(par_sq) / g_norm + 2.0 * u + parts_floor
     return ConservationReading(
         relative_error=error,
         update_precision_floor=floor,
@@ -384,4 +491,6 @@ def step_conservation(
         n_tensors=n,
         n_without_grad=n_without,
         step=step,
+        parts_floor=parts_floor,
+        scale=1.0 + rg / g_sq,  # <Δθ/η, g>/‖g‖² = 1 + <Δθ/η − g, g>/‖g‖²
     )

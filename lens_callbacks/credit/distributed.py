@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from ..refusal import Refusal
+from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
+from .partition import POSITIONAL_PARTITIONS, Partition
 from .report import CreditGrads, CreditReport
+from .terms import CreditTerms
 
-__all__ = ["Collectives", "global_report", "global_part_name"]
+__all__ = ["Collectives", "global_report", "global_part_name", "global_extra_shares"]
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,15 @@ class Collectives:
         world_size: number of ranks ``W``.
         all_gather: ``x [*] -> [W, *]``, the stacked tensors of every rank (same shape on each).
         all_reduce_sum: ``x -> Σ_r x_r`` (may work in place on ``x``).
+        all_gather_object: ``obj -> [obj of rank 0, …, obj of rank W−1]`` (picklable objects), for the
+            readings whose size differs by rank (:func:`global_extra_shares`); None where not available.
     """
 
     rank: int
     world_size: int
     all_gather: Callable[[torch.Tensor], torch.Tensor]
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+    all_gather_object: Optional[Callable[[Any], list]] = None
 
 
 def global_part_name(rank: int, name: str) -> str:
@@ -192,3 +198,70 @@ def global_report(
         readings=local.readings,
         coverage=local.coverage,
     )
+
+
+def global_extra_shares(
+    report: CreditReport,
+    partition: Optional[Partition],
+    terms: Optional[CreditTerms],
+    extra: Sequence[tuple[str, Any]],
+    coll: Collectives,
+) -> tuple[bool, dict[str, Union[PartitionShares, str]]]:
+    r"""The extra partitions of a global step, and whether every rank's primary parts are whole rows.
+
+    A collective call (every rank, same steps). Each rank knows which of its rows fall in which part of an
+    extra partition that is a union of the primary parts (``by_advantage_sign``, ``by_source``, ``by_group``
+    over ``by_rollout``), and the global report holds the global share of each of its rows (``r{rank}/…``);
+    it sums those shares into the extra parts, and the ranks' sums meet by part name (positional names,
+    ``group_0``, get the rank prefix: they mean another group on every rank). By linearity the result is
+    exactly the share a single process would read for the concatenated batch. An extra partition that is not
+    such a union on some rank is not read, on every rank, with that rank's reason.
+
+    Returns:
+        ``(whole_rows_everywhere, {name: PartitionShares | reason})``, identical on every rank.
+    """
+    from .step_readings import whole_rows
+
+    if coll.all_gather_object is None:
+        why = "the collectives given cannot gather the per-rank parts"
+        return False, {name: why for name, _ in extra}
+    index = {n: i for i, n in enumerate(report.part_names)}
+    mine: dict[str, Any] = {"whole": partition is not None and whole_rows(partition), "extra": {}}
+    for name, fn in extra:
+        try:
+            if partition is None or terms is None:
+                raise ValueError("this rank kept no terms for the step")
+            coarse = fn if isinstance(fn, Partition) else fn(terms)
+            coarse.check_covers(terms.trained)
+            mapping = coarsening(partition, coarse)
+            if mapping is None:
+                raise ValueError(
+                    "its parts are not unions of the primary partition's parts, so its global reading would need "
+                    "every rank's part gradients (use scope='rank', or a primary partition it coarsens)"
+                )
+            shares = [report.projected_share[index[global_part_name(coll.rank, n)]] for n in partition.names]
+            derived = derive_shares(shares, mapping, coarse, name, rows_per_part(coarse, terms.trained))
+            names = [global_part_name(coll.rank, n) if name in POSITIONAL_PARTITIONS else n for n in coarse.names]
+            mine["extra"][name] = (names, list(derived.projected_share), list(derived.n_rows or ()))
+        except Exception as err:  # a reading beyond the primary one is declined by name, on every rank alike
+            mine["extra"][name] = f"{type(err).__name__}: {err}"
+    everyone = coll.all_gather_object(mine)
+    out: dict[str, Union[PartitionShares, str]] = {}
+    for name, _ in extra:
+        bad = [(r, e["extra"][name]) for r, e in enumerate(everyone) if isinstance(e["extra"][name], str)]
+        if bad:
+            out[name] = f"not read on rank {bad[0][0]}: {bad[0][1]}"
+            continue
+        acc: dict[str, list[float]] = {}
+        rows: dict[str, int] = {}
+        for e in everyone:
+            names, shares, n_rows = e["extra"][name]
+            for i, n in enumerate(names):
+                acc.setdefault(n, []).append(float(shares[i]))
+                rows[n] = rows.get(n, 0) + (int(n_rows[i]) if i < len(n_rows) else 0)
+        part_names = tuple(acc)
+        out[name] = PartitionShares(
+            name, part_names, tuple(math.fsum(acc[n]) for n in part_names), None,
+            tuple(rows[n] for n in part_names), method="derived over all ranks",
+        )
+    return all(bool(e["whole"]) for e in everyone), out

@@ -19,7 +19,7 @@ from torch import nn
 
 from .partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .report import CreditGrads, CreditReport, share_readings
-from .terms import CreditTerms
+from .terms import CreditTerms, validate_terms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
 
@@ -125,11 +125,7 @@ def evaluate_terms(
     wrapper = _TermsCall(module, fn)
     with torch.enable_grad():
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
-    if not isinstance(terms, CreditTerms):
-        raise TypeError(
-            f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
-            "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
-        )
+    validate_terms(terms)  # the contract is checked here, not at construction inside the training step
     return terms, names, leaves, used
 
 

@@ -109,8 +109,16 @@ class StepReadings:
         terms: Optional[CreditTerms],
         step: int,
         run_engine: Optional[Callable[[str, Union[PartitionFn, Partition]], Any]] = None,
+        *,
+        whole: Optional[bool] = None,
+        extra_shares: Optional[Mapping[str, Union[PartitionShares, str]]] = None,
     ) -> dict[str, float]:
-        """All scalars of this step's extra readings; updates the ledger and the smoothed noise scale."""
+        """All scalars of this step's extra readings; updates the ledger and the smoothed noise scale.
+
+        ``whole`` and ``extra_shares`` stand in for ``partition``/``terms`` when the report is a global one
+        (:func:`~lens_callbacks.credit.distributed.global_extra_shares` made them over every rank). The smoothed
+        noise readings are left out until there is a reading to smooth, rather than logged as NaN.
+        """
         p = self.prefix
         out: dict[str, float] = {}
         self.last_errors = {}
@@ -119,18 +127,26 @@ class StepReadings:
         out.update(conc.to_dict(f"{p}concentration/"))
 
         self.last_noise = None
-        if report.ok and partition is not None and report.n_parts >= 2 and whole_rows(partition):
+        rows_whole = whole if whole is not None else partition is not None and whole_rows(partition)
+        if report.ok and report.n_parts >= 2 and rows_whole:
             self.last_noise = noise_scale(report.part_norm, report.full_grad_norm)
             self.noise_ema.update(self.last_noise)
             out.update(self.last_noise.to_dict(f"{p}noise/"))
-        out.update(self.noise_ema.to_dict(f"{p}noise/"))
+        if self.noise_ema.n:  # nothing smoothed yet: left out, not logged as NaN
+            out.update(self.noise_ema.to_dict(f"{p}noise/"))
 
         if report.ok and self.primary_name not in POSITIONAL_PARTITIONS:
             self.ledger.update("gradient", self.primary_name, dict(zip(report.part_names, report.projected_share)), step)
 
         self.last_extra = {}
         for name, fn in self.extra:
-            shares = self._extra(name, fn, report, partition, terms, run_engine)
+            if extra_shares is not None:
+                shares = extra_shares.get(name, "not read")
+                if isinstance(shares, str):
+                    self.last_errors[name] = shares
+                    continue
+            else:
+                shares = self._extra(name, fn, report, partition, terms, run_engine)
             if shares is None:
                 continue
             self.last_extra[name] = shares

@@ -16,7 +16,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["CreditTerms", "CreditSource", "is_credit_source", "CreditTermsError"]
+__all__ = ["CreditTerms", "CreditSource", "is_credit_source", "CreditTermsError", "validate_terms"]
 
 
 class CreditTermsError(ValueError):
@@ -63,8 +63,9 @@ class CreditTerms:
     source: Optional[torch.Tensor] = None  # [B]
     source_names: Optional[tuple[str, ...]] = None
 
-    def __post_init__(self) -> None:
-        self.validate()
+    # No __post_init__ check: constructing the terms inside `training_step` (``loss =
+    # self.credit_terms(batch).terms.sum()``) must never end a training run. The audit validates them
+    # (:func:`validate_terms`) and turns a broken contract into a named Refusal.
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,60 +80,72 @@ class CreditTerms:
         return self.terms.sum()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field that breaks the contract."""
+        """Raise :class:`CreditTermsError` naming the first field that breaks the contract.
+
+        Construction never checks (it runs inside the training step); every audit calls this before it
+        reads the terms, and an audit turns the error into a :class:`~lens_callbacks.refusal.Refusal`.
+        """
         t = self.terms
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(
+            raise CreditTermsError(
+                "terms",
                 f"`terms` must be a [B, T] float tensor, got {_describe(t)}. Return one objective term per "
-                "(row, position); pad rows to a common length."
+                "(row, position); pad rows to a common length.",
             )
         if not t.is_floating_point():
-            raise ValueError(f"`terms` must be floating point, got dtype {t.dtype}.")
+            raise CreditTermsError("terms", f"`terms` must be floating point, got dtype {t.dtype}.")
         B, T = t.shape
         tr = self.trained
-        if isinstance(tr, torch.Tensor) and tr.dim() == 2 and tr.dtype == torch.bool and tuple(tr.shape) != (B, T):
-            rows = self.rollout.shape[0] if isinstance(self.rollout, torch.Tensor) and self.rollout.dim() == 1 else None
-            if rows is None or rows == tr.shape[0]:
-                # `trained` is a well-formed mask that agrees with the rows: the computed terms are the odd one out.
+        if not isinstance(tr, torch.Tensor) or tr.dim() != 2:
+            raise CreditTermsError("trained", f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(tr)}.")
+        if tuple(tr.shape) != (B, T):
+            wrong = _odd_one_out(self, tuple(t.shape), tuple(tr.shape))
+            numbers = {"terms_shape": str(list(t.shape)), "trained_shape": str(list(tr.shape))}
+            if wrong == "terms":
                 raise CreditTermsError(
                     "terms",
-                    f"`terms` must have the shape of `trained` [B, T] = {list(tr.shape)}, got {list(t.shape)}. Return one "
-                    "term per (row, position) of the batch, including the zeros at untrained positions.",
-                    {"terms_shape": str(list(t.shape)), "trained_shape": str(list(tr.shape))},
+                    f"`terms` must have the shape of `trained` [B, T] = {list(tr.shape)} (which the other fields agree "
+                    f"with), got {list(t.shape)}. Return one term per (row, position) of the batch, including the "
+                    "zeros at untrained positions.",
+                    numbers,
                 )
-        if not isinstance(tr, torch.Tensor) or tuple(tr.shape) != (B, T):
-            raise CreditTermsError("trained", f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(tr)}.")
-        if self.trained.dtype != torch.bool:
-            raise ValueError(f"`trained` must be bool, got dtype {self.trained.dtype}; use `mask.bool()`.")
+            raise CreditTermsError(
+                "trained",
+                f"`trained` must have the shape of `terms` [B, T] = {list(t.shape)}, got {list(tr.shape)}. Build the "
+                "mask on the positions the terms are on (e.g. shift it with the log-probabilities: "
+                "`mask[:, 1:]` beside `logits[:, :-1]`).",
+                numbers,
+            )
+        if tr.dtype != torch.bool:
+            raise CreditTermsError("trained", f"`trained` must be bool, got dtype {tr.dtype}; use `mask.bool()`.")
         for name in ("rollout", "group"):
             v = getattr(self, name)
             if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,):
-                raise ValueError(f"`{name}` must be a [B] = [{B}] int tensor, got {_describe(v)}.")
+                raise CreditTermsError(name, f"`{name}` must be a [B] = [{B}] int tensor, got {_describe(v)}.")
             if v.is_floating_point() or v.dtype == torch.bool:
-                raise ValueError(f"`{name}` must be an integer tensor, got dtype {v.dtype}.")
+                raise CreditTermsError(name, f"`{name}` must be an integer tensor, got dtype {v.dtype}.")
         if self.segment is not None:
             s = self.segment
             if not isinstance(s, torch.Tensor) or tuple(s.shape) != (B, T):
-                raise ValueError(f"`segment` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(s)}.")
+                raise CreditTermsError("segment", f"`segment` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(s)}.")
             if s.is_floating_point() or s.dtype == torch.bool:
-                raise ValueError(f"`segment` must be an integer tensor, got dtype {s.dtype}.")
+                raise CreditTermsError("segment", f"`segment` must be an integer tensor, got dtype {s.dtype}.")
         if self.rewards is not None and (not isinstance(self.rewards, torch.Tensor) or tuple(self.rewards.shape) != (B,)):
-            raise ValueError(f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
+            raise CreditTermsError("rewards", f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
         if self.tokens is not None and (not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)):
-            raise ValueError(f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
+            raise CreditTermsError("tokens", f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
         # The contract says untrained positions hold exactly 0: a non-zero there would enter g_full and no part.
-        # (A value check costs one device sync per construction.)
         # A non-finite value there makes the loss non-finite, which the audit reports as such.
         d = t.detach()
-        stray = (d != 0) & torch.isfinite(d) & ~self.trained.to(t.device)  # [B, T]
+        stray = (d != 0) & torch.isfinite(d) & ~tr.to(t.device)  # [B, T]
         if bool(stray.any()):
             n = int(stray.sum())
             pos = [tuple(p) for p in stray.nonzero()[:5].tolist()]
             raise CreditTermsError(
                 "terms",
                 f"`terms` must be exactly 0 at untrained positions, got {n} non-zero untrained position(s), e.g. "
-                f"(row, t) = {pos}. Mask the terms: `torch.where(trained, terms, torch.zeros_like(terms))`, or mark "
-                "those positions trained.",
+                f"(row, t) = {pos}. Mask the terms: `torch.where(trained, terms, torch.zeros_like(terms))` (an "
+                "unmasked KL or entropy term is the usual cause), or mark those positions trained.",
                 {"untrained_nonzero": n, "first_positions": str(pos)},
             )
         self._validate_row_labels(B)
@@ -141,16 +154,17 @@ class CreditTerms:
         """Check the optional per-row labels that the stable-name partitions read."""
         a = self.advantages
         if a is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != (B,) or not a.is_floating_point()):
-            raise ValueError(f"`advantages` must be a [B] = [{B}] float tensor or None, got {_describe(a)}.")
+            raise CreditTermsError("advantages", f"`advantages` must be a [B] = [{B}] float tensor or None, got {_describe(a)}.")
         s = self.source
         if s is not None:
             if not isinstance(s, torch.Tensor) or tuple(s.shape) != (B,) or s.is_floating_point() or s.dtype == torch.bool:
-                raise ValueError(f"`source` must be a [B] = [{B}] int tensor or None, got {_describe(s)}.")
+                raise CreditTermsError("source", f"`source` must be a [B] = [{B}] int tensor or None, got {_describe(s)}.")
             if s.numel() and int(s.min()) < 0:
-                raise ValueError(f"`source` ids must be >= 0, got a minimum of {int(s.min())}.")
+                raise CreditTermsError("source", f"`source` ids must be >= 0, got a minimum of {int(s.min())}.")
             n = self.source_names
             if n is not None and s.numel() and int(s.max()) >= len(n):
-                raise ValueError(
+                raise CreditTermsError(
+                    "source",
                     f"`source` ids must index `source_names` ({len(n)} names), got an id of {int(s.max())}; "
                     "add the missing names or pass source_names=None."
                 )
@@ -173,6 +187,46 @@ class CreditSource(Protocol):
 
 def is_credit_source(module: Any) -> bool:
     return callable(getattr(module, "credit_terms", None))
+
+
+def validate_terms(terms: Any) -> CreditTerms:
+    """The one check every audit makes of what ``credit_terms`` returned; returns it, or raises.
+
+    Raises ``TypeError`` when it is not a :class:`CreditTerms` and :class:`CreditTermsError` (naming the
+    field) when a field breaks the contract. Callers that must not stop training turn the error into a
+    :class:`~lens_callbacks.refusal.Refusal` (condition ``credit_terms.<field>``).
+    """
+    if not isinstance(terms, CreditTerms):
+        raise TypeError(
+            f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
+            "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
+        )
+    terms.validate()
+    return terms
+
+
+def _odd_one_out(ct: CreditTerms, terms_shape: tuple, trained_shape: tuple) -> str:
+    """Which of ``terms`` and ``trained`` is wrong when their shapes differ: the one the other fields disagree with.
+
+    The other ``[B, T]`` fields (``segment``, ``tokens``) and the ``[B]`` row labels vote; with no vote either
+    way the mask is blamed, since ``terms`` is what the module backpropagates and the mask describes it.
+    """
+    votes = {"terms": 0, "trained": 0}  # votes *against* each field
+    for other in (ct.segment, ct.tokens):
+        if isinstance(other, torch.Tensor) and other.dim() == 2:
+            shape = tuple(other.shape)
+            if shape == trained_shape and shape != terms_shape:
+                votes["terms"] += 1
+            elif shape == terms_shape and shape != trained_shape:
+                votes["trained"] += 1
+    for label in (ct.rollout, ct.group):
+        if isinstance(label, torch.Tensor) and label.dim() == 1 and terms_shape[0] != trained_shape[0]:
+            rows = label.shape[0]
+            if rows == trained_shape[0]:
+                votes["terms"] += 1
+            elif rows == terms_shape[0]:
+                votes["trained"] += 1
+    return "terms" if votes["terms"] > votes["trained"] else "trained"
 
 
 def _describe(v: Any) -> str:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -92,10 +93,11 @@ _check_versions()
 from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
 
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
-from ..credit.conservation import ConservationReading  # noqa: E402
+from ..credit.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
+from ..credit.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.distributed import Collectives, global_report  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
-from ..credit.terms import CreditTerms  # noqa: E402
+from ..credit.terms import CreditTerms, CreditTermsError  # noqa: E402
 
 __all__ = [
     "LensGRPOMixin",
@@ -572,6 +574,8 @@ class _Pending:
     precondition: Union[tuple[bool, str], Refusal]
     held: Optional[list[Optional[torch.Tensor]]]  # None: hold against .grad at the optimizer step
     source: str
+    parts_error: Optional[float] = None  # the audit's conservation_error, when `held` is its Σ g_S
+    parts_dtype: Optional[torch.dtype] = None  # the coarsest dtype the parts were computed in
 
 
 @dataclass
@@ -647,6 +651,7 @@ class LensTRLCallback(TrainerCallback):
         self._pending: Optional[_Pending] = None
         self._log: Optional[_StepLog] = None
         self._engine_note_done = False
+        self._said: set[str] = set()  # the causes already warned about: once each, not once per step
         #: The factor clipping multiplied ``.grad`` by at the last audited step (1.0: no clipping).
         self.last_clip_coef: Optional[float] = None
 
@@ -680,8 +685,10 @@ class LensTRLCallback(TrainerCallback):
         self.history.append((step, report))
         if isinstance(report, Refusal):
             self._log.values.update(report.to_dict(self.prefix))
-            if _is_main(tr):
-                log.warning("LensTRLCallback step %d: %s", step, report.render())
+            if _is_main(tr) and f"refused:{report.condition}" not in self._said:
+                # Once per reason: every later step refused for it is in `history` and `credit/refused`.
+                log.warning("LensTRLCallback step %d (later refusals for this reason are not repeated): %s", step, report.render())
+            self._said.add(f"refused:{report.condition}")
         else:
             values = report.to_dict(self.prefix, max_parts=self.max_parts)
             # The per-step names CreditAuditCallback logs beside the report's own.
@@ -690,9 +697,23 @@ class LensTRLCallback(TrainerCallback):
             values[f"{self.prefix}undefined_fraction"] = 0.0 if report.ok else 1.0
             values[f"{self.prefix}refused"] = 0.0
             self._log.values.update(values)
+            self._check_terms_are_loss(tr, report, step)
         if self.conservation:
             optimizer = kwargs.get("optimizer") or tr.optimizer
             self._pending = self._snapshot(tr, optimizer, step, report)
+
+    def _check_terms_are_loss(self, tr: Any, report: CreditReport, step: int) -> None:
+        """Say once, in words, when ``grad_match`` shows the re-derived terms are not the loss TRL trained."""
+        gm = report.grad_match
+        if gm is None or not math.isfinite(gm) or "terms_not_loss" in self._said:
+            return
+        args = getattr(tr, "args", None)
+        auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        limit = grad_match_threshold(getattr(torch, str(report.dtype), None), auto)
+        if gm > limit:
+            self._said.add("terms_not_loss")
+            if _is_main(tr):
+                log.warning("LensTRLCallback: %s", terms_not_loss_words(gm, limit, step))
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         pend, self._pending = self._pending, None
@@ -712,7 +733,13 @@ class LensTRLCallback(TrainerCallback):
                 tolerance=self.tolerance,
                 source=pend.source,
                 step=pend.step,
+                parts_error=pend.parts_error,
+                parts_dtype=pend.parts_dtype,
             )
+        if isinstance(reading, ConservationReading) and reading.violated and "violated" not in self._said:
+            self._said.add("violated")
+            if _is_main(self.trainer):
+                log.warning("LensTRLCallback: %s", reading.explain())
         self.last_conservation = reading
         self.conservation_history.append((pend.step, reading))
         self._log.values.update(reading.to_dict(self.conservation_prefix))
@@ -809,6 +836,8 @@ class LensTRLCallback(TrainerCallback):
                 log.warning("LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.", self.engine)
         try:
             return disintegrate(model, micro, self.partition, **kwargs), applied
+        except CreditTermsError as e:  # the re-derived terms break the contract: named by field, as the callbacks do
+            return Refusal(f"credit_terms.{e.field}", f"{type(e).__name__}: {e}", numbers=dict(e.numbers)), applied
         except Exception as e:  # a reading that cannot be made never crashes the training run
             return Refusal("audit_failed", f"the audit raised {type(e).__name__}: {e}", numbers={}), applied
 
@@ -847,4 +876,14 @@ class LensTRLCallback(TrainerCallback):
             tr, optimizer, clip_accounted=True, micro_batches_seen=int(tr.current_gradient_accumulation_steps)
         )
         before = [p.detach().clone() for p in params]
-        return _Pending(step, params, names, before, lrs, group_index, precondition, held, source)
+        parts_error, parts_dtype = None, None
+        if source == "credit_parts":
+            # The parts were computed under the trainer's autocast (bf16=True: bfloat16 matmuls): their own
+            # rounding, the audit's conservation_error, joins the conservation floor.
+            args = getattr(tr, "args", None)
+            auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+            own = getattr(torch, str(report.dtype), None)
+            dtypes = [d for d in (auto, own) if isinstance(d, torch.dtype) and d in UNIT_ROUNDOFF]
+            parts_error = report.conservation_error
+            parts_dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d], default=None)
+        return _Pending(step, params, names, before, lrs, group_index, precondition, held, source, parts_error, parts_dtype)

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from ..credit.terms import validate_terms
 from .instrument import RolloutGroup
 
 __all__ = [
@@ -22,7 +23,8 @@ def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
     """One group per distinct ``terms.group`` id: trained tokens and outcome rewards of its rows.
 
     Needs ``terms.tokens`` (``[B, T]`` token ids) and ``terms.rewards`` (``[B]`` outcomes); raises
-    ``ValueError`` naming the missing field otherwise.
+    ``ValueError`` naming the missing field otherwise, and checks the rest of the contract as every audit
+    does (:func:`~lens_callbacks.credit.terms.validate_terms`).
     """
     for name in ("tokens", "rewards"):
         if getattr(terms, name, None) is None:
@@ -30,6 +32,7 @@ def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
                 f"`CreditTerms.{name}` must be set for the process instrument, got None. Return "
                 "`tokens` ([B, T] token ids) and `rewards` ([B] outcome rewards) from `credit_terms`."
             )
+    validate_terms(terms)
     tokens = terms.tokens.detach().cpu()  # [B, T]
     trained = terms.trained.detach().cpu()  # [B, T]
     rewards = terms.rewards.detach().cpu().double()  # [B]

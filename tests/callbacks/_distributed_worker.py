@@ -7,7 +7,9 @@ global reading, the whole parameters and the whole averaged ``.grad``; at the en
 ``OUT_DIR/rank{r}.pt`` (readings, parameters, conservation readings, logged scalars). The test that runs
 it recomputes every reading in one process from those parameters and batches. With ``anchor`` the run has
 an :class:`AnchorProjectionCallback` (``"projected"``) alone for ``ANCHOR_STEPS`` steps instead, and each
-rank records the merged ``.grad`` of every step, the anchor's readings and the final parameters.
+rank records the merged ``.grad`` of every step, the anchor's readings and the final parameters. With
+``extras`` the audit also reads ``EXTRAS`` (extra partitions), and each rank records every warning raised
+during the fit.
 
 ``ddp`` and FSDP2 (Lightning's ``ModelParallelStrategy``) re-launch this script for rank 1, so it must be
 a script rather than a test function.
@@ -36,6 +38,7 @@ from lens_callbacks.credit import CreditTerms  # noqa: E402
 VOCAB, D, T, B, STEPS, W = 11, 8, 5, 3, 2, 2
 ANCHOR_STEPS = 6
 ANCHOR_KW = dict(mode="projected", cadence=1, delay_K=1, n0=3, w_cap=3, log_readings=False)
+EXTRAS = ["by_advantage_sign", "by_group"]
 
 
 def make_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,7 +83,7 @@ class Policy(pl.LightningModule):
         m = mask.to(lp.dtype)
         terms = -adv[:, None].to(lp.dtype) * lp * m / m.sum()  # [B, T]
         n = tokens.shape[0]
-        return CreditTerms(terms, mask, torch.arange(n), torch.arange(n))
+        return CreditTerms(terms, mask, torch.arange(n), torch.arange(n), advantages=adv.to(lp.dtype))
 
     def credit_terms(self, batch) -> CreditTerms:
         return self(batch)  # through __call__: FSDP2 gathers the root's shards in its forward hook
@@ -99,8 +102,9 @@ class Policy(pl.LightningModule):
 class Recorder(pl.Callback):
     """After the audit: the global reading, the whole θ and the whole averaged .grad of every step."""
 
-    def __init__(self, audit: CreditAuditCallback, check: ConservationCheckCallback, out_dir: str) -> None:
+    def __init__(self, audit: CreditAuditCallback, check: ConservationCheckCallback, out_dir: str, caught=None) -> None:
         self.audit, self.check, self.out_dir = audit, check, out_dir
+        self.caught = caught if caught is not None else []  # warnings raised during the fit, when recorded
         self.rows: list[dict] = []
         self.conservation: list = []
 
@@ -136,7 +140,9 @@ class Recorder(pl.Callback):
                                         "floor": getattr(c, "update_precision_floor", None),
                                         "holds": bool(getattr(c, "holds", False)), "text": c.render()}
                 for c in self.conservation
-            ], "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__},
+            ], "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
+             "warnings": [(w.category.__name__, str(w.message), w.filename) for w in self.caught],
+             "readings_text": self.audit.readings.render()},
             os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
         )
 
@@ -190,14 +196,17 @@ def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit")
             use_distributed_sampler=False, callbacks=[anchor, check, AnchorRecorder(anchor, check, out_dir)], default_root_dir=out_dir,
         ).fit(Policy(dtype, fsdp=fsdp, steps=ANCHOR_STEPS))
         return
-    audit = CreditAuditCallback(dtype=dtype_name, log_table_every_n_steps=0, log_figure=False)
+    extras = EXTRAS if what == "extras" else None
+    audit = CreditAuditCallback(dtype=dtype_name, log_table_every_n_steps=0, log_figure=False, extra_partitions=extras)
     check = ConservationCheckCallback(tolerance=1e-4, log_figure=False)
-    trainer = pl.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        callbacks=[audit, check, Recorder(audit, check, out_dir)], default_root_dir=out_dir,
-    )
-    trainer.fit(Policy(dtype, fsdp=fsdp))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always" if extras else "ignore")
+        trainer = pl.Trainer(
+            max_steps=STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+            callbacks=[audit, check, Recorder(audit, check, out_dir, caught)], default_root_dir=out_dir,
+        )
+        trainer.fit(Policy(dtype, fsdp=fsdp))
 
 
 if __name__ == "__main__":

@@ -572,8 +572,10 @@ def test_ddp_two_cpu_ranks_average_the_audit_parts():
 def test_state_round_trip_and_two_instances_have_distinct_keys():
     a, b = ConservationCheckCallback(), ConservationCheckCallback(every_n_steps=5)
     assert a.state_key != b.state_key
-    a._refusals_logged.add("optimizer: Adam")
+    a._once.refusals["optimizer"] = [2, 0, 1, "Adam"]
+    a._once.seen.add("violated:grad")
     a.readings_made = 3
     c = ConservationCheckCallback()
     c.load_state_dict(a.state_dict())
-    assert c._refusals_logged == {"optimizer: Adam"} and c.readings_made == 3
+    assert c._once.refusals == {"optimizer": [2, 0, 1, "Adam"]} and c._once.seen == {"violated:grad"}
+    assert c.readings_made == 3

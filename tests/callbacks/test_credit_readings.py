@@ -67,7 +67,7 @@ def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scala
                 assert a == pytest.approx(b, abs=1e-12)
                 assert values[f"credit/{n}/projected_share/{direct[n].part_names[extra[n].projected_share.index(a)]}"] == a
         assert values["credit/by_advantage_sign/projected_share/zero"] == 0.0  # zero advantage, zero terms
-        assert "credit/noise/b_simple" in values
+        assert "credit/noise/b_simple" in values and "credit/noise/grad_sq_ema" in values
     assert defined >= 2
     assert "credit by by_advantage_sign" in audit.readings.render()
 

@@ -180,3 +180,57 @@ def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(run, tmp_pa
                 assert c["source"] == "grad" and c["holds"] and c["error"] < 1e-12, c["text"]
             else:  # a check that knows of the merger may refuse the merged steps, naming it
                 assert "Anchor" in c["text"], c["text"]
+
+
+def test_ddp_extra_partitions_are_read_over_all_ranks_without_nan_or_deprecated_collectives(run):
+    """2 ranks with ``extra_partitions``: each extra reading equals a single process on the concatenated batch."""
+    records = run("ddp", "float64", "extras")
+    for rank in records:
+        for row in rank["rows"]:
+            logged = row["logged"]
+            # No NaN scalar, the smoothed noise readings included; b_simple_ema alone reads NaN, as documented,
+            # while the smoothed ‖G‖² is not positive (noise swamps the signal).
+            nan = [k for k, v in logged.items() if v != v]
+            assert nan in ([], ["credit/noise/b_simple_ema"]), nan
+            assert logged["credit/noise/grad_sq_ema"] == logged["credit/noise/grad_sq_ema"]
+            if nan:
+                assert logged["credit/noise/grad_sq_ema"] <= 0
+        # Our collectives raise no FutureWarning (torch.distributed.nn.functional.all_gather is deprecated).
+        ours = [w for w in rank["warnings"] if w[0] == "FutureWarning" and "distributed" in w[1]]
+        assert ours == [], ours
+        assert "not read" not in rank["readings_text"], rank["readings_text"]
+    a, b = (r["rows"] for r in records)
+    for ra, rb in zip(a, b):
+        shared = {k: v for k, v in ra["logged"].items() if "by_advantage_sign" in k or "by_group" in k}
+        assert shared and shared == {k: rb["logged"][k] for k in shared}  # the same global reading on both ranks
+    for row in a:
+        plain = worker.Policy(torch.float64)
+        with torch.no_grad():
+            for n, p in plain.named_parameters():
+                p.copy_(row["params"][n])
+        n = worker.W * worker.B
+
+        def terms_fn(_, step=row["step"]):
+            parts = [plain.credit_terms(worker.make_batch(r, step)) for r in range(worker.W)]
+            terms = torch.cat([t.terms for t in parts]) / worker.W  # [W·B, T]: DDP applies the rank mean
+            return CreditTerms(terms, torch.cat([t.trained for t in parts]), torch.arange(n), torch.arange(n),
+                               advantages=torch.cat([t.advantages for t in parts]))
+
+        ref = disintegrate(plain, None, "by_advantage_sign", dtype="float64", terms_fn=terms_fn)
+        logged = row["logged"]
+        for name, share in zip(ref.part_names, ref.projected_share):
+            key = f"credit/by_advantage_sign/projected_share/{name}"
+            if key in logged:
+                assert logged[key] == pytest.approx(share, rel=0, abs=1e-12), name
+            else:
+                assert share == 0.0, (name, share)
+        # by_group (positional, one row per group here): one part per rank's row, named by rank.
+        groups = {k: v for k, v in logged.items() if k.startswith("credit/by_group/projected_share/")}
+        assert len(groups) == n and sum(groups.values()) == pytest.approx(1.0, abs=1e-12)
+        assert all(k.split("/")[-2] in ("r0", "r1") for k in groups), sorted(groups)
+        # The noise scale of the global batch: every rank's rows, from a one-process by_rollout audit.
+        per_row = disintegrate(plain, None, "by_rollout", dtype="float64", terms_fn=terms_fn)
+        from lens_callbacks.credit.noise import noise_scale
+
+        want = noise_scale(per_row.part_norm, per_row.full_grad_norm)
+        assert logged["credit/noise/b_simple"] == pytest.approx(want.b_simple, rel=1e-9)

@@ -173,7 +173,7 @@ class _FusedAttention(pl.LightningModule):
 def test_a_module_without_forward_derivatives_gets_a_refusal_and_trains_on():
     audit = CreditAuditCallback(update_shares=True, log_table_every_n_steps=0)
     m = _FusedAttention()
-    with pytest.warns(RuntimeWarning, match="update shares at step 0 declined: ForwardADUnsupportedError"):
+    with pytest.warns(RuntimeWarning, match=r"update shares at step 0 declined: REFUSED \(update_share\): ForwardADUnsupportedError"):
         pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(m)
     assert m.trainer.global_step == 2

@@ -265,7 +265,53 @@ def test_reading_render_and_dict():
     r = step_conservation([torch.ones(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)], 1.0, [torch.ones(2, dtype=torch.float64)], step=7)
     d = r.to_dict("conservation/")
     assert d["conservation/error"] == 0.0 and d["conservation/refused"] == 0.0 and d["conservation/limited"] == 1.0
-    assert "step 7" in r.render() and "PRECISION-LIMITED" in r.render()
+    # A float64 step that conserves to the last bit says so plainly: no "limited" in the words.
+    assert r.status == "holds" and d["conservation/holds"] == 1.0 and r.explain() == ""
+    assert "step 7" in r.render() and "HOLDS (error <= floor" in r.render() and "LIMITED" not in r.render()
+
+
+def test_status_words_and_the_words_of_a_violation():
+    """`holds` / `holds within precision` / `violated`, and a violation named with its figure, cause and fix."""
+    g = [torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)]
+    before = [torch.tensor([3.0, 1.0, -1.0], dtype=torch.float64)]
+    lr = 0.1
+    honest = step_conservation(before, [before[0] - lr * g[0]], lr, g, source="credit_parts")
+    assert honest.status == "holds" and honest.scale == pytest.approx(1.0, abs=1e-12)
+    twice = step_conservation(before, [before[0] - 2 * lr * g[0]], lr, g, source="credit_parts", step=3)
+    assert twice.status == "violated" and twice.scale == pytest.approx(2.0, abs=1e-12)
+    words = twice.explain()
+    for part in ("step conservation violated at step 3", "relative error of 1", "2 × Σ g_S", "wrong normaliser",
+                 "loss = self.credit_terms(batch).terms.sum()"):
+        assert part in words, (part, words)
+    # A different direction (a term left out): not a multiple, and said so.
+    other = [g[0] + torch.tensor([0.0, 0.0, 3.0], dtype=torch.float64)]
+    left_out = step_conservation(before, [before[0] - lr * other[0]], lr, g, source="credit_parts")
+    assert left_out.violated and "not a multiple of Σ g_S" in left_out.explain()
+    # bfloat16 weights and a tiny step: the floor is coarser than the tolerance, so an honest step holds within precision.
+    b16 = [before[0].to(torch.bfloat16)]
+    tiny = step_conservation(b16, [(b16[0].double() - 1e-4 * g[0]).to(torch.bfloat16)], 1e-4, g, tolerance=1e-4)
+    assert tiny.update_precision_floor > 1e-4 and tiny.status == "holds within precision", tiny.render()
+    assert "HOLDS WITHIN PRECISION" in tiny.render()
+
+
+def test_the_audit_parts_rounding_joins_the_floor_up_to_rounding_only():
+    g = [torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)]
+    before = [torch.tensor([3.0, 1.0, -1.0], dtype=torch.float64)]
+    # Σ g_S off .grad by 1e-3 relative (bfloat16 parts): the update is .grad's, the parts are g.
+    applied = [g[0] * (1 + 1e-3)]
+    after = [before[0] - 0.1 * applied[0]]
+    plain = step_conservation(before, after, 0.1, g, source="credit_parts")
+    assert plain.violated  # the float64 floor alone cannot explain 1e-3
+    kw = dict(source="credit_parts", parts_error=1e-3, parts_dtype=torch.bfloat16)
+    bf = step_conservation(before, after, 0.1, g, **kw)
+    assert bf.parts_floor == pytest.approx(1e-3 / (1 - 1e-3)) and bf.holds and bf.status == "holds within precision"
+    # The same gap claimed by float32 parts is beyond their rounding: it is not added, the violation stays.
+    assert step_conservation(before, after, 0.1, g, source="credit_parts", parts_error=1e-3, parts_dtype=torch.float32).violated
+    # Parts that do not add up (error 0.5) are a finding, not rounding; a wrong normaliser still fires in bfloat16.
+    assert step_conservation(before, after, 0.1, g, source="credit_parts", parts_error=0.5, parts_dtype=torch.bfloat16).violated
+    assert step_conservation(before, [before[0] - 0.2 * g[0]], 0.1, g, **kw).violated
+    # Held against `.grad`, the audit's error is not part of the reading.
+    assert step_conservation(before, after, 0.1, g, parts_error=1e-3, parts_dtype=torch.bfloat16).parts_floor == 0.0
 
 
 def test_mixed_dtypes_round_each_tensor_in_its_own_dtype():

@@ -23,6 +23,7 @@ from lens_callbacks.credit import (
     disintegrate,
     resolve_partition,
 )
+from lens_callbacks.credit.terms import CreditTermsError
 
 VOCAB = 11
 
@@ -218,8 +219,10 @@ def test_terms_that_do_not_add_up_are_caught():
         t.terms = t.terms + 0.01 * (~t.trained) * module.logprobs(b[0])
         return t
 
-    r = disintegrate(module, batch, "by_rollout", dtype="float64", terms_fn=leaky)
-    assert r.conservation_error > 1e-3
+    # The audit checks the contract before it reads the terms: the stray term is named, not averaged in.
+    with pytest.raises(CreditTermsError, match="must be exactly 0 at untrained positions") as err:
+        disintegrate(module, batch, "by_rollout", dtype="float64", terms_fn=leaky)
+    assert err.value.field == "terms" and err.value.numbers["untrained_nonzero"] > 0
 
 
 def test_zero_and_nonfinite_gradient_give_a_reading_not_an_exception():
@@ -341,15 +344,18 @@ def first_two_positions(terms: CreditTerms) -> Partition:
 
 
 def test_credit_terms_validation_names_the_field():
-    # A well-formed mask that agrees with the rows: the terms are the wrong field, not `trained`.
-    with pytest.raises(ValueError, match=r"`terms` must have the shape of `trained` \[B, T\] = \[2, 4\], got \[2, 3\]"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"`trained` must be a \[B, T\] = \[2, 3\] bool tensor"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(3, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="`trained` must be bool"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(2, 3), torch.arange(2), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"`group` must be a \[B\]"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2), torch.zeros(3, dtype=torch.long))
+    def check(*args):
+        CreditTerms(*args).validate()
+
+    # No other [B, T] field to side with either: the mask describes the terms, so the mask is the wrong field.
+    with pytest.raises(CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[2, 4\]"):
+        check(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[3, 3\]"):
+        check(torch.zeros(2, 3), torch.ones(3, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(CreditTermsError, match="`trained` must be bool"):
+        check(torch.zeros(2, 3), torch.ones(2, 3), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(CreditTermsError, match=r"`group` must be a \[B\]"):
+        check(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2), torch.zeros(3, dtype=torch.long))
 
 
 @settings(max_examples=15, deadline=None)

@@ -125,10 +125,10 @@ def test_missing_labels_and_bad_inputs_are_clear_errors():
             fn(t)
     with pytest.raises(ValueError, match="`source` ids must index `source_names`"):
         CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2),
-                    torch.zeros(2, dtype=torch.long), source=torch.tensor([0, 2]), source_names=("a", "b"))
+                    torch.zeros(2, dtype=torch.long), source=torch.tensor([0, 2]), source_names=("a", "b")).validate()
     with pytest.raises(ValueError, match="`advantages` must be a \\[B\\] = \\[2\\] float tensor"):
         CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2),
-                    torch.zeros(2, dtype=torch.long), advantages=torch.tensor([1, 0]))
+                    torch.zeros(2, dtype=torch.long), advantages=torch.tensor([1, 0])).validate()
     with pytest.raises(ValueError, match="`edges` must be a non-empty increasing"):
         reward_levels(edges=[1.0, 0.5])
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditGrads, CreditReport, share_readings
-from ..terms import CreditTerms
+from ..terms import CreditTerms, validate_terms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, ghost_param
 
@@ -971,7 +971,7 @@ class RideAlong:
         """The partition's rows and the parameters' uses, or the reason the step cannot ride along."""
         if self.calls != 1 or self.terms is None:
             return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
-        t = self.terms
+        t = validate_terms(self.terms)
         part = partition_fn(t.detached())
         part.check_covers(t.trained)
         ids = part.ids.to(t.terms.device)  # [B, T]

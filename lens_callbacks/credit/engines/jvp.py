@@ -44,7 +44,7 @@ from ..engine import (
 )
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditReport
-from ..terms import CreditTerms
+from ..terms import CreditTerms, validate_terms
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -149,11 +149,7 @@ def terms_jvp(
                     "derivative, or audit with the reference engine."
                 ) from err
             raise
-        if not isinstance(terms, CreditTerms):
-            raise TypeError(
-                f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
-                "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
-            )
+        validate_terms(terms)
         primal, tangent = fwAD.unpack_dual(terms.terms)
         if tangent is None:  # the terms do not depend on the directions given
             tangent = torch.zeros_like(primal)
