@@ -128,12 +128,16 @@ class NoiseScaleEMA:
         return self.trace_sigma / self.grad_sq if self.n and self.grad_sq > 0 else float("nan")
 
     def to_dict(self, prefix: str = "credit/noise/") -> dict[str, float]:
-        c = 1.0 - self.beta ** self.n if self.n else float("nan")
-        return {
-            f"{prefix}grad_sq_ema": self.grad_sq / c if self.n else float("nan"),
-            f"{prefix}trace_sigma_ema": self.trace_sigma / c if self.n else float("nan"),
+        """The smoothed readings that exist: a NaN would be a gap in every plot, so it is left out."""
+        if not self.n:
+            return {}
+        c = 1.0 - self.beta ** self.n
+        out = {
+            f"{prefix}grad_sq_ema": self.grad_sq / c,
+            f"{prefix}trace_sigma_ema": self.trace_sigma / c,
             f"{prefix}b_simple_ema": self.b_simple,
         }
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "grad_sq": self.grad_sq, "trace_sigma": self.trace_sigma, "n": self.n}

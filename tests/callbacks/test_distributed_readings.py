@@ -188,12 +188,12 @@ def test_ddp_extra_partitions_are_read_over_all_ranks_without_nan_or_deprecated_
     for rank in records:
         for row in rank["rows"]:
             logged = row["logged"]
-            # No NaN scalar, the smoothed noise readings included; b_simple_ema alone reads NaN, as documented,
-            # while the smoothed ‖G‖² is not positive (noise swamps the signal).
+            # No NaN scalar, the smoothed noise readings included: b_simple_ema is left out, not logged as
+            # NaN, while the smoothed ‖G‖² is not positive (noise swamps the signal).
             nan = [k for k, v in logged.items() if v != v]
-            assert nan in ([], ["credit/noise/b_simple_ema"]), nan
+            assert nan == [], nan
             assert logged["credit/noise/grad_sq_ema"] == logged["credit/noise/grad_sq_ema"]
-            if nan:
+            if "credit/noise/b_simple_ema" not in logged:
                 assert logged["credit/noise/grad_sq_ema"] <= 0
         # Our collectives raise no FutureWarning (torch.distributed.nn.functional.all_gather is deprecated).
         ours = [w for w in rank["warnings"] if w[0] == "FutureWarning" and "distributed" in w[1]]
