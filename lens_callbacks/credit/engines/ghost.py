@@ -7,12 +7,16 @@ into its output (``B``) on those rows:
 
 - ``nn.Linear``: ``g_S(W) = Σ_{k∈S} B_kᵀ A_k``, bias ``Σ_{k∈S} Σ_t B_kt``;
 - transformers' ``Conv1D``: ``g_S(W) = Σ_{k∈S} A_kᵀ B_k``;
-- ``nn.Embedding``: ``g_S(E)[v] = Σ_{(k,t)∈S, id_kt = v} B_kt`` (``padding_idx`` rows stay zero);
+- ``nn.Embedding``: ``g_S(E)[v] = Σ_{(k,t)∈S, id_kt = v} B_kt`` (``padding_idx`` rows stay zero), never
+  formed as a ``[V, d]`` piece per row: its dots are gathers, its norms token-equality Grams and its sum
+  one ``index_add`` (:mod:`.ghost_routes`);
 - ``nn.LayerNorm`` / RMSNorm variants: ``g_S(w) = Σ_{k∈S} Σ_t B_kt ∘ x̂_kt``, bias ``Σ B_kt``, with ``x̂``
   the layer's own normalised input (recomputed by the layer's own arithmetic with the weight set to one).
 
 A parameter used by several layers (GPT-2's ``wte`` is also the LM head) gets the SUM of its uses' pieces,
-so the cross terms of a tied weight are exact. Each parameter's per-part pieces are assembled one
+so the cross terms of a tied weight are exact (for a tied embedding / head, the pair Gram of the two uses
+is a gather of the head's output gradient at the row's tokens). Every dot and squared norm is summed in
+float64 from products in the pieces' dtype (:mod:`.reductions`). Each parameter's per-part pieces are assembled one
 parameter at a time, in chunks of parts under a memory budget, and reduced at once to ``<g_S, g_full>``,
 the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists. A ``Linear``/``Conv1D``
 weight may instead be read by the ghost identities, without any per-row piece, where that costs less
@@ -44,7 +48,8 @@ from ..partition import Partition, PartitionFn, apply_partition, resolve_partiti
 from ..report import CreditGrads, CreditReport, share_readings
 from ..terms import CreditTerms
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, ghost_param
+from .ghost_routes import ROUTES, choose_route, ghost_eligible, ghost_param, sparse_only
+from .reductions import diff_sq64, dots64, gram64, row_sq64, sq64
 
 __all__ = [
     "disintegrate_ghost",
@@ -201,16 +206,16 @@ class RowCapture:
             if not self.active or self._inner or not inputs:
                 return None
             x = inputs[0]
-            if not isinstance(out, torch.Tensor) or not out.requires_grad or not isinstance(x, torch.Tensor):
+            if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dim() < 2 or x.dim() < 1:
                 return None
-            if out.dim() < 2 or x.dim() < 1:
+            lead = int(out.shape[0])
+            if lead > 1 and self.batch == 0:
+                self.batch = lead  # seen on a frozen layer too (a frozen token embedding before a trained one)
+            if not out.requires_grad:
                 return None
             w = getattr(mod, "weight", None)
             b = getattr(mod, "bias", None)
             b = b if isinstance(b, torch.Tensor) else None
-            lead = int(out.shape[0])
-            if lead > 1 and self.batch == 0:
-                self.batch = lead
             if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
                 return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
             ret = None
@@ -315,16 +320,6 @@ def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.T
             out.index_add_(0, dst, torch.bmm(L.transpose(1, 2), R))  # [r, d_L, d_R]
         else:
             out.index_add_(0, dst, _take(g, sel, B).sum(1))  # [r, out]
-    elif use.rule == "embedding":
-        G = _take(g, sel, B)  # [r, n, d]
-        ids = a.reshape(B, -1)
-        ids = ids if sel.numel() == B else ids[sel]  # [r, n]
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        pad = use.module.padding_idx
-        if pad is not None:
-            keep = ids != pad  # the padding row gets no gradient, as in F.embedding's backward
-        part_of = dst[:, None].expand_as(ids)  # [r, n]
-        out.index_put_((part_of[keep], ids[keep]), G[keep], accumulate=True)
     elif use.rule in ("layernorm", "rmsnorm"):
         G = _take(g, sel, B)  # [r, n, d]
         if is_w:
@@ -378,10 +373,8 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
 
 
 def _sq_t(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others (the difference of
-    two nearly equal vectors is exact in their dtype)."""
-    x = x.reshape(-1).double()  # [n]; no copy when already float64
-    return torch.dot(x, x)
+    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others."""
+    return sq64(x)
 
 
 def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
@@ -391,12 +384,9 @@ def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
 
 
 def _row_sq(P: torch.Tensor) -> torch.Tensor:
-    """``‖P_i‖²`` of every row of a ``[c, n]`` block, read back in float64 (``[c]``).
-
-    Reduced in ``P``'s dtype, as the Gram's diagonal is: an upcast copy of the block would double the
-    peak memory of the step (and take 30 times longer on a CPU).
-    """
-    return torch.linalg.vector_norm(P, dim=1).double() ** 2  # [c]
+    """``‖P_i‖²`` of every row of a ``[c, n]`` block in float64 (``[c]``): per-block norms in ``P``'s dtype
+    summed in float64 (an upcast copy of the block would double the step's peak memory)."""
+    return row_sq64(P)
 
 
 def _part_sum(P: torch.Tensor) -> torch.Tensor:
@@ -422,32 +412,32 @@ class _Accum:
         tg = gf if target is None else target.reshape(-1)  # [n] what the parts are dotted with
         if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
             P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
-            self.dots += (P @ tg.to(P.dtype)).double()
+            self.dots += dots64(P, tg)
             if self.gram is not None:
-                self.gram += (P @ P.T).double()
+                self.gram += gram64(P, P)
             if self.sq is not None:
                 self.sq += _row_sq(P)
             total = _part_sum(P)
-            self.diff_sq += _sq_t(total - gf.to(total.dtype))
+            self.diff_sq += diff_sq64(total, gf)
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
-            self.dots[idx] += (P @ tg.to(P.dtype)).double()
+            self.dots[idx] += dots64(P, tg)
             if self.sq is not None:
                 self.sq[idx] += _row_sq(P)
             total += _part_sum(P).to(total.dtype)
             if self.gram is not None:
-                self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
+                self.gram[idx[:, None], idx[None, :]] += gram64(P, P)
                 for cj in chunks[i + 1 :]:
                     Q = pieces(cj).reshape(len(cj), -1)  # [c', n]
                     jdx = torch.tensor(cj, device=self.dots.device)
-                    block = (P @ Q.T).double()  # [c, c']
+                    block = gram64(P, Q)  # [c, c']
                     self.gram[idx[:, None], jdx[None, :]] += block
                     self.gram[jdx[:, None], idx[None, :]] += block.T
             del P
-        self.diff_sq += _sq_t(total - gf.to(total.dtype))
+        self.diff_sq += diff_sq64(total, gf)
         return total.view_as(g_full) if keep_sum else None
 
 
@@ -684,6 +674,8 @@ def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edge
     for i, us in seen.items():
         if i in bad or edges.get(id(leaves[i]), 0) != len(us):
             continue  # a use the hooks did not see (or a use outside the graph): exact fallback
+        if sparse_only(us, leaves[i]) and not ghost_eligible(us, leaves[i]):
+            continue  # an embedding weight also used by a layer without an L^T R piece: exact fallback
         out[i] = us
     return out
 
@@ -829,13 +821,13 @@ class _Reducer:
             if fb is None:
                 fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=self.device)
             tg = gf if self.onto is None else torch.cat([self.onto[i].reshape(-1) for i in fallback])  # [n_fallback]
-            acc.dots += (fb @ tg.to(fb.dtype)).double()
+            acc.dots += dots64(fb, tg)
             if acc.gram is not None:
-                acc.gram += (fb @ fb.T).double()
+                acc.gram += gram64(fb, fb)
             if acc.sq is not None:
                 acc.sq += _row_sq(fb)
             s = fb.sum(0)
-            acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
+            acc.diff_sq += diff_sq64(s, gf)
             if self.keep_sum:
                 off = 0
                 for i in fallback:
