@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lens_callbacks.credit import CreditTerms, disintegrate
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost
+from lens_callbacks.credit.engines.rules import Factors, Rule, find_rule, register, take, unregister
 from lens_callbacks.credit.partition import by_rollout
 from tests.credit.test_ghost_engine import llama_float64  # noqa: F401  (transformers' float32 spots patched)
 
@@ -290,3 +291,68 @@ def test_ride_along_with_a_tied_embedding_equals_the_reference(readings):
         module.zero_grad(set_to_none=True)
     assert not isinstance(got, str), got
     assert_same(ref, got)
+
+
+# ---- the registry: a rule for a custom layer is one class -----------------------------------------------
+
+
+class DoubledLinear(nn.Module):
+    """``y = 2 · x Wᵀ``: a layer no shipped rule covers."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in, dtype=torch.float64) * 0.5)
+
+    def forward(self, x):
+        return 2.0 * (x @ self.weight.T)
+
+
+class DoubledLinearRule(Rule):
+    """Row ``k``'s weight gradient is ``2 · B_kᵀ A_k``: factors ``(2B, A)``, or the product itself."""
+
+    name = "doubled_linear"
+
+    def matches(self, mod):
+        return type(mod) is DoubledLinear
+
+    def has_factors(self, use, param):
+        return param is use.weight
+
+    def factors(self, use, param, sel, B):
+        return Factors(2.0 * take(use.b, sel, B), take(use.a, sel, B), False)
+
+    def pieces(self, use, param, rows):
+        B = rows.rp.shape[0]
+        prod = torch.bmm(2.0 * take(use.b, rows.sel, B).transpose(1, 2), take(use.a, rows.sel, B))  # [r, out, in]
+        return torch.zeros((rows.c,) + tuple(param.shape), dtype=prod.dtype).index_add_(0, rows.dst, prod)
+
+
+class CustomPolicy(VocabPolicy):
+    def __init__(self):
+        super().__init__(tie=True)
+        g = torch.Generator().manual_seed(3)
+        self.fc = DoubledLinear(8, 16)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(16, 8, generator=g, dtype=torch.float64) * 0.5)
+
+
+@pytest.mark.parametrize("route", ["direct", "ghost"])
+def test_a_registered_rule_covers_a_custom_layer(route):
+    module, batch = CustomPolicy(), vocab_batch()
+    before = disintegrate_ghost(module, batch, "by_group", dtype="float64")
+    assert dict(before.coverage)["fallback"] == module.fc.weight.numel()  # unknown layer: the fallback
+    rule = register(DoubledLinearRule())
+    try:
+        assert find_rule(module.fc) is rule
+        ref, got = both(module, batch, "by_group", route=route)
+        assert_same(ref, got)
+        cov = dict(got.coverage)
+        assert "fallback" not in cov and cov["doubled_linear"] == module.fc.weight.numel()
+    finally:
+        unregister(rule)
+    assert find_rule(module.fc) is None
+
+
+def test_register_refuses_what_is_not_a_rule():
+    with pytest.raises(TypeError, match="`rule` must be an instance of .*Rule, got function"):
+        register(lambda mod: True)

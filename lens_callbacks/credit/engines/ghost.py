@@ -45,10 +45,12 @@ import torch
 from torch import nn
 
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
 from ..report import CreditGrads, CreditReport, share_readings
 from ..terms import CreditTerms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, ghost_eligible, ghost_param, sparse_only
+from .rules import Rule, find_rule
 from .reductions import diff_sq64, dots64, gram64, row_sq64, sq64
 
 __all__ = [
@@ -77,36 +79,10 @@ class RowInteraction(ValueError):
 # ---- the rules -------------------------------------------------------------------------------------
 
 
-def _forward_is(mod: nn.Module, cls: type) -> bool:
-    return isinstance(mod, cls) and type(mod).forward is cls.forward
-
-
 def rule_for(mod: nn.Module) -> Optional[str]:
-    """The rule that covers ``mod``'s own parameters, or None (its parameters go to the fallback)."""
-    if _forward_is(mod, nn.Linear):
-        return "linear"
-    if _forward_is(mod, nn.Embedding):
-        if mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse:
-            return "embedding"
-        return None
-    if _forward_is(mod, nn.LayerNorm):
-        if mod.elementwise_affine and len(mod.normalized_shape) == 1:
-            return "layernorm"
-        return None
-    rms = getattr(nn, "RMSNorm", None)
-    if rms is not None and _forward_is(mod, rms):
-        if mod.weight is not None and len(mod.normalized_shape) == 1:
-            return "rmsnorm"
-        return None
-    name = type(mod).__name__
-    if name == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None), torch.Tensor):
-        return "conv1d"
-    w = getattr(mod, "weight", None)
-    # transformers' Llama/Qwen2/Mistral/T5 RMSNorm: `weight * normed(x)`. Gemma's `(1 + weight) * …` is not.
-    if name.endswith("RMSNorm") and "Gemma" not in name and isinstance(w, torch.Tensor) and w.dim() == 1:
-        if getattr(mod, "bias", None) is None:
-            return "rmsnorm"
-    return None
+    """The name of the rule that covers ``mod``'s own parameters, or None (its parameters go to the fallback)."""
+    rule = find_rule(mod)
+    return None if rule is None else rule.name
 
 
 def row_interacting_modules(module: nn.Module) -> list[str]:
@@ -121,10 +97,11 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
+    __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
 
-    def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
-        self.rule = rule
+    def __init__(self, rule: Rule, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
+        self.handler = rule  # the registered rule that reads this use
+        self.rule = rule.name
         self.module = module
         self.weight = weight
         self.bias = bias
@@ -147,7 +124,7 @@ class _Use:
                     f"the input of {type(self.module).__name__} was modified in place after the layer read it, so "
                     "its normalised input cannot be formed again; use engine='reference'."
                 )
-            self.xhat = self.capture._normalised(self.module, self.rule, self.a)
+            self.xhat = self.capture.quiet(self.handler.normalised, self.module, self.a)
         return self.xhat
 
     def grad_hook(self, g: torch.Tensor) -> None:
@@ -180,7 +157,7 @@ class RowCapture:
 
     def install(self) -> "RowCapture":
         for mod in self.root.modules():
-            rule = rule_for(mod)
+            rule = find_rule(mod)
             if rule is not None:
                 self.handles.append(mod.register_forward_hook(self._make_hook(rule)))
         return self
@@ -201,7 +178,7 @@ class RowCapture:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
-    def _make_hook(self, rule: str) -> Callable[..., Any]:
+    def _make_hook(self, rule: Rule) -> Callable[..., Any]:
         def hook(mod: nn.Module, inputs: tuple, out: Any) -> Any:
             if not self.active or self._inner or not inputs:
                 return None
@@ -219,18 +196,14 @@ class RowCapture:
             if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
                 return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
             ret = None
-            if rule == "embedding" and lead == 1 and self.batch > 1:
+            if rule.expands_broadcast and lead == 1 and self.batch > 1:
                 # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
                 # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
                 out = out.expand(self.batch, *out.shape[1:])
                 x = x.expand(self.batch, *x.shape[1:])
                 ret = out
             use = _Use(rule, mod, w, b, x.detach())
-            if rule in ("layernorm", "rmsnorm"):
-                use.capture = self
-                if torch.is_autocast_enabled(x.device.type):
-                    # x̂ under the forward's autocast (its dtype rules): taken now, not recomputed outside it
-                    use.xhat = self._normalised(mod, rule, x)
+            rule.on_forward(use, mod, x, self)
             out.register_hook(use.grad_hook)
             use.edge = torch.autograd.graph.get_gradient_edge(out)
             self.uses.append(use)
@@ -238,21 +211,11 @@ class RowCapture:
 
         return hook
 
-    def _normalised(self, mod: nn.Module, rule: str, x: torch.Tensor) -> torch.Tensor:
-        """``x̂`` by the layer's own forward with weight one and bias zero: the same arithmetic as training."""
-        if rule == "layernorm":
-            with torch.no_grad():
-                return torch.nn.functional.layer_norm(x.detach(), mod.normalized_shape, None, None, mod.eps)
-        if type(mod) is getattr(nn, "RMSNorm", None):
-            with torch.no_grad():
-                return torch.nn.functional.rms_norm(x.detach(), mod.normalized_shape, None, mod.eps)
+    def quiet(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with this capture's hooks silent (a rule re-running a layer's own forward)."""
         self._inner = True
         try:
-            with torch.no_grad():
-                state = {"weight": torch.ones_like(mod.weight)}
-                if isinstance(getattr(mod, "bias", None), torch.Tensor):
-                    state["bias"] = torch.zeros_like(mod.bias)
-                return torch.func.functional_call(mod, state, (x.detach(),)).detach()
+            return fn(*args)
         finally:
             self._inner = False
 
@@ -274,16 +237,6 @@ def row_parts(part: Partition) -> Optional[torch.Tensor]:
 # ---- per-part pieces of one parameter --------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor, B: int) -> torch.Tensor:
-    return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
-
-
-def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
-    """Rows ``sel`` of ``t`` seen as ``[B, n, d]``; no copy when every row is selected."""
-    r = _rows(t, B)
-    return r if sel.numel() == B else r[sel]
-
-
 class _Rows:
     """Which rows a chunk of parts holds, worked out once per chunk (each of these costs a device sync)."""
 
@@ -299,37 +252,10 @@ class _Rows:
 
 
 def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.Tensor]:
-    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes."""
-    a, g = use.a, use.b
-    if g is None:
+    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes (its rule's pieces)."""
+    if use.b is None:
         return None
-    B = rows.rp.shape[0]
-    sel, dst, c = rows.sel, rows.dst, rows.c
-    is_w = param is use.weight
-    if use.rule in ("linear", "conv1d") and is_w:
-        G = _take(g, sel, B)  # [r, n, out]
-        A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
-        L, R = (G, A) if use.rule == "linear" else (A, G)  # the weight is Lᵀ R: Linear [out, in], Conv1D [in, out]
-        if rows.in_order:  # one row per part, in order (by_rollout): the per-row product is the piece itself
-            return torch.bmm(L.transpose(1, 2), R)  # [c, d_L, d_R]
-    out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
-    if sel.numel() == 0:
-        return out
-    if use.rule in ("linear", "conv1d"):
-        if is_w:
-            out.index_add_(0, dst, torch.bmm(L.transpose(1, 2), R))  # [r, d_L, d_R]
-        else:
-            out.index_add_(0, dst, _take(g, sel, B).sum(1))  # [r, out]
-    elif use.rule in ("layernorm", "rmsnorm"):
-        G = _take(g, sel, B)  # [r, n, d]
-        if is_w:
-            X = _take(use.normalised(), sel, B).to(g.dtype)  # [r, n, d]
-            out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
-        else:
-            out.index_add_(0, dst, G.sum(1))  # [r, d]
-    else:  # pragma: no cover - rule_for names every rule handled here
-        raise ValueError(f"no per-part rule for {use.rule!r}")
-    return out
+    return use.handler.pieces(use, param, rows)
 
 
 def _leaf_edges(root: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[int, int]:
@@ -502,8 +428,6 @@ def disintegrate_ghost(
         NotRowSeparable: the partition splits a row (use ``engine="reference"`` or ``"jvp"``).
         RowInteraction: a module mixes rows (batch-norm in training mode), or ``verify_part`` failed.
     """
-    from ..engine import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
-
     if readings not in READINGS:
         raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
     if route not in ROUTES:
@@ -794,7 +718,7 @@ class _Reducer:
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq,
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
                                       target=None if self.onto is None else self.onto[i])
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None

@@ -35,11 +35,12 @@ Every dot and squared norm is accumulated in float64 (products in the pieces' dt
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from .reductions import diff_sq64
+from .rules import Factors, rule_of
 
 ROUTES = ("auto", "direct", "ghost")
 
@@ -52,24 +53,14 @@ MOVE_COST = 8.0
 _DOT_BLOCK = 1 << 22
 
 
-class Factors(NamedTuple):
-    """One use's per-row piece ``Lᵀ R`` on the selected rows: ``L`` ``[r, n, d_L]`` (or, with ``index``,
-    ``[r, n]`` token ids: one-hot rows of ``d_L``), ``R`` ``[r, n, d_R]``."""
-
-    L: torch.Tensor
-    R: torch.Tensor
-    index: bool
-
-
 def _positions(u) -> int:
     """Positions per row of a use's output gradient."""
-    b = u.b
-    return int(b.numel() // (b.shape[0] * b.shape[-1])) if b.numel() else 0
+    return rule_of(u).positions(u)
 
 
 def factored(u, param: torch.Tensor) -> bool:
-    """Whether ``u``'s piece of ``param`` is ``Lᵀ R`` (a ``Linear``/``Conv1D``/``Embedding`` weight)."""
-    return param.dim() == 2 and param is u.weight and u.rule in ("linear", "conv1d", "embedding")
+    """Whether ``u``'s piece of ``param`` is ``Lᵀ R`` (its rule gives factors for it)."""
+    return param.dim() == 2 and rule_of(u).has_factors(u, param)
 
 
 def ghost_eligible(uses: Sequence, param: torch.Tensor) -> bool:
@@ -78,8 +69,8 @@ def ghost_eligible(uses: Sequence, param: torch.Tensor) -> bool:
 
 
 def sparse_only(uses: Sequence, param: torch.Tensor) -> bool:
-    """``param`` has an embedding use: the ghost route is the only one (no ``[c, V, d]`` pieces)."""
-    return any(u.rule == "embedding" and param is u.weight for u in uses)
+    """``param`` has a use whose rule reads it only by factors (an embedding: no ``[c, V, d]`` pieces)."""
+    return any(rule_of(u).factors_only and rule_of(u).has_factors(u, param) for u in uses)
 
 
 def route_costs(
@@ -133,23 +124,11 @@ def choose_route(
     return "ghost" if ghost < direct else "direct"
 
 
-def _factors(u, sel: torch.Tensor, B: int) -> Optional[Factors]:
+def _factors(u, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
     """One use's factors on the selected rows (the piece is ``Lᵀ R``)."""
     if u.b is None:
         return None
-    g = u.b.reshape(B, -1, u.b.shape[-1])  # [B, n, out]
-    if u.rule == "embedding":
-        ids = u.a.reshape(B, -1)  # [B, n]
-        if sel.numel() != B:
-            g, ids = g[sel], ids[sel]
-        pad = u.module.padding_idx
-        if pad is not None:  # the padding row gets no gradient, as in F.embedding's backward
-            g = g.masked_fill((ids == pad)[..., None], 0)
-        return Factors(ids, g, True)
-    a = u.a.reshape(B, -1, u.a.shape[-1]).to(g.dtype)  # [B, n, in]
-    if sel.numel() != B:
-        g, a = g[sel], a[sel]
-    return Factors(g, a, False) if u.rule == "linear" else Factors(a, g, False)
+    return rule_of(u).factors(u, param, sel, B)
 
 
 def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
@@ -221,6 +200,7 @@ def ghost_param(
     budget: int,
     sq: Optional[torch.Tensor] = None,
     target: Optional[torch.Tensor] = None,
+    param: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One weight read by the ghost identities; adds into ``dots`` ``[m]`` and ``gram`` ``[m, m]`` in place.
 
@@ -234,13 +214,15 @@ def ghost_param(
         budget: elements one block of row-pair products may hold.
         sq: float64 ``[m]`` accumulator of each part's ``‖g_S‖²`` (``readings="shares"``), or None.
         target: what the parts are dotted with instead of ``g_full`` (``project_onto``), or None.
+        param: the parameter (default: the first use's weight).
 
     Returns:
         ``(Σ_S g_S, ‖Σ_S g_S − g_full‖²)``: the parts' sum assembled from the captured factors (float64 0-d
         tensor for the second, read back later with the others).
     """
     total = torch.zeros_like(g_full)
-    facs = [f for f in (_factors(u, sel, B) for u in uses) if f is not None]
+    param = uses[0].weight if param is None else param
+    facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
         return total, diff_sq64(total, g_full)
