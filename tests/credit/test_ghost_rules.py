@@ -356,3 +356,34 @@ def test_a_registered_rule_covers_a_custom_layer(route):
 def test_register_refuses_what_is_not_a_rule():
     with pytest.raises(TypeError, match="`rule` must be an instance of .*Rule, got function"):
         register(lambda mod: True)
+
+
+def test_ride_along_with_a_tied_embedding_is_bitwise_neutral_over_20_steps():
+    def train(audit):
+        module = VocabPolicy(tie=True, dtype=torch.float32, seed=5)
+        opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+        reports = []
+        for step in range(20):
+            batch = vocab_batch(seed=100 + step, dtype=torch.float32)
+            opt.zero_grad(set_to_none=True)
+            ride = RideAlong(module).start() if audit else None
+            try:
+                loss = module.credit_terms(batch).terms.sum()
+                if ride is not None:
+                    ride.on_loss(loss, by_rollout, readings="shares")
+                loss.backward()
+                if ride is not None:
+                    reports.append(ride.report(by_rollout, readings="shares"))
+            finally:
+                if ride is not None:
+                    ride.clear()
+            opt.step()
+        return module, reports
+
+    plain, _ = train(False)
+    audited, reports = train(True)
+    assert len(reports) == 20 and all(not isinstance(r, str) for r in reports), reports[0]
+    assert all(abs(sum(r.projected_share) - 1.0) < 1e-5 for r in reports)
+    for (n, p), (_, q) in zip(plain.named_parameters(), audited.named_parameters()):
+        assert torch.equal(p, q), n
+    assert all(len(mod._forward_hooks) == 0 for mod in audited.modules())

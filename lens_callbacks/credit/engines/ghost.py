@@ -718,7 +718,7 @@ class _Reducer:
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p, keep_total=self.keep_sum,
                                       target=None if self.onto is None else self.onto[i])
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .reductions import diff_sq64
+from .reductions import diff_sq64, sq64
 from .rules import Factors, rule_of
 
 ROUTES = ("auto", "direct", "ghost")
@@ -152,17 +152,30 @@ def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
     for s in range(0, wide, step):
         e = min(wide, s + step)
         X = narrow @ Wt[:, s:e]  # [r·n, e-s]
-        out += (X.mul_(other[:, s:e])).double().sum(1)
+        out += X.mul_(other[:, s:e]).sum(1).double()  # a block's cascade sum in float32, blocks in float64
     return out.view(r, n).sum(1)
 
 
-def _add_total(total: torch.Tensor, f: Factors) -> None:
-    """``total += Σ_k L_kᵀ R_k`` in place."""
-    dR = f.R.shape[-1]
-    if f.index:
-        total.index_add_(0, f.L.reshape(-1), f.R.reshape(-1, dR).to(total.dtype))
-    else:
-        total += (f.L.reshape(-1, f.L.shape[-1]).T @ f.R.reshape(-1, dR)).to(total.dtype)  # [d_L, d_R]
+def _total(facs: Sequence[Factors], like: torch.Tensor) -> torch.Tensor:
+    """``Σ_u Σ_k L_ukᵀ R_uk``: the dense uses' products first (the first one allocates the sum, the others
+    add into it), the token-id uses by ``index_add``; a parameter-sized zero-fill only when no use is dense."""
+    total: Optional[torch.Tensor] = None
+    for f in facs:
+        if f.index:
+            continue
+        L2, R2 = f.L.reshape(-1, f.L.shape[-1]), f.R.reshape(-1, f.R.shape[-1])  # [r·n, d_L], [r·n, d_R]
+        if total is None:
+            total = (L2.T @ R2).to(like.dtype)  # [d_L, d_R]
+        elif L2.dtype == total.dtype:
+            total.addmm_(L2.T, R2)
+        else:
+            total += (L2.T @ R2).to(total.dtype)
+    if total is None:
+        total = torch.zeros_like(like)
+    for f in facs:
+        if f.index:
+            total.index_add_(0, f.L.reshape(-1), f.R.reshape(-1, f.R.shape[-1]).to(total.dtype))
+    return total
 
 
 def _left_pairs(u: Factors, v: Factors, k0: int, k1: int) -> torch.Tensor:
@@ -201,7 +214,8 @@ def ghost_param(
     sq: Optional[torch.Tensor] = None,
     target: Optional[torch.Tensor] = None,
     param: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_total: bool = True,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
     """One weight read by the ghost identities; adds into ``dots`` ``[m]`` and ``gram`` ``[m, m]`` in place.
 
     Args:
@@ -215,23 +229,29 @@ def ghost_param(
         sq: float64 ``[m]`` accumulator of each part's ``‖g_S‖²`` (``readings="shares"``), or None.
         target: what the parts are dotted with instead of ``g_full`` (``project_onto``), or None.
         param: the parameter (default: the first use's weight).
+        keep_total: return ``Σ_S g_S`` (else None: the difference is then formed in its place).
 
     Returns:
         ``(Σ_S g_S, ‖Σ_S g_S − g_full‖²)``: the parts' sum assembled from the captured factors (float64 0-d
         tensor for the second, read back later with the others).
     """
-    total = torch.zeros_like(g_full)
     param = uses[0].weight if param is None else param
     facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
-        return total, diff_sq64(total, g_full)
+        return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
     row_dot = torch.zeros(r, dtype=torch.float64, device=g_full.device)  # [r]
     W = (g_full if target is None else target).to(facs[0].R.dtype)
     for f in facs:
         row_dot += _row_dot(f, W)
-        _add_total(total, f)
     dots.index_add_(0, dst, row_dot)
+
+    def summed() -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        total = _total(facs, g_full)
+        if keep_total:
+            return total, diff_sq64(total, g_full)
+        return None, sq64(total.sub_(g_full.to(total.dtype)))  # the difference in the sum's own buffer
+
     if gram is None and sq is not None and bool((torch.bincount(dst) <= 1).all()):
         # one row to a part: ‖g_k‖² = Σ (L_k L_kᵀ) ∘ (R_k R_kᵀ), row by row, no pair of rows formed
         row_sq = torch.zeros(r, dtype=torch.float64, device=g_full.device)  # [r]
@@ -245,7 +265,7 @@ def ghost_param(
                     pair = pair * torch.bmm(u.R[k0:k1], v.R[k0:k1].transpose(1, 2))
                     row_sq[k0:k1] += pair.sum(2).double().sum(1)
         sq.index_add_(0, dst, row_sq)
-        return total, diff_sq64(total, g_full)
+        return summed()
     if gram is not None or sq is not None:
         rg = torch.zeros(r, r, dtype=torch.float64, device=g_full.device)  # [r, r] row Gram
         for u in facs:
@@ -265,4 +285,4 @@ def ghost_param(
             gram.index_add_(1, dst, by_part)
         else:  # each part's pairs of its own rows: Σ_{k,l ∈ S} <g_k, g_l>
             sq.index_add_(0, dst, by_part[dst, torch.arange(r, device=dst.device)])
-    return total, diff_sq64(total, g_full)
+    return summed()
