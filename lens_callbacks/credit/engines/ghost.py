@@ -320,15 +320,47 @@ def _part_sum(P: torch.Tensor) -> torch.Tensor:
     return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
 
 
+# Parameters with at most this many elements have their per-part pieces batched: held until the batch
+# reaches _BATCH elements, then reduced by one set of products (a norm weight or a bias costs a dozen
+# small kernels on its own, which at m = 8 is most of what a small layer costs).
+_SMALL = 1 << 15
+_BATCH = 1 << 18
+
+
 class _Accum:
-    """Per-part readings accumulated parameter by parameter (float64)."""
+    """Per-part readings accumulated parameter by parameter (float64); small parameters in batches."""
 
     def __init__(self, m: int, readings: str, device: torch.device) -> None:
+        self.held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (P [m, n], target [n], g_full [n])
+        self.held_n = 0
         self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
         self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if readings == "all" else None  # [m, m]
         # "shares": each part's ‖g_S‖² alone, the Gram's diagonal (m·|θ| work instead of m²·|θ|)
         self.sq = torch.zeros(m, dtype=torch.float64, device=device) if readings == "shares" else None  # [m]
         self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
+
+    def _reduce(self, P: torch.Tensor, tg: torch.Tensor, gf: torch.Tensor) -> torch.Tensor:
+        """Every part's dot, norm (or Gram row) and the parts' sum of one ``[m, n]`` block; returns the sum."""
+        self.dots += dots64(P, tg)
+        if self.gram is not None:
+            self.gram += gram64(P, P)
+        if self.sq is not None:
+            self.sq += _row_sq(P)
+        total = _part_sum(P)  # [n]
+        self.diff_sq += diff_sq64(total, gf)
+        return total
+
+    def flush(self) -> None:
+        """Reduce the held small parameters' pieces as one block."""
+        if not self.held:
+            return
+        held, self.held, self.held_n = self.held, [], 0
+        if len(held) == 1:
+            self._reduce(*held[0])
+            return
+        dtype = held[0][0].dtype
+        P = torch.cat([h[0].to(dtype) for h in held], 1)  # [m, Σn]
+        self._reduce(P, torch.cat([h[1].to(dtype) for h in held]), torch.cat([h[2].to(dtype) for h in held]))
 
     def add(
         self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool,
@@ -338,13 +370,13 @@ class _Accum:
         tg = gf if target is None else target.reshape(-1)  # [n] what the parts are dotted with
         if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
             P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
-            self.dots += dots64(P, tg)
-            if self.gram is not None:
-                self.gram += gram64(P, P)
-            if self.sq is not None:
-                self.sq += _row_sq(P)
-            total = _part_sum(P)
-            self.diff_sq += diff_sq64(total, gf)
+            if not keep_sum and P.shape[1] <= _SMALL:
+                self.held.append((P, tg, gf))
+                self.held_n += P.numel()
+                if self.held_n >= _BATCH:
+                    self.flush()
+                return None
+            total = self._reduce(P, tg, gf)
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
@@ -737,6 +769,7 @@ class _Reducer:
         acc, m, leaves, totals = self.acc, self.m, self.leaves, self.totals
         for i in self.by_leaf:
             self.param(i, g_full[i])
+        acc.flush()
         coverage = self.coverage
         if fallback:
             gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]

@@ -14,6 +14,9 @@ __all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64"]
 
 # Elements per block of a float32 product; the blocks' results are summed in float64.
 BLOCK = 1 << 16
+# Blocks up to this many elements are reduced on a float64 copy outright (the copy costs less than the
+# kernels of a blocked reduction, and float32 matrix-vector products lose ~1e-6 to cancellation).
+SMALL = 1 << 20
 
 
 def _blocks(n: int, block: int = BLOCK):
@@ -59,12 +62,12 @@ def diff_sq64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def dots64(P: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``P @ t`` for a ``[c, n]`` block of pieces and an ``[n]`` vector, float64 ``[c]``.
 
-    Products in ``P``'s dtype over column blocks of ``16 · BLOCK`` (a handful of matrix-vector products
-    per parameter), their results summed in float64."""
+    Products in ``P``'s dtype over column blocks of ``BLOCK`` (a float32 matrix-vector product sums
+    sequentially: over ``2²⁰`` columns it drifts by ~1e-7), their results summed in float64."""
     t = t.reshape(-1).to(P.dtype)  # [n]
-    if P.dtype == torch.float64:
-        return P @ t
-    step = 16 * BLOCK
+    if P.dtype == torch.float64 or P.numel() <= SMALL:
+        return P.double() @ t.double()
+    step = BLOCK
     if P.shape[1] <= step:
         return (P @ t).double()
     return torch.stack([P[:, s:e] @ t[s:e] for s, e in _blocks(P.shape[1], step)], 1).double().sum(1)  # [c]
@@ -72,8 +75,8 @@ def dots64(P: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def gram64(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     """``P @ Qᵀ`` for ``[c, n]`` and ``[c', n]`` blocks, float64 ``[c, c']`` (blocked products, float64 sum)."""
-    if P.dtype == torch.float64:
-        return P @ Q.T
+    if P.dtype == torch.float64 or P.numel() + Q.numel() <= SMALL:
+        return P.double() @ Q.double().T
     (Pb, Pt), (Qb, Qt) = _split(P), _split(Q)  # [c, nb, BLOCK], [c, tail]
     out = (Pt @ Qt.T).double()  # [c, c']
     if Pb.shape[1]:
@@ -84,7 +87,8 @@ def gram64(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
 def row_sq64(P: torch.Tensor) -> torch.Tensor:
     """``‖P_i‖²`` of every row of a ``[c, n]`` block, float64 ``[c]`` (squares summed per column block in
     ``P``'s dtype, the blocks in float64; the temporaries are one block, never a copy of ``P``)."""
-    if P.dtype == torch.float64:
+    if P.dtype == torch.float64 or P.numel() <= SMALL:
+        P = P.double()
         return (P * P).sum(1)
     step = max(BLOCK, (16 * BLOCK) // max(1, P.shape[0]))
     out = torch.zeros(P.shape[0], dtype=torch.float64, device=P.device)
