@@ -266,8 +266,8 @@ def test_no_rule_forms_a_rows_by_vocabulary_buffer(readings, tie):
 
 
 def test_the_watch_catches_dense_per_row_pieces():
-    # The same watch around the reference engine with every part kept: m parameter-sized vectors at once
-    # are separate tensors, but stacking them, as a dense per-row rule would, is seen.
+    # What the old embedding rule did (per-part pieces of the whole table, filled by index_add): the
+    # watch sees the [rows, V, d] output of that op.
     with _Largest() as watch:
         torch.zeros(6, 8192, 16).index_add_(0, torch.tensor([0, 1]), torch.ones(2, 8192, 16))
     assert watch.largest >= 6 * 8192 * 16
