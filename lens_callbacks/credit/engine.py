@@ -1,4 +1,5 @@
-"""The reference disintegration engine: one backward pass per part, plus an independent full one.
+"""``disintegrate``: the dispatcher over the exact engines, and the reference engine (one backward pass per
+part, plus an independent full one) that every other engine is tested against.
 
 What this cannot do:
 The conservation identity is a claim about the optimizer, so step_conservation refuses to assert it
@@ -11,157 +12,39 @@ share, because removing it changes every downstream position.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from .engines import available_engines, check_engine, choose_engine, get_engine
+from .engines.ghost import NotRowSeparable, RowInteraction
 from .partition import Partition, PartitionFn, apply_partition, resolve_partition
+from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
+    _DTYPES,
+    DTypeSpec,
+    _diff_norm,
+    _dot,
+    _gram,
+    _grad,
+    _grad_match,
+    _native_dtype,
+    _onto,
+    _partition_name,
+    _preserved_rng,
+    _reference,
+    _rng_devices,
+    _sqnorm,
+    _TermsCall,
+    evaluate_terms,
+    resolve_dtype,
+)
 from .report import CreditGrads, CreditReport, share_readings
-from .terms import CreditTerms, validate_terms
+from .terms import CreditTerms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
-
-DTypeSpec = Union[str, torch.dtype, None]
-
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "32": torch.float32,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-    "64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: DTypeSpec) -> Optional[torch.dtype]:
-    """``"float32"`` (default), ``"float64"``, ``"bfloat16"``, a ``torch.dtype``, or ``"native"``/None."""
-    if dtype is None or dtype == "native":
-        return None
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"`dtype` must be a floating dtype, got {dtype!r}.")
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
-    raise ValueError(
-        f"`dtype` must be one of 'float32', 'float64', 'bfloat16', 'float16', 'native' or a torch.dtype, got {dtype!r}."
-    )
-
-
-class _TermsCall(nn.Module):
-    """Routes ``functional_call`` to ``credit_terms`` so the audit never touches the live parameters."""
-
-    def __init__(self, inner: nn.Module, fn: Callable[[Any], CreditTerms]) -> None:
-        super().__init__()
-        self.inner = inner
-        self._fn = fn
-
-    def forward(self, batch: Any) -> CreditTerms:
-        return self._fn(batch)
-
-
-def _rng_devices(module: nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-
-
-@contextlib.contextmanager
-def _preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
-    if not enabled:
-        yield
-        return
-    with torch.random.fork_rng(devices=_rng_devices(module)):
-        yield
-
-
-def evaluate_terms(
-    module: nn.Module,
-    batch: Any,
-    dtype: DTypeSpec = "float32",
-    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
-    params: Optional[Mapping[str, torch.Tensor]] = None,
-) -> tuple[CreditTerms, list[str], list[torch.Tensor], str]:
-    """Run ``credit_terms`` on detached (optionally cast) copies of the parameters.
-
-    Returns ``(terms, names, leaves, dtype_used)`` where ``leaves`` are the trainable parameter copies the
-    terms' graph hangs from. The module's own parameters, ``.grad`` and buffers are never modified: the
-    copies are swapped in through :func:`torch.func.functional_call`. ``params`` (name → tensor)
-    evaluates the terms at other weights (e.g. an anchor's snapshot) instead of the live ones.
-    """
-    fn = terms_fn if terms_fn is not None else getattr(module, "credit_terms", None)
-    if fn is None or not callable(fn):
-        raise TypeError(
-            f"`module` must implement `credit_terms(batch) -> CreditTerms` (see lens_callbacks.credit.CreditSource), "
-            f"got {type(module).__name__} without it; or pass `terms_fn`."
-        )
-    target = resolve_dtype(dtype)
-    names: list[str] = []
-    leaves: list[torch.Tensor] = []
-    state: dict[str, torch.Tensor] = {}
-    if params is not None:
-        unknown = sorted(set(params) - {n for n, _ in module.named_parameters()})
-        if unknown:
-            raise ValueError(f"`params` must name parameters of the module, got unknown names {unknown[:5]!r}.")
-    for name, p in module.named_parameters():
-        q = (params[name] if params is not None and name in params else p).detach()
-        if target is not None and q.is_floating_point() and q.dtype != target:
-            q = q.to(target)
-        if p.requires_grad:
-            # A fresh leaf over the same storage (or the cast copy): gradients land here, never in p.grad.
-            q = q.detach().requires_grad_(True)
-            names.append(name)
-            leaves.append(q)
-        state["inner." + name] = q
-    if target is not None:
-        for name, b in module.named_buffers():
-            if b.is_floating_point() and b.dtype != target:
-                state["inner." + name] = b.to(target)
-    used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
-    wrapper = _TermsCall(module, fn)
-    with torch.enable_grad():
-        terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
-    validate_terms(terms)  # the contract is checked here, not at construction inside the training step
-    return terms, names, leaves, used
-
-
-def _native_dtype(module: nn.Module) -> torch.dtype:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.get_default_dtype()
-
-
-def _grad(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> list[torch.Tensor]:
-    if not loss.requires_grad:
-        return [torch.zeros_like(x) for x in leaves]
-    gs = torch.autograd.grad(loss, leaves, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
-
-
-def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(torch.sum(x.double() * y.double())) for x, y in zip(a, b))
-
-
-def _sqnorm(a: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(torch.sum(x.double() ** 2)) for x in a)
-
-
-def _diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(torch.sum((x.double() - y.double()) ** 2)) for x, y in zip(a, b)))
-
-
-def _partition_name(spec: Any) -> str:
-    if isinstance(spec, str):
-        return spec
-    if isinstance(spec, Partition):
-        return "custom"
-    return getattr(spec, "__name__", type(spec).__name__)
-
 
 def disintegrate(
     module: nn.Module,
@@ -181,12 +64,28 @@ def disintegrate(
     readings: str = "all",
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> CreditReport:
-    r"""Split the step's gradient into exact parts, one backward pass per part.
+    r"""Split the step's gradient into exact parts and read how each part bears on the step.
 
     For a partition ``S_1 … S_m`` of the trained positions, ``g_S = ∇θ Σ_{(k,t)∈S} terms[k,t]``, so
-    ``Σ_S g_S = ∇θ Σ terms = g_full`` by linearity. ``g_full`` is taken by its own backward pass and the
-    gap is reported as ``conservation_error``. Peak memory: three parameter-sized buffers (``g_full``,
-    the running sum, the current part) plus the activations of one forward pass.
+    ``Σ_S g_S = ∇θ Σ terms = g_full`` by linearity; the report holds each part's projected share
+    ``<g_S, g_full> / ‖g_full‖²``, its norm share, the cancellation and (``readings="all"``) the Gram of
+    the parts, with ``Σ_S g_S`` held against ``g_full`` as ``conservation_error``.
+
+    Which engine computes them (``engine="auto"``, the default, takes the fastest exact one):
+
+    - parts that are unions of whole rows (``by_rollout``, ``by_group``): the one-pass engine, one
+      forward and one backward with per-layer hooks (:mod:`lens_callbacks.credit.engines.ghost`). Each
+      parameter's per-part readings come from what its layers saw (rules per layer family in
+      :mod:`lens_callbacks.credit.engines.rules`); no ``g_S`` is formed for embeddings or for weights read
+      by the ghost identities, and every dot and norm is summed in float64. Parameters outside the rules
+      take one masked backward per part, for those parameters only. Peak memory: about one
+      parameter-sized buffer beyond a training step's.
+    - parts inside rows with ``readings="projected"``: one forward-mode pass along ``g_full``
+      (:mod:`lens_callbacks.credit.engines.jvp`).
+    - anything else, or ``engine="reference"`` (the oracle the others are tested against): one forward,
+      then one backward per part with the graph retained, plus ``g_full`` by its own backward, never
+      derived from the parts. Peak memory: three parameter-sized buffers (``g_full``, the running sum,
+      the current part) plus the activations of one forward pass.
 
     Args:
         module: an ``nn.Module`` implementing ``credit_terms(batch) -> CreditTerms``.
@@ -336,42 +235,12 @@ def disintegrate(
     )
 
 
-def _onto(
-    leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]], name: str = "project_onto"
-) -> Optional[list[torch.Tensor]]:
-    if vec is None:
-        return None
-    vec = list(vec)
-    if len(vec) != len(leaves):
-        raise ValueError(
-            f"`{name}` must hold one tensor per trainable parameter ({len(leaves)}), got {len(vec)}; "
-            "align it with [p for p in module.parameters() if p.requires_grad]."
-        )
-    out = []
-    for x, v in zip(leaves, vec):
-        if v is None:
-            out.append(torch.zeros_like(x))
-        elif tuple(v.shape) != tuple(x.shape):
-            raise ValueError(f"`{name}` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
-        else:
-            out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
-    return out
-def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
-    """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
-    return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
-
-
 def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine.
 
     ``params``, ``forward_context`` and ``project_onto`` reach the one-pass engine; the forward-mode
     engine takes none of them, so with any set ``"auto"`` reads within-row parts with the reference engine.
     """
-    import dataclasses
-
-    from .engines import choose_engine, get_engine
-    from .engines.ghost import NotRowSeparable, RowInteraction
-
     if keep_parts and engine != "auto":
         raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
     name = "reference" if keep_parts else (choose_engine(spec, readings) if engine == "auto" else engine)
@@ -402,46 +271,8 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
 
 
 def _check_engine(engine: str, readings: str) -> None:
-    from .engines import check_engine
-
     check_engine(engine, readings)
 
 
 def _engines_available() -> tuple[str, ...]:
-    from .engines import available_engines
-
     return available_engines()
-
-
-def _grad_match(
-    module: nn.Module,
-    names: Sequence[str],
-    reference_grads: Any,
-    g_full: Sequence[torch.Tensor],
-    full_norm: float,
-) -> Optional[float]:
-    """``||g_full − ref|| / ||g_full||`` against ``reference_grads`` (None when there is nothing to compare)."""
-    if reference_grads is None:
-        return None
-    ref = _reference(module, names, reference_grads)
-    if ref is None:
-        return None
-    ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
-    return _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
-
-
-def _reference(
-    module: nn.Module, names: Sequence[str], ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]
-) -> Optional[list[Optional[torch.Tensor]]]:
-    if isinstance(ref, str):
-        if ref != "grad":
-            raise ValueError(f"`reference_grads` must be 'grad' when a string, got {ref!r}.")
-        params = dict(module.named_parameters())
-        grads = [params[n].grad for n in names]
-        return None if all(g is None for g in grads) else grads
-    if isinstance(ref, Mapping):
-        return [ref.get(n) for n in names]
-    ref = list(ref)
-    if len(ref) != len(names):
-        raise ValueError(f"`reference_grads` must hold one tensor per trainable parameter ({len(names)}), got {len(ref)}.")
-    return ref

@@ -7,12 +7,16 @@ into its output (``B``) on those rows:
 
 - ``nn.Linear``: ``g_S(W) = Σ_{k∈S} B_kᵀ A_k``, bias ``Σ_{k∈S} Σ_t B_kt``;
 - transformers' ``Conv1D``: ``g_S(W) = Σ_{k∈S} A_kᵀ B_k``;
-- ``nn.Embedding``: ``g_S(E)[v] = Σ_{(k,t)∈S, id_kt = v} B_kt`` (``padding_idx`` rows stay zero);
+- ``nn.Embedding``: ``g_S(E)[v] = Σ_{(k,t)∈S, id_kt = v} B_kt`` (``padding_idx`` rows stay zero), never
+  formed as a ``[V, d]`` piece per row: its dots are gathers, its norms token-equality Grams and its sum
+  one ``index_add`` (:mod:`.ghost_routes`);
 - ``nn.LayerNorm`` / RMSNorm variants: ``g_S(w) = Σ_{k∈S} Σ_t B_kt ∘ x̂_kt``, bias ``Σ B_kt``, with ``x̂``
   the layer's own normalised input (recomputed by the layer's own arithmetic with the weight set to one).
 
 A parameter used by several layers (GPT-2's ``wte`` is also the LM head) gets the SUM of its uses' pieces,
-so the cross terms of a tied weight are exact. Each parameter's per-part pieces are assembled one
+so the cross terms of a tied weight are exact (for a tied embedding / head, the pair Gram of the two uses
+is a gather of the head's output gradient at the row's tokens). Every dot and squared norm is summed in
+float64 from products in the pieces' dtype (:mod:`.reductions`). Each parameter's per-part pieces are assembled one
 parameter at a time, in chunks of parts under a memory budget, and reduced at once to ``<g_S, g_full>``,
 the Gram ``<g_S, g_S'>`` and ``Σ_S g_S``: no ``m × |θ|`` buffer ever exists. A ``Linear``/``Conv1D``
 weight may instead be read by the ghost identities, without any per-row piece, where that costs less
@@ -41,10 +45,13 @@ import torch
 from torch import nn
 
 from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
 from ..report import CreditGrads, CreditReport, share_readings
 from ..terms import CreditTerms, validate_terms
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, ghost_param
+from .ghost_routes import ROUTES, choose_route, ghost_eligible, ghost_param, sparse_only
+from .rules import Rule, find_rule
+from .reductions import diff_sq64, dots64, gram64, row_sq64, sq64
 
 __all__ = [
     "disintegrate_ghost",
@@ -72,36 +79,10 @@ class RowInteraction(ValueError):
 # ---- the rules -------------------------------------------------------------------------------------
 
 
-def _forward_is(mod: nn.Module, cls: type) -> bool:
-    return isinstance(mod, cls) and type(mod).forward is cls.forward
-
-
 def rule_for(mod: nn.Module) -> Optional[str]:
-    """The rule that covers ``mod``'s own parameters, or None (its parameters go to the fallback)."""
-    if _forward_is(mod, nn.Linear):
-        return "linear"
-    if _forward_is(mod, nn.Embedding):
-        if mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse:
-            return "embedding"
-        return None
-    if _forward_is(mod, nn.LayerNorm):
-        if mod.elementwise_affine and len(mod.normalized_shape) == 1:
-            return "layernorm"
-        return None
-    rms = getattr(nn, "RMSNorm", None)
-    if rms is not None and _forward_is(mod, rms):
-        if mod.weight is not None and len(mod.normalized_shape) == 1:
-            return "rmsnorm"
-        return None
-    name = type(mod).__name__
-    if name == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None), torch.Tensor):
-        return "conv1d"
-    w = getattr(mod, "weight", None)
-    # transformers' Llama/Qwen2/Mistral/T5 RMSNorm: `weight * normed(x)`. Gemma's `(1 + weight) * …` is not.
-    if name.endswith("RMSNorm") and "Gemma" not in name and isinstance(w, torch.Tensor) and w.dim() == 1:
-        if getattr(mod, "bias", None) is None:
-            return "rmsnorm"
-    return None
+    """The name of the rule that covers ``mod``'s own parameters, or None (its parameters go to the fallback)."""
+    rule = find_rule(mod)
+    return None if rule is None else rule.name
 
 
 def row_interacting_modules(module: nn.Module) -> list[str]:
@@ -116,10 +97,11 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
+    __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
 
-    def __init__(self, rule: str, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
-        self.rule = rule
+    def __init__(self, rule: Rule, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
+        self.handler = rule  # the registered rule that reads this use
+        self.rule = rule.name
         self.module = module
         self.weight = weight
         self.bias = bias
@@ -142,7 +124,7 @@ class _Use:
                     f"the input of {type(self.module).__name__} was modified in place after the layer read it, so "
                     "its normalised input cannot be formed again; use engine='reference'."
                 )
-            self.xhat = self.capture._normalised(self.module, self.rule, self.a)
+            self.xhat = self.capture.quiet(self.handler.normalised, self.module, self.a)
         return self.xhat
 
     def grad_hook(self, g: torch.Tensor) -> None:
@@ -175,7 +157,7 @@ class RowCapture:
 
     def install(self) -> "RowCapture":
         for mod in self.root.modules():
-            rule = rule_for(mod)
+            rule = find_rule(mod)
             if rule is not None:
                 self.handles.append(mod.register_forward_hook(self._make_hook(rule)))
         return self
@@ -196,36 +178,32 @@ class RowCapture:
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
-    def _make_hook(self, rule: str) -> Callable[..., Any]:
+    def _make_hook(self, rule: Rule) -> Callable[..., Any]:
         def hook(mod: nn.Module, inputs: tuple, out: Any) -> Any:
             if not self.active or self._inner or not inputs:
                 return None
             x = inputs[0]
-            if not isinstance(out, torch.Tensor) or not out.requires_grad or not isinstance(x, torch.Tensor):
+            if not isinstance(out, torch.Tensor) or not isinstance(x, torch.Tensor) or out.dim() < 2 or x.dim() < 1:
                 return None
-            if out.dim() < 2 or x.dim() < 1:
+            lead = int(out.shape[0])
+            if lead > 1 and self.batch == 0:
+                self.batch = lead  # seen on a frozen layer too (a frozen token embedding before a trained one)
+            if not out.requires_grad:
                 return None
             w = getattr(mod, "weight", None)
             b = getattr(mod, "bias", None)
             b = b if isinstance(b, torch.Tensor) else None
-            lead = int(out.shape[0])
-            if lead > 1 and self.batch == 0:
-                self.batch = lead
             if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
                 return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
             ret = None
-            if rule == "embedding" and lead == 1 and self.batch > 1:
+            if rule.expands_broadcast and lead == 1 and self.batch > 1:
                 # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
                 # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
                 out = out.expand(self.batch, *out.shape[1:])
                 x = x.expand(self.batch, *x.shape[1:])
                 ret = out
             use = _Use(rule, mod, w, b, x.detach())
-            if rule in ("layernorm", "rmsnorm"):
-                use.capture = self
-                if torch.is_autocast_enabled(x.device.type):
-                    # x̂ under the forward's autocast (its dtype rules): taken now, not recomputed outside it
-                    use.xhat = self._normalised(mod, rule, x)
+            rule.on_forward(use, mod, x, self)
             out.register_hook(use.grad_hook)
             use.edge = torch.autograd.graph.get_gradient_edge(out)
             self.uses.append(use)
@@ -233,21 +211,11 @@ class RowCapture:
 
         return hook
 
-    def _normalised(self, mod: nn.Module, rule: str, x: torch.Tensor) -> torch.Tensor:
-        """``x̂`` by the layer's own forward with weight one and bias zero: the same arithmetic as training."""
-        if rule == "layernorm":
-            with torch.no_grad():
-                return torch.nn.functional.layer_norm(x.detach(), mod.normalized_shape, None, None, mod.eps)
-        if type(mod) is getattr(nn, "RMSNorm", None):
-            with torch.no_grad():
-                return torch.nn.functional.rms_norm(x.detach(), mod.normalized_shape, None, mod.eps)
+    def quiet(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` with this capture's hooks silent (a rule re-running a layer's own forward)."""
         self._inner = True
         try:
-            with torch.no_grad():
-                state = {"weight": torch.ones_like(mod.weight)}
-                if isinstance(getattr(mod, "bias", None), torch.Tensor):
-                    state["bias"] = torch.zeros_like(mod.bias)
-                return torch.func.functional_call(mod, state, (x.detach(),)).detach()
+            return fn(*args)
         finally:
             self._inner = False
 
@@ -269,16 +237,6 @@ def row_parts(part: Partition) -> Optional[torch.Tensor]:
 # ---- per-part pieces of one parameter --------------------------------------------------------------
 
 
-def _rows(t: torch.Tensor, B: int) -> torch.Tensor:
-    return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
-
-
-def _take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
-    """Rows ``sel`` of ``t`` seen as ``[B, n, d]``; no copy when every row is selected."""
-    r = _rows(t, B)
-    return r if sel.numel() == B else r[sel]
-
-
 class _Rows:
     """Which rows a chunk of parts holds, worked out once per chunk (each of these costs a device sync)."""
 
@@ -294,47 +252,10 @@ class _Rows:
 
 
 def _use_pieces(use: _Use, param: torch.Tensor, rows: _Rows) -> Optional[torch.Tensor]:
-    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes."""
-    a, g = use.a, use.b
-    if g is None:
+    """This use's contribution to ``param`` for the parts of the chunk ``rows`` describes (its rule's pieces)."""
+    if use.b is None:
         return None
-    B = rows.rp.shape[0]
-    sel, dst, c = rows.sel, rows.dst, rows.c
-    is_w = param is use.weight
-    if use.rule in ("linear", "conv1d") and is_w:
-        G = _take(g, sel, B)  # [r, n, out]
-        A = _take(a, sel, B).to(g.dtype)  # [r, n, in]
-        L, R = (G, A) if use.rule == "linear" else (A, G)  # the weight is Lᵀ R: Linear [out, in], Conv1D [in, out]
-        if rows.in_order:  # one row per part, in order (by_rollout): the per-row product is the piece itself
-            return torch.bmm(L.transpose(1, 2), R)  # [c, d_L, d_R]
-    out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
-    if sel.numel() == 0:
-        return out
-    if use.rule in ("linear", "conv1d"):
-        if is_w:
-            out.index_add_(0, dst, torch.bmm(L.transpose(1, 2), R))  # [r, d_L, d_R]
-        else:
-            out.index_add_(0, dst, _take(g, sel, B).sum(1))  # [r, out]
-    elif use.rule == "embedding":
-        G = _take(g, sel, B)  # [r, n, d]
-        ids = a.reshape(B, -1)
-        ids = ids if sel.numel() == B else ids[sel]  # [r, n]
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        pad = use.module.padding_idx
-        if pad is not None:
-            keep = ids != pad  # the padding row gets no gradient, as in F.embedding's backward
-        part_of = dst[:, None].expand_as(ids)  # [r, n]
-        out.index_put_((part_of[keep], ids[keep]), G[keep], accumulate=True)
-    elif use.rule in ("layernorm", "rmsnorm"):
-        G = _take(g, sel, B)  # [r, n, d]
-        if is_w:
-            X = _take(use.normalised(), sel, B).to(g.dtype)  # [r, n, d]
-            out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
-        else:
-            out.index_add_(0, dst, G.sum(1))  # [r, d]
-    else:  # pragma: no cover - rule_for names every rule handled here
-        raise ValueError(f"no per-part rule for {use.rule!r}")
-    return out
+    return use.handler.pieces(use, param, rows)
 
 
 def _leaf_edges(root: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[int, int]:
@@ -378,10 +299,8 @@ def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[
 
 
 def _sq_t(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others (the difference of
-    two nearly equal vectors is exact in their dtype)."""
-    x = x.reshape(-1).double()  # [n]; no copy when already float64
-    return torch.dot(x, x)
+    """``‖x‖²`` accumulated in float64 as a 0-d tensor, read back once with the others."""
+    return sq64(x)
 
 
 def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
@@ -391,12 +310,9 @@ def _sum_sq(xs: Iterable[torch.Tensor]) -> float:
 
 
 def _row_sq(P: torch.Tensor) -> torch.Tensor:
-    """``‖P_i‖²`` of every row of a ``[c, n]`` block, read back in float64 (``[c]``).
-
-    Reduced in ``P``'s dtype, as the Gram's diagonal is: an upcast copy of the block would double the
-    peak memory of the step (and take 30 times longer on a CPU).
-    """
-    return torch.linalg.vector_norm(P, dim=1).double() ** 2  # [c]
+    """``‖P_i‖²`` of every row of a ``[c, n]`` block in float64 (``[c]``): per-block norms in ``P``'s dtype
+    summed in float64 (an upcast copy of the block would double the step's peak memory)."""
+    return row_sq64(P)
 
 
 def _part_sum(P: torch.Tensor) -> torch.Tensor:
@@ -404,15 +320,47 @@ def _part_sum(P: torch.Tensor) -> torch.Tensor:
     return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
 
 
+# Parameters with at most this many elements have their per-part pieces batched: held until the batch
+# reaches _BATCH elements, then reduced by one set of products (a norm weight or a bias costs a dozen
+# small kernels on its own, which at m = 8 is most of what a small layer costs).
+_SMALL = 1 << 15
+_BATCH = 1 << 18
+
+
 class _Accum:
-    """Per-part readings accumulated parameter by parameter (float64)."""
+    """Per-part readings accumulated parameter by parameter (float64); small parameters in batches."""
 
     def __init__(self, m: int, readings: str, device: torch.device) -> None:
+        self.held: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (P [m, n], target [n], g_full [n])
+        self.held_n = 0
         self.dots = torch.zeros(m, dtype=torch.float64, device=device)  # [m]
         self.gram = torch.zeros(m, m, dtype=torch.float64, device=device) if readings == "all" else None  # [m, m]
         # "shares": each part's ‖g_S‖² alone, the Gram's diagonal (m·|θ| work instead of m²·|θ|)
         self.sq = torch.zeros(m, dtype=torch.float64, device=device) if readings == "shares" else None  # [m]
         self.diff_sq = torch.zeros((), dtype=torch.float64, device=device)  # read back once, at the end
+
+    def _reduce(self, P: torch.Tensor, tg: torch.Tensor, gf: torch.Tensor) -> torch.Tensor:
+        """Every part's dot, norm (or Gram row) and the parts' sum of one ``[m, n]`` block; returns the sum."""
+        self.dots += dots64(P, tg)
+        if self.gram is not None:
+            self.gram += gram64(P, P)
+        if self.sq is not None:
+            self.sq += _row_sq(P)
+        total = _part_sum(P)  # [n]
+        self.diff_sq += diff_sq64(total, gf)
+        return total
+
+    def flush(self) -> None:
+        """Reduce the held small parameters' pieces as one block."""
+        if not self.held:
+            return
+        held, self.held, self.held_n = self.held, [], 0
+        if len(held) == 1:
+            self._reduce(*held[0])
+            return
+        dtype = held[0][0].dtype
+        P = torch.cat([h[0].to(dtype) for h in held], 1)  # [m, Σn]
+        self._reduce(P, torch.cat([h[1].to(dtype) for h in held]), torch.cat([h[2].to(dtype) for h in held]))
 
     def add(
         self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool,
@@ -422,32 +370,32 @@ class _Accum:
         tg = gf if target is None else target.reshape(-1)  # [n] what the parts are dotted with
         if len(chunks) == 1 and chunks[0] == list(range(self.dots.shape[0])):
             P = pieces(chunks[0]).reshape(len(chunks[0]), -1)  # [m, n]
-            self.dots += (P @ tg.to(P.dtype)).double()
-            if self.gram is not None:
-                self.gram += (P @ P.T).double()
-            if self.sq is not None:
-                self.sq += _row_sq(P)
-            total = _part_sum(P)
-            self.diff_sq += _sq_t(total - gf.to(total.dtype))
+            if not keep_sum and P.shape[1] <= _SMALL:
+                self.held.append((P, tg, gf))
+                self.held_n += P.numel()
+                if self.held_n >= _BATCH:
+                    self.flush()
+                return None
+            total = self._reduce(P, tg, gf)
             return total.view_as(g_full) if keep_sum else None
         total = torch.zeros_like(gf)
         for i, ci in enumerate(chunks):
             P = pieces(ci).reshape(len(ci), -1)  # [c, n]
             idx = torch.tensor(ci, device=self.dots.device)
-            self.dots[idx] += (P @ tg.to(P.dtype)).double()
+            self.dots[idx] += dots64(P, tg)
             if self.sq is not None:
                 self.sq[idx] += _row_sq(P)
             total += _part_sum(P).to(total.dtype)
             if self.gram is not None:
-                self.gram[idx[:, None], idx[None, :]] += (P @ P.T).double()
+                self.gram[idx[:, None], idx[None, :]] += gram64(P, P)
                 for cj in chunks[i + 1 :]:
                     Q = pieces(cj).reshape(len(cj), -1)  # [c', n]
                     jdx = torch.tensor(cj, device=self.dots.device)
-                    block = (P @ Q.T).double()  # [c, c']
+                    block = gram64(P, Q)  # [c, c']
                     self.gram[idx[:, None], jdx[None, :]] += block
                     self.gram[jdx[:, None], idx[None, :]] += block.T
             del P
-        self.diff_sq += _sq_t(total - gf.to(total.dtype))
+        self.diff_sq += diff_sq64(total, gf)
         return total.view_as(g_full) if keep_sum else None
 
 
@@ -512,8 +460,6 @@ def disintegrate_ghost(
         NotRowSeparable: the partition splits a row (use ``engine="reference"`` or ``"jvp"``).
         RowInteraction: a module mixes rows (batch-norm in training mode), or ``verify_part`` failed.
     """
-    from ..engine import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
-
     if readings not in READINGS:
         raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
     if route not in ROUTES:
@@ -684,6 +630,8 @@ def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edge
     for i, us in seen.items():
         if i in bad or edges.get(id(leaves[i]), 0) != len(us):
             continue  # a use the hooks did not see (or a use outside the graph): exact fallback
+        if sparse_only(us, leaves[i]) and not ghost_eligible(us, leaves[i]):
+            continue  # an embedding weight also used by a layer without an L^T R piece: exact fallback
         out[i] = us
     return out
 
@@ -802,7 +750,7 @@ class _Reducer:
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq,
+            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p, keep_total=self.keep_sum,
                                       target=None if self.onto is None else self.onto[i])
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
@@ -821,6 +769,7 @@ class _Reducer:
         acc, m, leaves, totals = self.acc, self.m, self.leaves, self.totals
         for i in self.by_leaf:
             self.param(i, g_full[i])
+        acc.flush()
         coverage = self.coverage
         if fallback:
             gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
@@ -829,13 +778,13 @@ class _Reducer:
             if fb is None:
                 fb = torch.zeros(m, n_fb, dtype=gf.dtype, device=self.device)
             tg = gf if self.onto is None else torch.cat([self.onto[i].reshape(-1) for i in fallback])  # [n_fallback]
-            acc.dots += (fb @ tg.to(fb.dtype)).double()
+            acc.dots += dots64(fb, tg)
             if acc.gram is not None:
-                acc.gram += (fb @ fb.T).double()
+                acc.gram += gram64(fb, fb)
             if acc.sq is not None:
                 acc.sq += _row_sq(fb)
             s = fb.sum(0)
-            acc.diff_sq += torch.sum((s.double() - gf.double()) ** 2)
+            acc.diff_sq += diff_sq64(s, gf)
             if self.keep_sum:
                 off = 0
                 for i in fallback:

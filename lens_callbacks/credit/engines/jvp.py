@@ -29,7 +29,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 
-from ..engine import (
+from ..primitives import (
     DTypeSpec,
     _TermsCall,
     _diff_norm,

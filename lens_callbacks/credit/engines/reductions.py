@@ -1,0 +1,98 @@
+r"""Dots, squared norms and Grams of gradient pieces, accumulated in float64.
+
+A piece's products are formed in its own dtype, block by block, and the blocks' results are summed in
+float64: over a ``10⁸``-element embedding piece a float32 accumulator drifts by ~1e-5 in the shares,
+while float32 products over blocks of ``2¹⁶`` elements reduced in float64 keep ~1e-8, without a float64
+copy of the piece (which would cost twice its memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64"]
+
+# Elements per block of a float32 product; the blocks' results are summed in float64.
+BLOCK = 1 << 16
+# Blocks up to this many elements are reduced on a float64 copy outright (the copy costs less than the
+# kernels of a blocked reduction, and float32 matrix-vector products lose ~1e-6 to cancellation).
+SMALL = 1 << 20
+
+
+def _blocks(n: int, block: int = BLOCK):
+    return ((s, min(n, s + block)) for s in range(0, n, block))
+
+
+def _split(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[c, n]`` block as whole ``[c, nb, BLOCK]`` blocks (a view, no copy) and its ``[c, n mod BLOCK]`` tail."""
+    if P.stride(1) != 1:
+        P = P.contiguous()
+    c, n = P.shape
+    nb = n // BLOCK
+    body = torch.as_strided(P, (c, nb, BLOCK), (P.stride(0), BLOCK, 1), P.storage_offset())  # [c, nb, BLOCK]
+    return body, P[:, nb * BLOCK :]
+
+
+def sq64(x: torch.Tensor) -> torch.Tensor:
+    """``‖x‖²`` as a float64 0-d tensor (read back later with the others); no float64 copy of ``x``.
+
+    Squares summed in ``x``'s dtype over blocks (torch's cascade sum), the blocks' sums in float64.
+    (``torch.linalg.vector_norm`` in float32 drifts by ~1e-6 over ``2¹⁶`` elements: not used.)"""
+    v = x.reshape(-1)  # [n]
+    if v.dtype == torch.float64:
+        return torch.dot(v, v)
+    step = 16 * BLOCK
+    if v.numel() <= step:
+        return (v * v).sum().double()
+    return torch.stack([(v[s:e] * v[s:e]).sum() for s, e in _blocks(v.numel(), step)]).double().sum()
+
+
+def diff_sq64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``‖a − b‖²`` in float64, block by block (no parameter-sized difference is formed)."""
+    u, v = a.reshape(-1), b.reshape(-1).to(a.dtype)  # [n]
+    if u.numel() <= 4 * BLOCK:
+        return sq64(u - v)
+    out = torch.zeros((), dtype=torch.float64, device=u.device)
+    step = 16 * BLOCK
+    for s, e in _blocks(u.numel(), step):
+        out += sq64(u[s:e] - v[s:e])
+    return out
+
+
+def dots64(P: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``P @ t`` for a ``[c, n]`` block of pieces and an ``[n]`` vector, float64 ``[c]``.
+
+    Products in ``P``'s dtype over column blocks of ``BLOCK`` (a float32 matrix-vector product sums
+    sequentially: over ``2²⁰`` columns it drifts by ~1e-7), their results summed in float64."""
+    t = t.reshape(-1).to(P.dtype)  # [n]
+    if P.dtype == torch.float64 or P.numel() <= SMALL:
+        return P.double() @ t.double()
+    step = BLOCK
+    if P.shape[1] <= step:
+        return (P @ t).double()
+    return torch.stack([P[:, s:e] @ t[s:e] for s, e in _blocks(P.shape[1], step)], 1).double().sum(1)  # [c]
+
+
+def gram64(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``P @ Qᵀ`` for ``[c, n]`` and ``[c', n]`` blocks, float64 ``[c, c']`` (blocked products, float64 sum)."""
+    if P.dtype == torch.float64 or P.numel() + Q.numel() <= SMALL:
+        return P.double() @ Q.double().T
+    (Pb, Pt), (Qb, Qt) = _split(P), _split(Q)  # [c, nb, BLOCK], [c, tail]
+    out = (Pt @ Qt.T).double()  # [c, c']
+    if Pb.shape[1]:
+        out += torch.bmm(Pb.transpose(0, 1), Qb.transpose(0, 1).transpose(1, 2)).double().sum(0)
+    return out
+
+
+def row_sq64(P: torch.Tensor) -> torch.Tensor:
+    """``‖P_i‖²`` of every row of a ``[c, n]`` block, float64 ``[c]`` (squares summed per column block in
+    ``P``'s dtype, the blocks in float64; the temporaries are one block, never a copy of ``P``)."""
+    if P.dtype == torch.float64 or P.numel() <= SMALL:
+        P = P.double()
+        return (P * P).sum(1)
+    step = max(BLOCK, (16 * BLOCK) // max(1, P.shape[0]))
+    out = torch.zeros(P.shape[0], dtype=torch.float64, device=P.device)
+    for s, e in _blocks(P.shape[1], step):
+        blk = P[:, s:e]  # [c, e-s]
+        out += (blk * blk).sum(1).double()
+    return out

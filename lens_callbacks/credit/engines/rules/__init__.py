@@ -1,0 +1,159 @@
+r"""Per-layer rules of the one-pass engine, as a registry.
+
+A rule covers one family of layers. It says which modules it covers (:meth:`Rule.matches`), what its
+forward hook keeps beyond the layer's input ``A`` and output gradient ``B`` (:meth:`Rule.on_forward`),
+and how a parameter's per-row gradient is read from them:
+
+- :meth:`Rule.factors`: the piece as ``Σ_t L_t ⊗ R_t`` (``Linear``: ``L = B``, ``R = A``; ``Conv1D``:
+  ``L = A``, ``R = B``; ``Embedding``: ``L`` the token ids as one-hot rows, ``R = B``), which the ghost
+  route reads without forming any per-row piece (:mod:`..ghost_routes`);
+- :meth:`Rule.pieces`: the per-part pieces themselves, ``[c, *param.shape]`` (biases, norm weights, and a
+  ``Linear`` weight on the direct route);
+- :meth:`Rule.positions`: positions per row, the figure the route costs are counted from.
+
+The engine looks rules up in :data:`RULES` (the first that matches wins); :func:`register` puts a rule
+for a custom layer (a fused QKV projection, a quantised Linear) first, so a new layer type is one file
+with one :class:`Rule` subclass. Modules no rule covers have their parameters read by the fallback
+(one masked backward per part for those parameters only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["Rule", "Factors", "RULES", "register", "unregister", "find_rule", "rule_named", "rule_of", "rows_of", "take"]
+
+
+class Factors(NamedTuple):
+    """One use's per-row piece ``Lᵀ R`` on the selected rows: ``L`` ``[r, n, d_L]`` (or, with ``index``,
+    ``[r, n]`` token ids: one-hot rows of ``d_L``), ``R`` ``[r, n, d_R]``."""
+
+    L: torch.Tensor
+    R: torch.Tensor
+    index: bool
+
+
+def rows_of(t: torch.Tensor, B: int) -> torch.Tensor:
+    """``t`` seen as ``[B, n, d]`` (every leading dimension after the batch flattened into positions)."""
+    return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
+
+
+def take(t: torch.Tensor, sel: torch.Tensor, B: int) -> torch.Tensor:
+    """Rows ``sel`` of ``t`` seen as ``[B, n, d]``; no copy when every row is selected."""
+    r = rows_of(t, B)
+    return r if sel.numel() == B else r[sel]
+
+
+class Rule:
+    """A family of layers whose parameters' per-row gradients are read from the layer's ``A`` and ``B``.
+
+    Subclasses set :attr:`name` (the report's ``coverage`` key) and override :meth:`matches` and the
+    readings their parameters need: :meth:`factors` for a 2-d weight that is ``Σ_t L_t ⊗ R_t`` per row,
+    :meth:`pieces` for anything else. A use (``u``) carries ``u.module``, ``u.weight``, ``u.bias``,
+    ``u.a`` (the layer's first input, detached) and ``u.b`` (the gradient at its output).
+    """
+
+    name: str = "rule"
+    #: whether a parameter with a use of this rule may only be read through :meth:`factors` (an
+    #: embedding: its dense per-row pieces would be ``[rows, V, d]``)
+    factors_only: bool = False
+    #: whether an output computed for one row and broadcast over the batch (a position embedding of
+    #: shape ``[1, T, d]``) is expanded to the batch so each row's gradient is seen
+    expands_broadcast: bool = False
+
+    def matches(self, mod: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def on_forward(self, use: Any, mod: nn.Module, x: torch.Tensor, capture: Any) -> None:
+        """Keep on ``use`` what the forward must give beyond the input (a norm layer's ``x̂`` under
+        autocast). ``capture.quiet(fn, *args)`` runs ``fn`` with the capture's hooks silent."""
+
+    def factors(self, use: Any, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
+        """``param``'s per-row piece as factors on rows ``sel``, or None when it is not ``Lᵀ R``."""
+        return None
+
+    def has_factors(self, use: Any, param: torch.Tensor) -> bool:
+        """Whether :meth:`factors` reads ``param`` (decided without the captured tensors)."""
+        return False
+
+    def pieces(self, use: Any, param: torch.Tensor, rows: Any) -> torch.Tensor:
+        """Per-part pieces ``[c, *param.shape]`` of the chunk ``rows`` (``rows.sel``: ``[r]`` rows in the
+        chunk, ``rows.dst``: their chunk-local part, ``rows.c``: parts, ``rows.in_order``: one row per
+        part in order, ``rows.rp``: ``[B]``)."""
+        raise NotImplementedError(f"rule {self.name!r} forms no per-part pieces of {tuple(param.shape)}")
+
+    def positions(self, use: Any) -> int:
+        """Positions per row of the use's output gradient."""
+        b = use.b
+        return int(b.numel() // (b.shape[0] * b.shape[-1])) if b is not None and b.numel() else 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+RULES: List[Rule] = []
+
+
+def register(rule: Rule, *, first: bool = True) -> Rule:
+    """Add ``rule`` to the registry (``first``: before the shipped rules, so it wins on a module both match)."""
+    if not isinstance(rule, Rule):
+        raise TypeError(f"`rule` must be an instance of lens_callbacks.credit.engines.rules.Rule, got {type(rule).__name__}.")
+    if rule in RULES:
+        return rule
+    if first:
+        RULES.insert(0, rule)
+    else:
+        RULES.append(rule)
+    return rule
+
+
+def unregister(rule: Rule) -> None:
+    """Remove ``rule`` from the registry (nothing happens if it is not there)."""
+    if rule in RULES:
+        RULES.remove(rule)
+
+
+def find_rule(mod: nn.Module) -> Optional[Rule]:
+    """The first registered rule that covers ``mod``'s own parameters, or None."""
+    for rule in RULES:
+        if rule.matches(mod):
+            return rule
+    return None
+
+
+def rule_named(name: str) -> Optional[Rule]:
+    """The registered rule called ``name`` (the first, if several), or None."""
+    for rule in RULES:
+        if rule.name == name:
+            return rule
+    return None
+
+
+def rule_of(use: Any) -> Rule:
+    """A captured use's rule (``use.handler``, else the registered rule named ``use.rule``)."""
+    rule = getattr(use, "handler", None)
+    if rule is None:
+        rule = rule_named(getattr(use, "rule", ""))
+    if rule is None:
+        raise ValueError(f"no registered rule for {getattr(use, 'rule', use)!r}")
+    return rule
+
+
+def forward_is(mod: nn.Module, cls: type) -> bool:
+    """``mod`` is a ``cls`` whose forward is ``cls``'s own (a subclass with its own forward is another layer)."""
+    return isinstance(mod, cls) and type(mod).forward is cls.forward
+
+
+def _shipped() -> None:
+    from .embedding import EmbeddingRule
+    from .linear import Conv1DRule, LinearRule
+    from .norms import LayerNormRule, RMSNormRule
+
+    for rule in (LinearRule(), EmbeddingRule(), LayerNormRule(), RMSNormRule(), Conv1DRule()):
+        register(rule, first=False)
+
+
+_shipped()

@@ -1,0 +1,218 @@
+"""Primitives every disintegration engine shares: evaluating the terms, dtypes, the random stream, ``g_full``
+held against a reference (``grad_match``), ``project_onto``, and float64 dots of parameter lists.
+
+Below both the dispatcher (:mod:`lens_callbacks.credit.engine`) and the engines
+(:mod:`lens_callbacks.credit.engines`), so that neither imports the other for these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .partition import Partition
+from .terms import CreditTerms, validate_terms
+
+__all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms"]
+
+DTypeSpec = Union[str, torch.dtype, None]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: DTypeSpec) -> Optional[torch.dtype]:
+    """``"float32"`` (default), ``"float64"``, ``"bfloat16"``, a ``torch.dtype``, or ``"native"``/None."""
+    if dtype is None or dtype == "native":
+        return None
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating dtype, got {dtype!r}.")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(
+        f"`dtype` must be one of 'float32', 'float64', 'bfloat16', 'float16', 'native' or a torch.dtype, got {dtype!r}."
+    )
+
+
+class _TermsCall(nn.Module):
+    """Routes ``functional_call`` to ``credit_terms`` so the audit never touches the live parameters."""
+
+    def __init__(self, inner: nn.Module, fn: Callable[[Any], CreditTerms]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._fn = fn
+
+    def forward(self, batch: Any) -> CreditTerms:
+        return self._fn(batch)
+
+
+def _rng_devices(module: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
+@contextlib.contextmanager
+def _preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    with torch.random.fork_rng(devices=_rng_devices(module)):
+        yield
+
+
+def evaluate_terms(
+    module: nn.Module,
+    batch: Any,
+    dtype: DTypeSpec = "float32",
+    terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+) -> tuple[CreditTerms, list[str], list[torch.Tensor], str]:
+    """Run ``credit_terms`` on detached (optionally cast) copies of the parameters.
+
+    Returns ``(terms, names, leaves, dtype_used)`` where ``leaves`` are the trainable parameter copies the
+    terms' graph hangs from. The module's own parameters, ``.grad`` and buffers are never modified: the
+    copies are swapped in through :func:`torch.func.functional_call`. ``params`` (name → tensor)
+    evaluates the terms at other weights (e.g. an anchor's snapshot) instead of the live ones.
+    """
+    fn = terms_fn if terms_fn is not None else getattr(module, "credit_terms", None)
+    if fn is None or not callable(fn):
+        raise TypeError(
+            f"`module` must implement `credit_terms(batch) -> CreditTerms` (see lens_callbacks.credit.CreditSource), "
+            f"got {type(module).__name__} without it; or pass `terms_fn`."
+        )
+    target = resolve_dtype(dtype)
+    names: list[str] = []
+    leaves: list[torch.Tensor] = []
+    state: dict[str, torch.Tensor] = {}
+    if params is not None:
+        unknown = sorted(set(params) - {n for n, _ in module.named_parameters()})
+        if unknown:
+            raise ValueError(f"`params` must name parameters of the module, got unknown names {unknown[:5]!r}.")
+    for name, p in module.named_parameters():
+        q = (params[name] if params is not None and name in params else p).detach()
+        if target is not None and q.is_floating_point() and q.dtype != target:
+            q = q.to(target)
+        if p.requires_grad:
+            # A fresh leaf over the same storage (or the cast copy): gradients land here, never in p.grad.
+            q = q.detach().requires_grad_(True)
+            names.append(name)
+            leaves.append(q)
+        state["inner." + name] = q
+    if target is not None:
+        for name, b in module.named_buffers():
+            if b.is_floating_point() and b.dtype != target:
+                state["inner." + name] = b.to(target)
+    used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
+    wrapper = _TermsCall(module, fn)
+    with torch.enable_grad():
+        terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
+    validate_terms(terms)  # the contract is checked here, not at construction inside the training step
+    return terms, names, leaves, used
+
+
+def _native_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _grad(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> list[torch.Tensor]:
+    if not loss.requires_grad:
+        return [torch.zeros_like(x) for x in leaves]
+    gs = torch.autograd.grad(loss, leaves, retain_graph=retain, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float(torch.sum(x.double() * y.double())) for x, y in zip(a, b))
+
+
+def _sqnorm(a: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float(torch.sum(x.double() ** 2)) for x in a)
+
+
+def _diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(math.fsum(float(torch.sum((x.double() - y.double()) ** 2)) for x, y in zip(a, b)))
+
+
+def _partition_name(spec: Any) -> str:
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, Partition):
+        return "custom"
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
+def _onto(
+    leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]], name: str = "project_onto"
+) -> Optional[list[torch.Tensor]]:
+    if vec is None:
+        return None
+    vec = list(vec)
+    if len(vec) != len(leaves):
+        raise ValueError(
+            f"`{name}` must hold one tensor per trainable parameter ({len(leaves)}), got {len(vec)}; "
+            "align it with [p for p in module.parameters() if p.requires_grad]."
+        )
+    out = []
+    for x, v in zip(leaves, vec):
+        if v is None:
+            out.append(torch.zeros_like(x))
+        elif tuple(v.shape) != tuple(x.shape):
+            raise ValueError(f"`{name}` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
+        else:
+            out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
+    return out
+def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
+    """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
+    return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
+
+
+def _grad_match(
+    module: nn.Module,
+    names: Sequence[str],
+    reference_grads: Any,
+    g_full: Sequence[torch.Tensor],
+    full_norm: float,
+) -> Optional[float]:
+    """``||g_full − ref|| / ||g_full||`` against ``reference_grads`` (None when there is nothing to compare)."""
+    if reference_grads is None:
+        return None
+    ref = _reference(module, names, reference_grads)
+    if ref is None:
+        return None
+    ref = [r.to(g.device, g.dtype) if r is not None else torch.zeros_like(g) for r, g in zip(ref, g_full)]
+    return _diff_norm(g_full, ref) / full_norm if full_norm > 0 and math.isfinite(full_norm) else float("nan")
+
+
+def _reference(
+    module: nn.Module, names: Sequence[str], ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]
+) -> Optional[list[Optional[torch.Tensor]]]:
+    if isinstance(ref, str):
+        if ref != "grad":
+            raise ValueError(f"`reference_grads` must be 'grad' when a string, got {ref!r}.")
+        params = dict(module.named_parameters())
+        grads = [params[n].grad for n in names]
+        return None if all(g is None for g in grads) else grads
+    if isinstance(ref, Mapping):
+        return [ref.get(n) for n in names]
+    ref = list(ref)
+    if len(ref) != len(names):
+        raise ValueError(f"`reference_grads` must hold one tensor per trainable parameter ({len(names)}), got {len(ref)}.")
+    return ref
