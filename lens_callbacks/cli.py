@@ -27,8 +27,8 @@ def cli_main(args: Optional[Sequence[str]] = None, run: bool = True):
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    # Class paths in YAML (``examples.grpo.module.GRPOModule``) resolve from the working directory,
-    # as they do under ``python -m``.
+    # A user's own class paths in YAML (``mypkg.MyModule``) resolve from the working directory, as they do
+    # under ``python -m``; the shipped configs name ``lens_callbacks.examples`` and resolve from anywhere.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return LightningCLI(

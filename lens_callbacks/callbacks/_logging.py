@@ -12,6 +12,7 @@ Nothing here is a collective, so a call made on rank 0 alone cannot deadlock.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Mapping, Optional
 
 __all__ = ["log_scalars", "log_text", "log_figure", "log_dir", "tensorboard_dir"]
@@ -81,5 +82,6 @@ def tensorboard_dir(trainer: Any) -> Optional[str]:
         if callable(getattr(getattr(logger, "experiment", None), "add_scalar", None)):
             d = getattr(logger, "log_dir", None)
             if d:
-                return str(d)
+                # Absolute, so that the printed ``tensorboard --logdir`` line works from any directory.
+                return os.path.abspath(str(d))
     return None

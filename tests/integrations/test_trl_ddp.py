@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():  # pragma: no cover - torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from examples.trl_grpo import save_policy  # noqa: E402
+from lens_callbacks.examples.trl_grpo import save_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trl_ddp_worker.py")
