@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -185,6 +186,20 @@ class LensGRPOMixin:
     """
 
     lens_loss_type: Optional[str] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        wrong = _mixin_after(cls)
+        if wrong is not None:
+            # Said where the class is defined: with the bases in this order nothing binds the callback, so at
+            # train time it cannot tell why it has no trainer.
+            msg = (
+                f"{cls.__name__} lists {wrong.__name__} before LensGRPOMixin in its bases, so {wrong.__name__}'s "
+                "methods shadow the mixin's: it never records a micro-batch and nothing is audited. The order is "
+                f"wrong: write class {cls.__name__}(LensGRPOMixin, {wrong.__name__})."
+            )
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            log.warning("LensGRPOMixin: %s", msg)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -579,6 +594,20 @@ class _StepLog:
     values: dict[str, float] = field(default_factory=dict)
 
 
+def _mixin_after(cls: type) -> Optional[type]:
+    """The first trainer class ahead of :class:`LensGRPOMixin` in ``cls``'s MRO that defines a method the mixin overrides."""
+    mro = cls.__mro__
+    if LensGRPOMixin not in mro:
+        return None
+    own = {k for k, v in vars(LensGRPOMixin).items() if callable(v) and not k.startswith("__")}
+    for base in mro[: mro.index(LensGRPOMixin)]:
+        if issubclass(base, LensGRPOMixin):
+            continue  # the user's own class (or another mixin built on this one) may override and call super()
+        if issubclass(base, Trainer) and own & set(vars(base)):
+            return base
+    return None
+
+
 class LensTRLCallback(TrainerCallback):
     """Audit a ``GRPOTrainer`` step at the optimizer step and log the readings through ``Trainer.log``.
 
@@ -660,8 +689,9 @@ class LensTRLCallback(TrainerCallback):
         tr = self.trainer
         if tr is None or not isinstance(tr, LensGRPOMixin):
             log.warning(
-                "LensTRLCallback: the trainer must mix in LensGRPOMixin (class AuditedGRPO(LensGRPOMixin, GRPOTrainer)); "
-                "nothing will be audited."
+                "LensTRLCallback: no trainer bound this callback, so nothing will be audited. The trainer must mix in "
+                "LensGRPOMixin first in its bases: class AuditedGRPO(LensGRPOMixin, GRPOTrainer); with the bases in "
+                "the other order (GRPOTrainer, LensGRPOMixin) the mixin never runs, and the order is wrong."
             )
             return
         ref = tr.lens_setup_refusal()
