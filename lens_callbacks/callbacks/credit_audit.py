@@ -375,9 +375,11 @@ class CreditAuditCallback(Callback):
             reading = self._read(trainer, pl_module)
         if self.n_audits == 0 and isinstance(self._last_error, MissingSegmentsError):
             # A set-up error, not a property of this step: say it once, now, rather than refuse every step.
+            err = str(self._last_error)
+            fallback = "" if "partition='by_rollout'" in err else " Or use partition='by_rollout'."  # said once
             raise ValueError(
                 f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
-                f"segment ids: {self._last_error} Or use partition='by_rollout'."
+                f"segment ids: {err}{fallback}"
             ) from self._last_error
         reading = self._refuse_non_finite(reading, step)
         self._audited_step = step
