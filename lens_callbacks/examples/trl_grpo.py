@@ -8,7 +8,7 @@ in-memory prompt set and a reward function. Nothing is downloaded. Run it with::
 and read the readings it prints (they are also in ``trainer.state.log_history`` and, with
 ``--tensorboard``, in TensorBoard under ``train/credit/...`` and ``train/conservation/...``).
 
-Needs the ``trl`` extra: ``pip install 'lens-callbacks[trl]'``.
+Needs the ``trl`` extra: ``pip install -e '.[trl]'`` in a checkout.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ disintegrates its own micro-batches with ``project_onto=ḡ / c`` and the ranks 
 the global step. Every rank holds the same readings; only the main process logs them.
 
 Supported versions: trl >= 1.16, < 1.17 with transformers >= 5.0 (tested: trl 1.16.0, transformers
-5.24.0, peft 0.21.2, accelerate 1.15.0). Install with ``pip install 'lens-callbacks[trl]'``.
+5.24.0, peft 0.21.2, accelerate 1.15.0). Install the extra from a checkout: ``pip install -e '.[trl]'``.
 """
 
 from __future__ import annotations
@@ -72,19 +72,19 @@ def _check_versions() -> None:
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "lens_callbacks.integrations.trl needs the `trl` extra (trl >= 1.16, < 1.17 and transformers >= 5.0): "
-            f"pip install 'lens-callbacks[trl]'. ({e})"
+            f"pip install -e '.[trl]' in a checkout of lens_callbacks. ({e})"
         ) from e
     v = Version(trl.__version__).release
     if not (Version(_TRL_MIN).release <= v < Version(_TRL_MAX).release):
         raise ImportError(
             f"lens_callbacks.integrations.trl supports trl >= {_TRL_MIN}, < {_TRL_MAX}, got trl {trl.__version__}: "
-            "each loss type's normaliser is re-derived from that version's GRPOTrainer. Install "
-            "'lens-callbacks[trl]' (pins the tested range)."
+            "each loss type's normaliser is re-derived from that version's GRPOTrainer. Install the `trl` extra "
+            "(it pins the tested range): pip install -e '.[trl]' in a checkout of lens_callbacks."
         )
     if Version(transformers.__version__).release < Version(_TF_MIN).release:
         raise ImportError(
             f"lens_callbacks.integrations.trl supports transformers >= {_TF_MIN}, got transformers "
-            f"{transformers.__version__}. Install 'lens-callbacks[trl]'."
+            f"{transformers.__version__}. Install the `trl` extra: pip install -e '.[trl]' in a checkout of lens_callbacks."
         )
 
 

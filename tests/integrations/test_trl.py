@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install 'lens-callbacks[trl]'")
+pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install -e '.[trl]'")
 pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` extras)")
 
 from trl import GRPOTrainer  # noqa: E402

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install 'lens-callbacks[trl]'")
+pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install -e '.[trl]'")
 pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` extras)")
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():  # pragma: no cover - torch built without distributed
