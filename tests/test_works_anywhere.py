@@ -1,8 +1,9 @@
 """The console script and every shipped config work from any directory, as after the README's install.
 
-The subprocesses run in a fresh temporary directory with only this checkout's package added to the path
-(what ``pip install -e .`` adds): nothing resolves because the working directory happens to be the
-repository root.
+The subprocesses run in a fresh temporary directory, with the checkout on the path as an editable install
+puts the package there: nothing resolves because the working directory happens to be the repository root.
+A config naming a module that sits at the checkout's root (as ``examples.`` did, which only the root on the
+path made importable) is caught by ``test_configs_name_only_installed_modules``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _run(args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_help_lists_the_offline_commands_beside_lightnings(tmp_path):
-    r = _run(["--help"], tmp_path, timeout=120)
+    r = _run(["--help"], tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     usage = r.stdout.splitlines()[0]
     assert usage.startswith("usage: lens-callbacks "), usage
