@@ -4,7 +4,7 @@
 
 Measured in one run (one process, one thread by default):
 
-- the plain training step (sampling + forward + backward + Adam) of ``examples.grpo.GRPOModule``;
+- the plain training step (sampling + forward + backward + Adam) of ``lens_callbacks.examples.grpo.GRPOModule``;
 - one fire, split into ``observe`` (fp32 delta, Gram row, eigh, OLS: Gram only) and ``project``
   (streamed reconstruction of ``θ̂`` with the readings) for window sizes W = 4, 8, 16;
 - the anchor's per-step gradient (one forward + backward through ``credit_terms`` at the anchor's weights);
@@ -33,7 +33,7 @@ SIZE = {"n_layer": 2, "n_embd": 32}
 
 
 def _model():
-    from examples.grpo import AdditionDataModule, GRPOModule
+    from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
     return GRPOModule(n_layer=SIZE["n_layer"], n_embd=SIZE["n_embd"], n_head=2, group_size=4, max_new_tokens=3,
                       optimizer="adam", lr=3e-3, dropout=0.1, seed=0), AdditionDataModule(batch_size=4)

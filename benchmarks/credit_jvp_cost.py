@@ -39,8 +39,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from examples.grpo_tools.env import build_tokenizer  # noqa: E402
-from examples.tiny_policy import tiny_gpt2  # noqa: E402
+from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
+from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments  # noqa: E402
 from lens_callbacks.credit.engines.jvp import disintegrate_jvp, terms_jvp  # noqa: E402
 from lens_callbacks.credit.trajectories import Trajectory, Turn  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 def _fit(steps: int, callbacks) -> float:
     from lightning.pytorch import Trainer, seed_everything
 
-    from examples.grpo import AdditionDataModule, GRPOModule
+    from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
     seed_everything(0)
     trainer = Trainer(

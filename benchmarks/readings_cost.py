@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from examples.grpo import GRPOModule
+from lens_callbacks.examples.grpo import GRPOModule
 from lens_callbacks.credit import disintegrate
 from lens_callbacks.credit.partition import PARTITIONS
 from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings

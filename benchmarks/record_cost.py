@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import replay_to  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402

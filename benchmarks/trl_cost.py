@@ -1,6 +1,6 @@
 """What the TRL adapter costs: a GRPOTrainer run with ``LensTRLCallback`` against the same run without it.
 
-``python benchmarks/trl_cost.py --steps 8 --repeats 3``: the tiny Qwen2 of ``examples/trl_grpo.py``
+``python benchmarks/trl_cost.py --steps 8 --repeats 3``: the tiny Qwen2 of ``lens_callbacks/examples/trl_grpo.py``
 (fp32, CPU, accumulation 2, 8 rollouts a step, every step audited by rollout). Runs alternate plain /
 audited so the shared machine's load falls on both; the ratio of the medians of ``trainer.train()``
 wall time is printed.
@@ -26,7 +26,7 @@ def main() -> None:
 
     from trl import GRPOTrainer
 
-    from examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer
+    from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer
     from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
 
     class AuditedGRPO(LensGRPOMixin, GRPOTrainer):

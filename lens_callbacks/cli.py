@@ -2,12 +2,15 @@
 
 ``lens-callbacks fit --config cli_configs/grpo_credit.yaml`` is a plain :class:`~lightning.pytorch.cli.LightningCLI`
 (``fit``/``validate``/``test``/``predict``): model, data and callbacks come from YAML by ``class_path``.
-Offline subcommands (``audit``, ``process``, ``skyrl``, ``anchor-gate``) work on saved records and dumps.
+Offline subcommands (``audit``, ``process``, ``skyrl``, ``anchor-gate``, ``anchor-arms``) work on saved records,
+dumps and checkpoints; ``lens-callbacks --help`` lists them beside LightningCLI's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import sys
 from typing import Optional, Sequence
@@ -21,14 +24,23 @@ OFFLINE_COMMANDS = {
     "anchor-arms": "lens_callbacks.commands.anchor_arms",
 }
 
+# One line each for ``lens-callbacks --help`` (the modules are not imported to print it).
+OFFLINE_HELP = {
+    "audit": "Re-audit one recorded step of a run record offline (exact replay), any partition.",
+    "process": "The process-reward table over every group of a run record or SkyRL dump.",
+    "skyrl": "Summary of a SkyRL training-batch dump: rows, groups, keys, advantages per group.",
+    "anchor-gate": "Replay saved checkpoints: the anchor projection against its baselines (the offline gate).",
+    "anchor-arms": "Run a config once per arm and seed, each in its own process: the anchor's online decision.",
+}
+
 
 def cli_main(args: Optional[Sequence[str]] = None, run: bool = True):
     """Build the LightningCLI (``run=False`` parses and instantiates without fitting)."""
     from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    # Class paths in YAML (``examples.grpo.module.GRPOModule``) resolve from the working directory,
-    # as they do under ``python -m``.
+    # A user's own class paths in YAML (``mypkg.MyModule``) resolve from the working directory, as they do
+    # under ``python -m``; the shipped configs name ``lens_callbacks.examples`` and resolve from anywhere.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     return LightningCLI(
@@ -42,8 +54,30 @@ def cli_main(args: Optional[Sequence[str]] = None, run: bool = True):
     )
 
 
+def help_text() -> str:
+    """LightningCLI's help with the offline commands added to its usage line and listed after it."""
+    out = io.StringIO()
+    saved = sys.argv
+    # LightningCLI reads --help from sys.argv (given as ``args`` too, it warns that both were given).
+    sys.argv = [saved[0] if saved else "lens-callbacks", "--help"]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            cli_main(None)
+    finally:
+        sys.argv = saved
+    names = ",".join(["fit", "validate", "test", "predict", *OFFLINE_COMMANDS])
+    text = out.getvalue().replace("{fit,validate,test,predict}", "{" + names + "}", 1)
+    width = max(map(len, OFFLINE_COMMANDS))
+    lines = ["", "offline commands (on saved records, dumps and checkpoints; `lens-callbacks COMMAND --help` for each):"]
+    lines += [f"    {name:<{width}}  {OFFLINE_HELP[name]}" for name in OFFLINE_COMMANDS]
+    return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(help_text(), end="")
+        return 0
     if argv and argv[0] in OFFLINE_COMMANDS:
         mod = importlib.import_module(OFFLINE_COMMANDS[argv[0]])
         return int(mod.main(argv[1:]) or 0)

@@ -11,7 +11,7 @@ python3 -m venv .venv
 # The policy is tiny: one thread per process is faster than two fighting over a small CPU.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/python -m lens_callbacks fit --config cli_configs/grpo_credit.yaml --trainer.enable_progress_bar=false "$@"
-run_dir="$(ls -td runs/grpo_credit/version_* | head -n 1)"
+run_dir="$PWD/$(ls -td runs/grpo_credit/version_* | head -n 1)"  # absolute: the lines below work from anywhere
 echo
 echo "last credit report: $run_dir/credit_last.txt"
 echo "view the run: tensorboard --logdir $run_dir"

@@ -21,8 +21,8 @@ def test_there_are_configs():
 def test_config_parses_and_instantiates(config, monkeypatch, tmp_path):
     from lens_callbacks.cli import cli_main
 
-    # Class paths such as examples.grpo.GRPOModule resolve from the repository root, as in the README.
-    monkeypatch.chdir(ROOT)
+    # The configs name installed class paths (lens_callbacks.examples...): they resolve from any directory.
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["lens-callbacks"])  # LightningCLI reads args=, not pytest's argv
     cli = cli_main(["--config", str(config), f"--trainer.default_root_dir={tmp_path}"], run=False)
     assert cli.model is not None and cli.trainer is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -87,7 +88,8 @@ def tensorboard_dir(trainer: Any) -> Optional[str]:
         if callable(getattr(getattr(logger, "experiment", None), "add_scalar", None)):
             d = getattr(logger, "log_dir", None)
             if d:
-                return str(d)
+                # Absolute, so that the printed ``tensorboard --logdir`` line works from any directory.
+                return os.path.abspath(str(d))
     return None
 
 

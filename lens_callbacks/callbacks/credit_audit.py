@@ -81,6 +81,10 @@ class CreditAuditCallback(Callback):
         max_logged_parts: per-part scalars for the first this-many parts.
         keep_grads: attach ``g_full`` and ``Σ g_S`` to ``last_report.grads`` (other callbacks may set it).
         log_figure: log the heatmap figure when matplotlib is importable.
+        log_figure_every_n_steps: at least this many steps between two drawings of the figures (heatmap,
+            interference, Lorenz curve, ledgers), which go with a text table; 0: only at fit end. Drawing
+            them costs about 20 steps of the demo's policy, so a table every step no longer draws them every
+            step (``benchmarks/figure_cost.py``).
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
         extra_partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign",
@@ -165,6 +169,7 @@ class CreditAuditCallback(Callback):
         readings: str = "all",
         capture: str = "separate",
         full_grad: str = "own",
+        log_figure_every_n_steps: int = 100,
     ) -> None:
         super().__init__()
         check_engine(engine, readings)  # raises, naming the valid engines and readings
@@ -187,6 +192,10 @@ class CreditAuditCallback(Callback):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
+        if not isinstance(log_figure_every_n_steps, int) or isinstance(log_figure_every_n_steps, bool) or log_figure_every_n_steps < 0:
+            raise ValueError(f"`log_figure_every_n_steps` must be an int >= 0, got {log_figure_every_n_steps!r}; e.g. 100.")
+        self.log_figure_every_n_steps = log_figure_every_n_steps
+        self._last_figure_step: Optional[int] = None
         resolve_dtype(dtype)  # raises, naming the valid options
         self.partition = partition
         self.every_n_steps = every_n_steps
@@ -379,9 +388,11 @@ class CreditAuditCallback(Callback):
             reading = self._read(trainer, pl_module)
         if self.n_audits == 0 and isinstance(self._last_error, MissingSegmentsError):
             # A set-up error, not a property of this step: say it once, now, rather than refuse every step.
+            err = str(self._last_error)
+            fallback = "" if "partition='by_rollout'" in err else " Or use partition='by_rollout'."  # said once
             raise ValueError(
                 f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
-                f"segment ids: {self._last_error} Or use partition='by_rollout'."
+                f"segment ids: {err}{fallback}"
             ) from self._last_error
         reading = self._refuse_non_finite(reading, step)
         self._audited_step = step
@@ -669,7 +680,9 @@ class CreditAuditCallback(Callback):
             return
         step, text = self._last_text
         if self._last_table_step != step:
-            self._log_table(trainer, step, text)
+            self._log_table(trainer, step, text, final=True)
+        elif self._last_figure_step != step:
+            self._log_figures(trainer, step)  # the table went out at this step, its figures were not due
         self._write_last(trainer, step, text)
 
     @rank_zero_only
@@ -689,12 +702,20 @@ class CreditAuditCallback(Callback):
             if tb is not None:
                 print(f"view it: tensorboard --logdir {tb}")
 
-    def _log_table(self, trainer: Trainer, step: int, text: str) -> None:
+    def _log_table(self, trainer: Trainer, step: int, text: str, final: bool = False) -> None:
         self._last_table_step = step
         log_text(trainer, f"{self.prefix}table", text, step)
+        self._log_reading_views(trainer, step, figures=False)
+        every = self.log_figure_every_n_steps
+        # Figures cost ~20 steps of a small policy: drawn on their own, sparser cadence and at fit end.
+        if final or (every and (self._last_figure_step is None or step - self._last_figure_step >= every)):
+            self._log_figures(trainer, step)
+
+    def _log_figures(self, trainer: Trainer, step: int) -> None:
+        self._last_figure_step = step
         if self.log_figure and self._history and trainer.global_rank == 0:
             log_figure(trainer, f"{self.prefix}heatmap", self._heatmap(), step)
-        self._log_reading_views(trainer, step)
+        self._log_reading_views(trainer, step, text=False)
         report = self.last_report
         if self.log_figure and report is not None and report.gram is not None and trainer.global_rank == 0:
             log_figure(trainer, f"{self.prefix}interference", interference_figure(report, self.max_logged_parts), step)
@@ -832,11 +853,11 @@ class CreditAuditCallback(Callback):
         """Add a per-part reading to the run ledger (e.g. ``book="update"`` for applied-update shares)."""
         return self.readings.add_to_ledger(book, partition, values, step)
 
-    def _log_reading_views(self, trainer: Trainer, step: int) -> None:
-        text = self.readings.render()
-        if text:
-            log_text(trainer, f"{self.prefix}readings", text, step)
-        if not self.log_figure or trainer.global_rank != 0:
+    def _log_reading_views(self, trainer: Trainer, step: int, text: bool = True, figures: bool = True) -> None:
+        rendered = self.readings.render() if text else ""
+        if rendered:
+            log_text(trainer, f"{self.prefix}readings", rendered, step)
+        if not figures or not self.log_figure or trainer.global_rank != 0:
             return
         log_figure(trainer, f"{self.prefix}concentration/lorenz", self.readings.lorenz_figure(), step)
         for book, part in self.readings.ledger.books():

@@ -103,7 +103,7 @@ class RunRecordCallback(Callback):
             replays from step 0, where the optimizer state is known to be empty.
         batch_builder: import path of ``fn(module, trajectories, meta) -> batch`` that rebuilds the
             module's rollout batch offline, for modules without ``make_rollout_batch(trajectories)``
-            (e.g. ``examples.grpo_tools.single_turn.grpo_rollout_batch`` for ``examples.grpo``).
+            (e.g. ``lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch`` for ``lens_callbacks.examples.grpo``).
 
     Per step it also records the learning rates the optimizer step used (so a run with an LR scheduler
     replays exactly) and the module's ``last_rollout_batch.dropout_seed`` when it has one (so a run with

@@ -131,7 +131,7 @@ class CreditReport:
             f"{prefix}share_sum": float(self.share_sum),
             f"{prefix}n_parts": float(self.n_parts),
             f"{prefix}n_trained": float(self.n_trained),
-            f"{prefix}undefined": 0.0 if self.ok else 1.0,
+            f"{prefix}undefined_fraction": 0.0 if self.ok else 1.0,  # the name the callbacks log per step
         }
         if self.grad_match is not None:
             out[f"{prefix}grad_match"] = float(self.grad_match)

@@ -491,6 +491,6 @@ def turn_claim_support(trajectories: Iterable[Trajectory]) -> Union[tuple[bool, 
             f"turns, {calls} tool calls): the turn decomposition can only put the whole credit on that turn, so the "
             "record cannot support a turn-concentration claim.",
             numbers,
-            remedy="record multi-turn trajectories (tool calls, several assistant turns), e.g. examples/grpo_tools",
+            remedy="record multi-turn trajectories (tool calls, several assistant turns), e.g. lens_callbacks/examples/grpo_tools",
         )
     return True, f"{multi} of {len(trajs)} trajectories have two or more trained turns ({calls} tool calls)."

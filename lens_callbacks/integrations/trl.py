@@ -43,7 +43,7 @@ disintegrates its own micro-batches with ``project_onto=ḡ / c`` and the ranks 
 the global step. Every rank holds the same readings; only the main process logs them.
 
 Supported versions: trl >= 1.16, < 1.17 with transformers >= 5.0 (tested: trl 1.16.0, transformers
-5.24.0, peft 0.21.2, accelerate 1.15.0). Install with ``pip install 'lens-callbacks[trl]'``.
+5.24.0, peft 0.21.2, accelerate 1.15.0). Install the extra from a checkout: ``pip install -e '.[trl]'``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -72,19 +73,19 @@ def _check_versions() -> None:
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "lens_callbacks.integrations.trl needs the `trl` extra (trl >= 1.16, < 1.17 and transformers >= 5.0): "
-            f"pip install 'lens-callbacks[trl]'. ({e})"
+            f"pip install -e '.[trl]' in a checkout of lens_callbacks. ({e})"
         ) from e
     v = Version(trl.__version__).release
     if not (Version(_TRL_MIN).release <= v < Version(_TRL_MAX).release):
         raise ImportError(
             f"lens_callbacks.integrations.trl supports trl >= {_TRL_MIN}, < {_TRL_MAX}, got trl {trl.__version__}: "
-            "each loss type's normaliser is re-derived from that version's GRPOTrainer. Install "
-            "'lens-callbacks[trl]' (pins the tested range)."
+            "each loss type's normaliser is re-derived from that version's GRPOTrainer. Install the `trl` extra "
+            "(it pins the tested range): pip install -e '.[trl]' in a checkout of lens_callbacks."
         )
     if Version(transformers.__version__).release < Version(_TF_MIN).release:
         raise ImportError(
             f"lens_callbacks.integrations.trl supports transformers >= {_TF_MIN}, got transformers "
-            f"{transformers.__version__}. Install 'lens-callbacks[trl]'."
+            f"{transformers.__version__}. Install the `trl` extra: pip install -e '.[trl]' in a checkout of lens_callbacks."
         )
 
 
@@ -187,6 +188,20 @@ class LensGRPOMixin:
     """
 
     lens_loss_type: Optional[str] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        wrong = _mixin_after(cls)
+        if wrong is not None:
+            # Said where the class is defined: with the bases in this order nothing binds the callback, so at
+            # train time it cannot tell why it has no trainer.
+            msg = (
+                f"{cls.__name__} lists {wrong.__name__} before LensGRPOMixin in its bases, so {wrong.__name__}'s "
+                "methods shadow the mixin's: it never records a micro-batch and nothing is audited. The order is "
+                f"wrong: write class {cls.__name__}(LensGRPOMixin, {wrong.__name__})."
+            )
+            warnings.warn(msg, UserWarning, stacklevel=2)
+            log.warning("LensGRPOMixin: %s", msg)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -583,6 +598,20 @@ class _StepLog:
     values: dict[str, float] = field(default_factory=dict)
 
 
+def _mixin_after(cls: type) -> Optional[type]:
+    """The first trainer class ahead of :class:`LensGRPOMixin` in ``cls``'s MRO that defines a method the mixin overrides."""
+    mro = cls.__mro__
+    if LensGRPOMixin not in mro:
+        return None
+    own = {k for k, v in vars(LensGRPOMixin).items() if callable(v) and not k.startswith("__")}
+    for base in mro[: mro.index(LensGRPOMixin)]:
+        if issubclass(base, LensGRPOMixin):
+            continue  # the user's own class (or another mixin built on this one) may override and call super()
+        if issubclass(base, Trainer) and own & set(vars(base)):
+            return base
+    return None
+
+
 class LensTRLCallback(TrainerCallback):
     """Audit a ``GRPOTrainer`` step at the optimizer step and log the readings through ``Trainer.log``.
 
@@ -665,8 +694,9 @@ class LensTRLCallback(TrainerCallback):
         tr = self.trainer
         if tr is None or not isinstance(tr, LensGRPOMixin):
             log.warning(
-                "LensTRLCallback: the trainer must mix in LensGRPOMixin (class AuditedGRPO(LensGRPOMixin, GRPOTrainer)); "
-                "nothing will be audited."
+                "LensTRLCallback: no trainer bound this callback, so nothing will be audited. The trainer must mix in "
+                "LensGRPOMixin first in its bases: class AuditedGRPO(LensGRPOMixin, GRPOTrainer); with the bases in "
+                "the other order (GRPOTrainer, LensGRPOMixin) the mixin never runs, and the order is wrong."
             )
             return
         ref = tr.lens_setup_refusal()

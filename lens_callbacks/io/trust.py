@@ -5,9 +5,9 @@ rebuilds a step's batch (``batch_builder``). Records travel between people, and 
 top-level code, so nothing a record names is imported unless :class:`TrustPolicy` allows the name, and
 nothing imported is called unless it is what the record says it is:
 
-- by default, only modules of this package (``lens_callbacks.*``) and of the ``examples`` package that sits
-  beside it are imported; their location is checked before the import (an ``examples`` package elsewhere
-  on ``sys.path``, e.g. in the working directory, is not trusted by name alone);
+- by default, only modules of this package (``lens_callbacks.*``, its examples included) are imported; their
+  location is checked before the import (a ``lens_callbacks`` elsewhere on ``sys.path``, e.g. in the working
+  directory, is not trusted by name alone);
 - ``allow_modules`` adds module prefixes one trusts (``--allow-module mypkg`` on the command line);
   ``trust_all`` (``--trust-record``) imports whatever the record names;
 - the imported ``module`` must be a class that subclasses ``torch.nn.Module`` (a LightningModule does) and
@@ -39,7 +39,7 @@ from .safe import short_repr
 __all__ = ["TrustPolicy", "DEFAULT_TRUSTED", "resolve_module_class", "resolve_batch_builder", "check_init_args"]
 
 #: Top-level packages a record may name without ``--trust-record``; checked to lie in this distribution.
-DEFAULT_TRUSTED = ("lens_callbacks", "examples")
+DEFAULT_TRUSTED = ("lens_callbacks",)
 
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 

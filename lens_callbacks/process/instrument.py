@@ -12,8 +12,10 @@ Monte-Carlo value of the prefix, ``q(s) = E[R | prefix s]``. Per group (the roll
   no trained position carries none);
 - the divergence depth of a rollout is the 1-based position where it first stands alone
   (``n(s_{≤t}) = 1``; the finished rollout always does);
-- a position is *informative* when its state is shared by ≥ 2 rollouts with different outcomes: the
-  only place a prefix has more than one sample to average;
+- a position is *informative* when its state is shared by ≥ 2 rollouts with different outcomes that are
+  not all one and the same completion: the only place a prefix has more than one sample to average, and
+  a token choice below it can separate the outcomes (identical completions scored differently say that
+  the outcome is not a function of the tokens; no prefix of theirs can tell the outcomes apart);
 - ``informative_fraction`` and ``zero_reward_fraction`` are shares of a rollout's trained positions,
   averaged over the group's rollouts;
 - kill condition: no position of the group is informative. The induced function is then constant
@@ -82,6 +84,7 @@ class InducedProcessReward:
         zero_reward_fraction: share of positions with exactly zero process reward, averaged over rollouts.
         kill: no position is informative (the induced function is constant past the root).
         key: the group's name.
+        identical_mixed: sets of rollouts (indices) with identical completions and different outcomes.
     """
 
     rewards: tuple[float, ...]
@@ -98,6 +101,7 @@ class InducedProcessReward:
     zero_reward_fraction: float
     kill: bool
     key: str = ""
+    identical_mixed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_rollouts(self) -> int:
@@ -139,8 +143,24 @@ class InducedProcessReward:
                 f"with different outcomes (informative_fraction {self.informative_fraction:.3f}); the induced "
                 "process reward is not constant and can be read.",
             )
+        remedy = REMEDY
         if self.n_positions and len(set(self.rewards)) == 1:
             why = "every rollout has the same outcome, so every process reward is zero"
+        elif self.identical_mixed:
+            first = self.identical_mixed[0]
+            rest = sum(map(len, self.identical_mixed)) < self.n_rollouts
+            why = (
+                f"{len(self.identical_mixed)} set(s) of identical completions carry different outcomes (e.g. rollouts "
+                f"{list(first)}: outcomes {[self.rewards[k] for k in first]}), so the outcome is not a function of "
+                "the completion's tokens: every prefix they share is valued at their mean and no token choice "
+                "separates their outcomes"
+                + ("; no other prefix is shared by rollouts with different outcomes" if rest else "")
+            )
+            remedy = (
+                "check the reward: identical completions scored differently mean it reads something besides the "
+                "completion (a sampled judge, hidden state of the environment); make it a function of the "
+                "completion or average repeated scores; then " + REMEDY
+            )
         else:
             why = (
                 f"no prefix is shared by rollouts with different outcomes (longest common completion prefix "
@@ -151,7 +171,7 @@ class InducedProcessReward:
             condition="kill",
             reason=f"the induced process reward is constant past the root: {why}.",
             numbers=self.numbers(),
-            remedy=REMEDY,
+            remedy=remedy,
         )
 
     def to_dict(self, prefix: str = "process/") -> dict[str, float]:
@@ -222,6 +242,12 @@ def induced_process_reward(
         trie.insert(c, r)
     q_root = trie.root.q
 
+    # Rollouts with the same completion pass through every prefix of it together: a prefix whose rollouts
+    # are all copies of one completion has no token below it that could separate their outcomes.
+    copies: dict[tuple[int, ...], list[int]] = {}
+    for k, c in enumerate(comps):
+        copies.setdefault(c, []).append(k)
+
     counts, values, prs, infos, depths = [], [], [], [], []
     zero_fr, info_fr, depth_vals = [], [], []
     for c, r in zip(comps, outs):
@@ -232,7 +258,8 @@ def induced_process_reward(
         v_k = tuple(node.q for node in nodes[:-1]) + ((r,) if L else ())
         prev = [q_root, *v_k[:-1]]
         r_k = tuple(v - p for v, p in zip(v_k, prev))
-        i_k = tuple(t < L - 1 and node.n >= 2 and node.mixed for t, node in enumerate(nodes))
+        n_copies = len(copies[c])
+        i_k = tuple(t < L - 1 and node.n >= 2 and node.mixed and node.n > n_copies for t, node in enumerate(nodes))
         alone = [t + 1 for t, n in enumerate(n_k) if n == 1]
         d_k = min(alone[0], L) if alone else L
         counts.append(n_k)
@@ -266,6 +293,7 @@ def induced_process_reward(
         zero_reward_fraction=_mean(zero_fr),
         kill=not any(any(row) for row in infos),
         key=key,
+        identical_mixed=tuple(tuple(ks) for ks in copies.values() if len({outs[k] for k in ks}) > 1),
     )
 
 

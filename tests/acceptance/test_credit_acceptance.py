@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402

@@ -23,7 +23,7 @@ def _toy_config(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_anchor_arms_harness_on_a_3_step_toy_config(tmp_path, run_cli, monkeypatch):
-    from examples.grpo import GRPOModule
+    from lens_callbacks.examples.grpo import GRPOModule
     from lens_callbacks.callbacks.arms_recorder import parameter_hash
     from lens_callbacks.cli import cli_main
 

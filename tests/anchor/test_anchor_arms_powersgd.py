@@ -17,7 +17,7 @@ STEPS = 3
 
 @pytest.mark.slow
 def test_arms_on_two_powersgd_ranks_count_the_gradient_traffic(tmp_path, run_cli):
-    from examples.grpo import GRPOModule
+    from lens_callbacks.examples.grpo import GRPOModule
 
     cfg = yaml.safe_load((ROOT / "cli_configs" / "grpo_anchor_arms_powersgd.yaml").read_text())
     cfg["trainer"]["val_check_interval"] = STEPS

@@ -79,9 +79,10 @@ def test_segment_partition_without_segments_is_one_error_at_the_first_step():
     trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[audit])
     m = Module(segments=False)
-    with pytest.raises(ValueError, match=r"`partition` must match what credit_terms returns, got partition='by_segment'"):
+    with pytest.raises(ValueError, match=r"`partition` must match what credit_terms returns, got partition='by_segment'") as e:
         trainer.fit(m)
     assert trainer.global_step == 0 and audit.n_refusals == 0
+    assert str(e.value).count("partition='by_rollout'") == 1, str(e.value)  # the fix is said once
 
 
 def test_non_finite_loss_is_a_refusal_with_its_reason():

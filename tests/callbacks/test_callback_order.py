@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import AnchorProjectionCallback, ConservationCheckCallback, CreditAuditCallback
 from lens_callbacks.refusal import Refusal
 

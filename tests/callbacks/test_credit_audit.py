@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
 from lens_callbacks.refusal import Refusal

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import lightning.pytorch as pl
 
-from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import Partition, disintegrate
 from tests.callbacks.test_credit_audit import SMALL, _fit

@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from examples.resumable import ResumableDataLoader
+from lens_callbacks.examples.resumable import ResumableDataLoader
 from lens_callbacks.callbacks import ConservationCheckCallback, CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
 

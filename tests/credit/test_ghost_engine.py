@@ -184,7 +184,7 @@ def test_hypothesis_shapes_and_row_partitions(B, T, d, seed, n_parts, budget, re
 
 def test_example_gpt2_dropout_tied_padding():
     pytest.importorskip("transformers")
-    from examples.grpo import GRPOModule
+    from lens_callbacks.examples.grpo import GRPOModule
 
     torch.manual_seed(0)
     module = GRPOModule(n_layer=2, n_embd=16, n_head=2, group_size=4, dropout=0.1, dtype="float64")

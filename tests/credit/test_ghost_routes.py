@@ -100,7 +100,7 @@ def test_hypothesis_shapes_partitions_routes(B, T, d, seed, n_parts, budget, rou
 
 def test_gpt2_conv1d_tied_ghost_route():
     pytest.importorskip("transformers")
-    from examples.grpo import GRPOModule
+    from lens_callbacks.examples.grpo import GRPOModule
 
     torch.manual_seed(0)
     module = GRPOModule(n_layer=1, n_embd=16, n_head=2, group_size=4, dropout=0.0, dtype="float64")

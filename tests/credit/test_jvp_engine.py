@@ -22,8 +22,8 @@ from lens_callbacks.credit.trajectories import Trajectory, Turn
 
 pytest.importorskip("transformers")
 
-from examples.grpo_tools.env import build_tokenizer  # noqa: E402
-from examples.tiny_policy import tiny_gpt2  # noqa: E402
+from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
+from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 
 TOL = 1e-12
 

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 
 import lightning.pytorch as pl
 
-from examples.grpo import AdditionDataModule, GRPOModule, RolloutBatch
-from examples.grpo.task import build_tokenizer, reward
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule, RolloutBatch
+from lens_callbacks.examples.grpo.task import build_tokenizer, reward
 
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
@@ -202,8 +202,8 @@ def test_rollout_batch_is_recognised_and_none_uses_the_cached_one():
 def test_task_and_module_doctests():
     import doctest
 
-    import examples.grpo.module as module
-    import examples.grpo.task as task
+    import lens_callbacks.examples.grpo.module as module
+    import lens_callbacks.examples.grpo.task as task
 
     res = doctest.testmod(task)
     assert res.attempted >= 2 and res.failed == 0

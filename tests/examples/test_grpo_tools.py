@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule, group_advantages  # noqa: E402
-from examples.grpo_tools.env import VOCAB  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule, group_advantages  # noqa: E402
+from lens_callbacks.examples.grpo_tools.env import VOCAB  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module, replay_to  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
@@ -99,8 +99,8 @@ def test_warm_start_is_deterministic_trains_only_in_fit_and_leaves_the_global_st
 
 def test_warm_start_loss_against_a_per_prefix_loop():
     """The first step's loss is the mean −log π over the demonstrations' assistant tokens at the initial weights."""
-    from examples.grpo_tools.env import demonstration
-    from examples.grpo_tools.module import _WARM_START_STREAM, WARM_START_BATCH
+    from lens_callbacks.examples.grpo_tools.env import demonstration
+    from lens_callbacks.examples.grpo_tools.module import _WARM_START_STREAM, WARM_START_BATCH
 
     m = GRPOToolsModule(seed=6, warm_start_steps=1, dtype="float64")
     gen = torch.Generator().manual_seed(6 * 1_000_003 + _WARM_START_STREAM)
@@ -234,13 +234,13 @@ def test_audit_refuses_what_it_cannot_replay(tmp_path):
 
 
 def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
-    """examples.grpo (Adam, dropout) through RunRecordCallback: replaying from step 0 meets every checkpoint."""
-    from examples.grpo import AdditionDataModule, GRPOModule
+    """lens_callbacks.examples.grpo (Adam, dropout) through RunRecordCallback: replaying from step 0 meets every checkpoint."""
+    from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
     torch.manual_seed(0)
     m = GRPOModule(n_layer=1, n_embd=16, n_head=2, dropout=0.1, optimizer="adam", lr=3e-3)
     rec = _fit(m, 3, tmp_path, checkpoint_every=1, data=AdditionDataModule(batch_size=2),
-               batch_builder="examples.grpo_tools.single_turn.grpo_rollout_batch")
+               batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch")
     assert all("dropout_seed" in rec.step_meta(s) for s in rec.steps)
     t = rec.trajectories(1)[0]
     assert [x.role for x in t.turns] == ["user", "assistant"] and t.turns[1].trained
@@ -334,7 +334,7 @@ def test_env_doctests():
     """The calculator's and the demonstration's documented examples."""
     import doctest
 
-    import examples.grpo_tools.env as env
+    import lens_callbacks.examples.grpo_tools.env as env
 
     res = doctest.testmod(env)
     assert res.attempted >= 2 and res.failed == 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 
 def _greedy_reference(m: GRPOModule, a: int, b: int) -> str:

@@ -33,4 +33,4 @@ def test_an_unsupported_trl_version_is_a_clear_import_error():
     )
     out = _modules_after(code)
     assert "supports trl >= 1.16, < 1.17, got trl 0.9.0" in out, out
-    assert "lens-callbacks[trl]" in out
+    assert "pip install -e '.[trl]'" in out

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install 'lens-callbacks[trl]'")
+pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install -e '.[trl]'")
 pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` extras)")
 
 from trl import GRPOTrainer  # noqa: E402
 
-from examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
 from lens_callbacks.credit.conservation import ConservationReading  # noqa: E402
 from lens_callbacks.integrations.trl import LOSS_TYPES, LensGRPOMixin, LensTRLCallback  # noqa: E402
@@ -231,7 +231,7 @@ def test_callback_arguments_are_checked():
 
 
 def test_the_example_runs_offline_with_the_audit(tmp_path, capsys):
-    from examples.trl_grpo import main
+    from lens_callbacks.examples.trl_grpo import main
 
     trainer = main(["--steps", "2", "--lora", "--loss-type", "bnpo", "--output-dir", str(tmp_path)])
     out = capsys.readouterr().out

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install 'lens-callbacks[trl]'")
+pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install -e '.[trl]'")
 pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` extras)")
 torch = pytest.importorskip("torch")
 if not torch.distributed.is_available():  # pragma: no cover - torch built without distributed
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
-from examples.trl_grpo import save_policy  # noqa: E402
+from lens_callbacks.examples.trl_grpo import save_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("trl_ddp_worker.py")

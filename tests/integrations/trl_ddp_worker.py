@@ -20,7 +20,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, tiny_tokenizer
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, tiny_tokenizer
 from lens_callbacks.credit import CreditReport
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
 

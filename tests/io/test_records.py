@@ -146,7 +146,7 @@ def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
     pytest.importorskip("transformers")
     from lightning.pytorch import Trainer
 
-    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
     from lens_callbacks.callbacks.records import RunRecordCallback
 
     torch.manual_seed(0)
@@ -163,7 +163,7 @@ def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=1))
     rec = RunRecord(tmp_path / "rec")
     assert rec.steps == [0, 1, 2] and rec.checkpoints == [0, 2]
-    assert rec.manifest["module"] == "examples.grpo_tools.module.GRPOToolsModule"
+    assert rec.manifest["module"] == "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule"
     assert rec.manifest["init_args"]["seed"] == 3
     assert rec.manifest["optimizer"][0]["class"] == "torch.optim.sgd.SGD"
     assert rec.manifest["trainer"]["accumulate_grad_batches"] == 1
@@ -233,7 +233,7 @@ def test_callback_refuses_gradient_accumulation():
 def _ddp_fit(run_dir):
     from lightning.pytorch import Trainer
 
-    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
     from lens_callbacks.callbacks.records import RunRecordCallback
 
     trainer = Trainer(

@@ -54,7 +54,7 @@ def _informative_somewhere(completions, rewards) -> bool:
 
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
-    from examples.grpo import AdditionDataModule, GRPOModule
+    from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("grpo") / "record"

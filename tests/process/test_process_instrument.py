@@ -34,7 +34,9 @@ def _brute(completions, rewards):
                 informative.append(False)
             else:
                 values.append(sum(R[j] for j in through) / len(through))
-                informative.append(len(through) >= 2 and len({R[j] for j in through}) > 1)
+                # shared by rollouts with different outcomes that are not all copies of one completion
+                informative.append(len(through) >= 2 and len({R[j] for j in through}) > 1
+                                   and len({comps[j] for j in through}) > 1)
         prev = [q_root] + values[:-1]
         prs = [v - p for v, p in zip(values, prev)]
         alone = [t for t in range(1, L + 1) if counts[t - 1] == 1]
@@ -110,6 +112,37 @@ def test_equal_outcomes_fire_the_kill_even_with_shared_prefixes():
     r = induced_process_reward([[1, 2], [1, 3]], [0.5, 0.5])
     assert r.kill and r.informative_fraction == 0.0 and r.zero_reward_fraction == 1.0
     assert "same outcome" in r.verdict().reason
+
+
+@pytest.mark.parametrize("completions", [[[5], [5]], [[5, 6], [5, 6]], [[5, 6, 7, 8], [5, 6, 7, 8]]])
+def test_identical_completions_with_different_outcomes_fire_the_kill_with_their_own_reason(completions):
+    """Two copies of one completion scored 1 and 0: they share every prefix, yet no token separates the outcomes."""
+    r = induced_process_reward(completions, [1.0, 0.0])
+    L = len(completions[0])
+    # Every strict prefix is valued at the group mean: the process reward is zero until the last token.
+    assert r.process_rewards == ((0.0,) * (L - 1) + (0.5,), (0.0,) * (L - 1) + (-0.5,))
+    assert r.common_prefix_len == L and r.identical_mixed == ((0, 1),)
+    assert r.kill and r.informative_fraction == 0.0
+    v = r.verdict()
+    assert isinstance(v, Refusal) and v.condition == "kill"
+    assert "identical completions carry different outcomes" in v.reason and "rollouts [0, 1]" in v.reason
+    assert "outcomes [1.0, 0.0]" in v.reason and "not a function of the completion" in v.reason
+    assert "no prefix is shared" not in v.reason and "no other prefix" not in v.reason  # they share all of it
+    assert "check the reward" in v.remedy
+
+
+def test_copies_beside_a_lone_rollout_name_both_causes():
+    r = induced_process_reward([[5, 6], [5, 6], [7]], [1.0, 0.0, 1.0])
+    assert r.kill and r.identical_mixed == ((0, 1),)
+    assert "rollouts [0, 1]" in r.verdict().reason and "no other prefix is shared" in r.verdict().reason
+
+
+def test_copies_beside_a_different_continuation_are_informative():
+    """[5] is shared by three rollouts, two distinct completions with different outcomes: a token below it decides."""
+    r = induced_process_reward([[5, 6], [5, 6], [5, 7]], [1.0, 0.0, 0.0])
+    assert r.informative == ((True, False), (True, False), (True, False)) and not r.kill
+    assert r.identical_mixed == ((0, 1),)
+    assert r.verdict()[0] is False
 
 
 def test_bad_inputs_raise_with_the_fix():

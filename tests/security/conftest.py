@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 LIGHT = ["lens_callbacks.cli", "lens_callbacks.commands.skyrl", "lens_callbacks.commands.process",
          "lens_callbacks.commands.anchor_gate", "lens_callbacks.io.skyrl", "lens_callbacks.process"]
 #: `audit` also builds the recorded module (transformers, lightning).
-HEAVY = LIGHT + ["lens_callbacks.commands.audit", "examples.grpo_tools.module", "examples.grpo_tools.single_turn"]
+HEAVY = LIGHT + ["lens_callbacks.commands.audit", "lens_callbacks.examples.grpo_tools.module", "lens_callbacks.examples.grpo_tools.single_turn"]
 
 
 class Worker:
@@ -67,7 +67,7 @@ def record(tmp_path_factory) -> Path:
     import torch
     from lightning.pytorch import Trainer
 
-    from examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
+    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
     from lens_callbacks.callbacks.records import RunRecordCallback
 
     d = tmp_path_factory.mktemp("clean")

@@ -26,8 +26,8 @@ LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
 FUZZ = settings(max_examples=300 if LONG else 12, deadline=None, derandomize=not LONG, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
-_PATHS = st.sampled_from(["os.system", "subprocess.getoutput", "builtins.eval", "evilpkg.Policy", "examples.grpo.module.RolloutBatch",
-                          "lens_callbacks.io.safe.read_regular_file", "examples.grpo_tools.module.GRPOToolsModule", "x", ""])
+_PATHS = st.sampled_from(["os.system", "subprocess.getoutput", "builtins.eval", "evilpkg.Policy", "lens_callbacks.examples.grpo.module.RolloutBatch",
+                          "lens_callbacks.io.safe.read_regular_file", "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule", "x", ""])
 _JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8), _PATHS),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),

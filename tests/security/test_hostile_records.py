@@ -190,7 +190,7 @@ def test_a_record_runs_nothing_it_names_unless_trusted(heavy, record, tmp_path, 
         "module_in_cwd_package": (_names(module="evilpkg.Policy"), ["`module`", "evilpkg"], []),
         "builder_in_cwd_package": (_names(builder="evilpkg.Policy"), ["`batch_builder`", "evilpkg"], []),
         "module_is_a_function": (_names(module="lens_callbacks.io.safe.read_regular_file"), ["`module`", "must name a"], []),
-        "builder_is_a_class": (_names(builder="examples.grpo.module.RolloutBatch"), ["`batch_builder`", "Python function"], []),
+        "builder_is_a_class": (_names(builder="lens_callbacks.examples.grpo.module.RolloutBatch"), ["`batch_builder`", "Python function"], []),
         "module_without_credit_terms": (_names(module="torch.nn.Linear"), ["`module`", "credit_terms"], ["--allow-module", "torch"]),
     }[case]
     edit(rec)
@@ -210,13 +210,15 @@ def test_allow_module_is_what_lets_a_package_run(heavy, record, tmp_path):
 
 
 def test_an_examples_package_in_the_working_directory_is_not_trusted_by_name(light, record, tmp_path):
-    """`audit` puts the working directory first on sys.path; the trust check locates `examples` on that path."""
+    """`audit` puts the working directory first on sys.path; the examples ship inside lens_callbacks, so a
+    record naming a top-level `examples` (as records did before) is outside the default trust and nothing runs."""
     marker = tmp_path / "MARKER"
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
     rec = _copy(record, tmp_path)
-    r = light.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path)  # this worker never imported examples
-    _refused(r, "`module`", "not the one shipped with lens_callbacks", marker=marker)
+    _names(module="examples.grpo_tools.module.GRPOToolsModule")(rec)
+    r = light.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path)
+    _refused(r, "`module`", "outside the modules a record may name by default", "nothing was imported", marker=marker)
 
 
 def test_help_states_the_trust_default(heavy):

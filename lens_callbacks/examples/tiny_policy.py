@@ -1,6 +1,6 @@
 """What the examples share: a tiny GPT-2 policy built offline, and the optimizer the config names.
 
-Both examples (``examples.grpo``, ``examples.grpo_tools``) build their policy and optimizer here, so
+Both examples (``lens_callbacks.examples.grpo``, ``lens_callbacks.examples.grpo_tools``) build their policy and optimizer here, so
 a seed gives the same initial weights however the module is constructed, and an offline replay
 (``lens-callbacks audit``) rebuilds exactly the optimizer the run used.
 """

@@ -20,7 +20,7 @@ neither consumes the training run's random stream.
 Resume: the sampling of step ``N`` (tokens and the dropout seed) draws from its own generator, seeded
 by the run's sampling seed and ``N`` only. The sampling seed is drawn once from the global stream when
 the fit starts (so ``seed_everything`` still picks the run) and travels in the checkpoint, and the data
-order is resumable (:class:`~examples.resumable.ResumableDataLoader`): a run killed at any step and
+order is resumable (:class:`~lens_callbacks.examples.resumable.ResumableDataLoader`): a run killed at any step and
 resumed from its last checkpoint takes the very steps of the uninterrupted run, bit for bit.
 """
 

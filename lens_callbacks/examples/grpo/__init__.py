@@ -1,6 +1,6 @@
 """Single-turn GRPO on small-number addition: a tiny offline GPT-2 policy that implements ``credit_terms``.
 
-YAML class paths: ``examples.grpo.GRPOModule`` and ``examples.grpo.AdditionDataModule``.
+YAML class paths: ``lens_callbacks.examples.grpo.GRPOModule`` and ``lens_callbacks.examples.grpo.AdditionDataModule``.
 """
 
 from .data import AdditionDataModule

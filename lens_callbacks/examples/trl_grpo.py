@@ -3,12 +3,12 @@
 Everything is built in code: a tiny Qwen2 policy, a word-level tokenizer over a few dozen symbols, an
 in-memory prompt set and a reward function. Nothing is downloaded. Run it with::
 
-    python -m examples.trl_grpo --steps 4 --loss-type dapo --lora --output-dir /tmp/trl_grpo --tensorboard
+    python -m lens_callbacks.examples.trl_grpo --steps 4 --loss-type dapo --lora --output-dir /tmp/trl_grpo --tensorboard
 
 and read the readings it prints (they are also in ``trainer.state.log_history`` and, with
 ``--tensorboard``, in TensorBoard under ``train/credit/...`` and ``train/conservation/...``).
 
-Needs the ``trl`` extra: ``pip install 'lens-callbacks[trl]'``.
+Needs the ``trl`` extra: ``pip install -e '.[trl]'`` in a checkout.
 """
 
 from __future__ import annotations

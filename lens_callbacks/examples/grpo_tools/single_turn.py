@@ -1,11 +1,11 @@
-"""Rebuild the single-turn example's ``RolloutBatch`` (``examples.grpo``) from a run record.
+"""Rebuild the single-turn example's ``RolloutBatch`` (``lens_callbacks.examples.grpo``) from a run record.
 
-``examples.grpo.GRPOModule`` keeps its rollouts as ``last_rollouts``; ``RunRecordCallback`` writes each
+``lens_callbacks.examples.grpo.GRPOModule`` keeps its rollouts as ``last_rollouts``; ``RunRecordCallback`` writes each
 as a two-turn trajectory (``user`` prompt, ``assistant`` completion with the sampled ids, ``[EOS]``
 included when sampled) and the batch's dropout seed. This function puts them back into the exact
 batch the module trained on, so ``lens-callbacks audit`` can replay and re-audit its steps::
 
-    RunRecordCallback(batch_builder="examples.grpo_tools.single_turn.grpo_rollout_batch")
+    RunRecordCallback(batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch")
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ __all__ = ["grpo_rollout_batch"]
 
 
 def grpo_rollout_batch(module: Any, trajectories: Sequence[Trajectory], meta: Mapping[str, Any]) -> Any:
-    """``examples.grpo.RolloutBatch`` of recorded two-turn trajectories (rows in record order)."""
-    from examples.grpo.module import RolloutBatch, grpo_advantages
+    """``lens_callbacks.examples.grpo.RolloutBatch`` of recorded two-turn trajectories (rows in record order)."""
+    from lens_callbacks.examples.grpo.module import RolloutBatch, grpo_advantages
 
     if not trajectories:
         raise ValueError("`trajectories` must hold the rollouts of one step, got none.")

@@ -164,7 +164,7 @@ class GRPOToolsModule(LightningModule):
 
         ``L = −(1/N) Σ_{k,t} trained[k, t] · log π(y_{k,t} | y_{k,<t})``,  ``N = Σ trained``,
 
-        over the episodes of :func:`~examples.grpo_tools.env.demonstration` (``calc a + b`` → tool
+        over the episodes of :func:`~lens_callbacks.examples.grpo_tools.env.demonstration` (``calc a + b`` → tool
         result → answer): only assistant tokens are trained, as in RL. Deterministic: the prompts come
         from a generator of its own, seeded by ``seed``; dropout is off; the global RNG stream is left
         as it was. Called by ``setup("fit")`` unless it already ran on this module.
