@@ -25,8 +25,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
 
-    from examples.grpo import AdditionDataModule
-    from examples.grpo.probe import GRPOProbeModule
+    from lens_callbacks.examples.grpo import AdditionDataModule
+    from lens_callbacks.examples.grpo.probe import GRPOProbeModule
     from lens_callbacks import ProbeCreditCallback
 
     class Show(pl.Callback):

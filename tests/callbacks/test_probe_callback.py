@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from examples.grpo import AdditionDataModule
-from examples.grpo.probe import GRPOProbeModule
+from lens_callbacks.examples.grpo import AdditionDataModule
+from lens_callbacks.examples.grpo.probe import GRPOProbeModule
 from lens_callbacks import ProbeCreditCallback
 from lens_callbacks.credit.probe import ProbeCreditReport
 from lens_callbacks.refusal import Refusal

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
-from examples.grpo_tools import ToolsAdditionDataModule  # noqa: E402
-from examples.grpo_tools.probe import ToolsProbeModule  # noqa: E402
+from lens_callbacks.examples.grpo_tools import ToolsAdditionDataModule  # noqa: E402
+from lens_callbacks.examples.grpo_tools.probe import ToolsProbeModule  # noqa: E402
 from lens_callbacks.callbacks.probe import ProbeCreditCallback  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.probe_audit import probe_audit  # noqa: E402

@@ -19,7 +19,7 @@ pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` 
 
 from trl import GRPOTrainer  # noqa: E402
 
-from examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
 from lens_callbacks.credit.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback  # noqa: E402

@@ -6,7 +6,7 @@ probe batches split it by task type, as the training batches' ``source`` does: `
 sums) and ``carry`` (two-digit sums). ``ProbeCreditCallback`` reads, every step, which rollouts moved
 each probe, and checks the prediction against the probe's real change.
 
-YAML class path: ``examples.grpo.probe.GRPOProbeModule`` (see cli_configs/grpo_probe.yaml).
+YAML class path: ``lens_callbacks.examples.grpo.probe.GRPOProbeModule`` (see cli_configs/grpo_probe.yaml).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def probe_pairs(n: int = 16, seed: int = 12345, max_operand: int = 9) -> dict[st
 
 
 class GRPOProbeModule(GRPOModule):
-    """:class:`~examples.grpo.GRPOModule` with ``probe_batches()`` and ``probe_loss(pairs)``.
+    """:class:`~lens_callbacks.examples.grpo.GRPOModule` with ``probe_batches()`` and ``probe_loss(pairs)``.
 
     Args:
         n_probe: additions per probe batch (each of ``no_carry`` and ``carry``).
         probe_seed: seeds the probe's additions (the global random stream is left alone).
-        **kwargs: :class:`~examples.grpo.GRPOModule`'s arguments.
+        **kwargs: :class:`~lens_callbacks.examples.grpo.GRPOModule`'s arguments.
     """
 
     def __init__(self, n_probe: int = 16, probe_seed: int = 12345, **kwargs) -> None:

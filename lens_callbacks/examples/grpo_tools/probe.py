@@ -6,7 +6,7 @@
 step made those episodes more likely. The probe batch is the trajectories themselves (or the rollout
 batch :meth:`make_rollout_batch` builds from them).
 
-YAML class path: ``examples.grpo_tools.probe.ToolsProbeModule``.
+YAML class path: ``lens_callbacks.examples.grpo_tools.probe.ToolsProbeModule``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["ToolsProbeModule"]
 
 
 class ToolsProbeModule(GRPOToolsModule):
-    """:class:`~examples.grpo_tools.GRPOToolsModule` with ``probe_terms`` (same arguments)."""
+    """:class:`~lens_callbacks.examples.grpo_tools.GRPOToolsModule` with ``probe_terms`` (same arguments)."""
 
     def make_probe_batch(self, trajectories: Sequence[Trajectory]) -> ToolRolloutBatch:
         """The probe batch of trajectories read from a file (``lens-callbacks audit --probe``)."""
