@@ -436,7 +436,7 @@ def test_prints_last_report_and_tensorboard_line(tmp_path, capsys):
     audit = CreditAuditCallback(print_last_report=True)
     _fit([audit], steps=2, logger=logger)
     out = capsys.readouterr().out
-    assert "credit audit, step 1\n" in out and audit.last_report.render() in out
+    assert "credit audit, step 1\n" in out and audit.last_table.render() in out
     assert f"tensorboard --logdir {logger.log_dir}" in out
 
 
