@@ -786,7 +786,6 @@ class CreditAuditCallback(Callback):
     def _with_readings(
         self, pl_module: LightningModule, report: CreditReport, values: dict, step: int, terms: Any, partition: Any
     ) -> dict:
-
         def run_engine(name: str, fn: Any):
             try:
                 with torch.enable_grad():

@@ -128,9 +128,9 @@ class CreditTable:
         rep = self.report
         top, rest, bottom = self.split()
         shown = top + bottom
-        order = "sorted by |projected share|" if rep.ok else "batch order"
+        order = "sorted by |projected share|"
         head_line = f"credit by {rep.partition or 'partition'} ({rep.n_parts} parts, {rep.n_trained} trained positions, {rep.dtype})"
-        if rest:
+        if rep.ok and rest:
             head_line += f"; {order}, top {len(top)} and bottom {len(bottom)} shown"
         elif rep.ok and len(shown) > 1:
             head_line += f"; {order}"
