@@ -47,6 +47,7 @@ from lens_callbacks.credit.partition import (
 )
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.credit.table import CreditTable, credit_table, module_decoder
 from lens_callbacks.credit.terms import CreditTermsError, is_credit_source
 from lens_callbacks.credit.update_share import update_shares as _update_shares
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
@@ -68,9 +69,12 @@ class CreditAuditCallback(Callback):
     Logged (``prefix`` = ``credit/``): ``cancellation``, ``cancelled_fraction``, ``conservation_error``,
     ``grad_match``, ``share_sum``, ``full_grad_norm``, ``undefined_fraction``, ``n_parts``, ``n_trained``
     and ``projected_share/<part>``, ``norm_share/<part>`` for the first ``max_logged_parts`` parts, every
-    audited step; their means over the epoch as ``credit/epoch/...``. The rendered table goes to
-    TensorBoard as text (``credit/table``) every ``log_table_every_n_steps`` steps and for the last
-    audit; with matplotlib, a heatmap of projected share per part over steps (``credit/heatmap``).
+    audited step; their means over the epoch as ``credit/epoch/...``. The credit table
+    (:func:`lens_callbacks.credit.table.credit_table`: parts by ``|projected share|``, each with its
+    group, reward, advantage, trained length and, when the terms carry ``text`` or the module a
+    ``tokenizer``, the start of its completion) goes to TensorBoard as text (``credit/table``) every
+    ``log_table_every_n_steps`` steps and for the last audit; with matplotlib, a heatmap of projected
+    share per part over steps (``credit/heatmap``).
 
     Args:
         partition: ``"by_rollout"``, ``"by_group"``, ``"by_segment"`` or an import path
@@ -79,6 +83,8 @@ class CreditAuditCallback(Callback):
         dtype: audit precision: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"native"``.
         log_table_every_n_steps: at least this many steps between two text tables (0: only the last).
         max_logged_parts: per-part scalars for the first this-many parts.
+        table_parts: parts shown in the text table, half of largest and half of smallest ``|projected
+            share|``; the parts between are summarised in one line (their share summed).
         keep_grads: attach ``g_full`` and ``Σ g_S`` to ``last_report.grads`` (other callbacks may set it).
         log_figure: log the heatmap figure when matplotlib is importable.
         log_figure_every_n_steps: at least this many steps between two drawings of the figures (heatmap,
@@ -136,6 +142,7 @@ class CreditAuditCallback(Callback):
     Attributes:
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
         last_report_step: ``trainer.global_step`` when it was made (before the optimizer step increments it).
+        last_table: the :class:`~lens_callbacks.credit.table.CreditTable` of ``last_report``.
         last_refusal: the latest :class:`~lens_callbacks.refusal.Refusal`, if an audit was declined.
         last_values: the scalars logged for the latest audited step (name -> value).
         last_epoch_values: the epoch means logged at the latest epoch end.
@@ -154,6 +161,7 @@ class CreditAuditCallback(Callback):
         dtype: str = "float32",
         log_table_every_n_steps: int = 10,
         max_logged_parts: int = 16,
+        table_parts: int = 10,
         keep_grads: bool = False,
         log_figure: bool = True,
         print_last_report: bool = False,
@@ -189,6 +197,7 @@ class CreditAuditCallback(Callback):
             ("every_n_steps", every_n_steps, 1),
             ("log_table_every_n_steps", log_table_every_n_steps, 0),
             ("max_logged_parts", max_logged_parts, 0),
+            ("table_parts", table_parts, 1),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
@@ -202,6 +211,7 @@ class CreditAuditCallback(Callback):
         self.dtype = dtype
         self.log_table_every_n_steps = log_table_every_n_steps
         self.max_logged_parts = max_logged_parts
+        self.table_parts = table_parts
         self.keep_grads = bool(keep_grads)
         self.log_figure = log_figure
         self.print_last_report = print_last_report
@@ -227,6 +237,7 @@ class CreditAuditCallback(Callback):
 
         self.last_report: Optional[CreditReport] = None
         self.last_report_step: int = -1
+        self.last_table: Optional[CreditTable] = None
         self.last_refusal: Optional[Refusal] = None
         self.n_audits = 0
         self.n_refusals = 0
@@ -402,6 +413,7 @@ class CreditAuditCallback(Callback):
             self._drop_recorded()
             self.n_refusals += 1
             self.last_report, self.last_report_step, self.last_refusal = None, -1, reading
+            self.last_table = None
             self._once.refused(trainer, reading, step, what="credit audit")
             # One update per reading: forward() below adds this step to the epoch state itself.
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
@@ -413,10 +425,12 @@ class CreditAuditCallback(Callback):
             values = self.metric_values(reading)
             if reading.ok:
                 self.part_shares.update(reading.part_names, reading.projected_share, reading.norm_share)
-            values = self._with_readings(pl_module, reading, values, step)
+            terms, partition = self._recorder.take() if self._recorder is not None else (None, None)
+            values = self._with_readings(pl_module, reading, values, step, terms, partition)
             self._history.append((step, reading.part_names, reading.projected_share))
             del self._history[:-256]
-            text = reading.render()
+            self.last_table = self._table(pl_module, reading, terms, partition)
+            text = self.last_table.render()
             if reading.ok:
                 self._last_defined = (step, text)
         self._last_text = (step, text)
@@ -690,8 +704,12 @@ class CreditAuditCallback(Callback):
         directory = log_dir(trainer)
         body = f"step {step}\n{text}\n"
         if self._last_defined is not None and self._last_defined[0] != step:
-            # The last step's shares were undefined (e.g. every group had equal rewards): show the latest that was.
-            body += f"\nlast defined reading, step {self._last_defined[0]}\n{self._last_defined[1]}\n"
+            # The last step's shares were undefined (e.g. every group had equal rewards): the latest reading that
+            # was defined comes first, the last step after it.
+            body = (
+                f"step {self._last_defined[0]} (the last step whose shares are defined)\n{self._last_defined[1]}\n\n"
+                f"step {step} (the last audited step)\n{text}\n"
+            )
         if directory:
             os.makedirs(directory, exist_ok=True)
             with open(os.path.join(directory, LAST_REPORT_FILE), "w") as fh:
@@ -802,9 +820,10 @@ class CreditAuditCallback(Callback):
         self._recorder = RecordingPartition(self._partition_fn, _name_of(self.partition))
         self._partition_fn = self._recorder
 
-    def _with_readings(self, pl_module: LightningModule, report: CreditReport, values: dict, step: int) -> dict:
+    def _with_readings(
+        self, pl_module: LightningModule, report: CreditReport, values: dict, step: int, terms: Any, partition: Any
+    ) -> dict:
         trainer = pl_module.trainer
-        terms, partition = self._recorder.take() if self._recorder is not None else (None, None)
 
         def run_engine(name: str, fn: Any):
             try:
@@ -837,6 +856,15 @@ class CreditAuditCallback(Callback):
                 f"repeated): {type(err).__name__}: {err}",
             )
         return values
+
+    def _table(self, pl_module: LightningModule, report: CreditReport, terms: Any, partition: Any) -> CreditTable:
+        """The credit table of this step: the terms and partition the engine evaluated give each part's context."""
+        k = dict(top_k=(self.table_parts + 1) // 2, bottom_k=self.table_parts // 2)
+        try:
+            return credit_table(report, terms, partition, decode=module_decoder(pl_module), **k)
+        except Exception as err:  # a column that cannot be read must not end the training run
+            table = credit_table(report, **k)
+            return dataclasses.replace(table, note=f"group, reward, advantage, trained: not shown ({type(err).__name__}: {err})")
 
     def _drop_recorded(self) -> None:
         if self._recorder is not None:

@@ -34,13 +34,15 @@ import torch
 from ..credit.engine import disintegrate
 from ..credit.partition import PARTITIONS, resolve_partition
 from ..credit.report import CreditReport
+from ..credit.step_readings import RecordingPartition
+from ..credit.table import CreditTable, credit_table, module_decoder
 from ..credit.trajectories import by_role, by_turn
 from ..io.records import RunRecord
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
 from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, report_error
 
-__all__ = ["audit_record", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
+__all__ = ["audit_record", "audit_record_table", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
 
 AUDIT_PARTITIONS = {**PARTITIONS, "by_turn": by_turn, "by_role": by_role}
 
@@ -311,6 +313,27 @@ def audit_record(
         The :class:`CreditReport` of that step, or a :class:`Refusal` when the weights at ``step`` cannot
         be rebuilt exactly.
     """
+    return audit_record_table(
+        run_dir, step, partition, dtype, progress=progress, keep_grads=keep_grads, module=module, trust=trust, table=False
+    )
+
+
+def audit_record_table(
+    run_dir: Union[str, os.PathLike],
+    step: int,
+    partition: str = "by_rollout",
+    dtype: str = "float32",
+    *,
+    progress: bool = True,
+    keep_grads: bool = False,
+    module: Optional[torch.nn.Module] = None,
+    trust: Optional[TrustPolicy] = None,
+    table: bool = True,
+    table_parts: int = 10,
+) -> Union[CreditTable, CreditReport, Refusal]:
+    """:func:`audit_record`, and the credit table of its report (``table=True``): each part with its group,
+    reward, advantage, trained length and, when the module has a ``tokenizer`` (or ``decode_completion``),
+    the start of its completion; ``table_parts`` parts shown, the rest summarised."""
     record = RunRecord(run_dir, trust=trust)
     if step not in record.steps:
         raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
@@ -320,10 +343,16 @@ def audit_record(
     if isinstance(m, Refusal):
         return m
     batch = rebuild_batch(m, record, step)
-    report = disintegrate(m, batch, part, dtype=dtype, keep_grads=keep_grads)
+    recorder = RecordingPartition(part, partition if isinstance(partition, str) else "custom")
+    report = disintegrate(m, batch, recorder if table else part, dtype=dtype, keep_grads=keep_grads)
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)
-    return report
+    if not table:
+        return report
+    terms, parts = recorder.take()
+    return credit_table(
+        report, terms, parts, decode=module_decoder(m), top_k=(table_parts + 1) // 2, bottom_k=table_parts // 2
+    )
 
 
 def _renamed(report: CreditReport, name: str) -> CreditReport:
@@ -345,6 +374,16 @@ def _check_replay_fields(record: RunRecord) -> None:
         raise ValueError(f"{where}: field `trainer` is missing {missing}; the replay needs every one of them.")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineArgumentParser(
         prog="lens-callbacks audit",
@@ -361,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", default=None, metavar="PROBE_FILE",
                    help="probe credit instead: which parts of the step moved the module's probe objective on these "
                    "trajectories (JSON Lines in the record's schema), checked against the real change (docs/probe_credit.md)")
+    p.add_argument("--table-parts", type=_positive_int, default=10, metavar="N",
+                   help="parts shown in the table, largest and smallest |projected share| (default 10); the rest summarised")
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
     p.add_argument("--allow-module", action="append", default=[], metavar="PKG",
                    help="also import record `module`/`batch_builder` paths under this package (repeatable); "
@@ -385,17 +426,18 @@ def main(argv: Sequence[str]) -> int:
         if a.probe is not None:
             from .probe_audit import probe_audit
 
-            report = probe_audit(a.run_dir, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
+            got = probe_audit(a.run_dir, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
         else:
-            report = audit_record(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
-        if isinstance(report, Refusal):
-            print(report.render())
+            got = audit_record_table(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust,
+                                     table_parts=a.table_parts)
+        if isinstance(got, Refusal):
+            print(got.render())
             return EXIT_REFUSED
         if a.json:
-            d = report.to_dict() if a.probe is not None else report.to_dict("credit/")
+            d = got.to_dict() if a.probe is not None else got.report.to_dict("credit/")
             text = json.dumps({k: (v if math.isfinite(v) else None) for k, v in d.items()}, indent=2)
         else:
-            text = f"step {step} of {a.run_dir}\n" + report.render()
+            text = f"step {step} of {a.run_dir}\n" + got.render()
     except Exception as err:
         return report_error(prog, err, a.debug)
     print(text)

@@ -4,6 +4,7 @@ from .conservation import ConservationReading, exact_optimizer_precondition, ste
 from .engine import disintegrate, evaluate_terms, resolve_dtype
 from .partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
 from .report import CreditGrads, CreditReport
+from .table import CreditTable, PartContext, credit_table, part_context
 from .terms import CreditSource, CreditTerms, is_credit_source
 from .trajectories import (
     ToolCall,
@@ -38,6 +39,10 @@ __all__ = [
     "resolve_dtype",
     "CreditReport",
     "CreditGrads",
+    "CreditTable",
+    "PartContext",
+    "credit_table",
+    "part_context",
     "step_conservation",
     "exact_optimizer_precondition",
     "ConservationReading",

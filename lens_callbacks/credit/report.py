@@ -146,33 +146,14 @@ class CreditReport:
             out[f"{prefix}norm_share/{name}"] = float(self.norm_share[i])
         return out
 
-    def render(self, max_rows: int = 64) -> str:
-        """A readable table: one row per part, then the closing checks."""
-        w = max([len("part")] + [len(n) for n in self.part_names[:max_rows]])
-        head = f"{'part':<{w}}  {'projected_share':>15}  {'norm_share':>10}  {'||g_S||':>11}"
-        lines = [f"credit by {self.partition or 'partition'} ({self.n_parts} parts, {self.n_trained} trained positions, {self.dtype})", head, "-" * len(head)]
-        for i, name in enumerate(self.part_names[:max_rows]):
-            lines.append(
-                f"{name:<{w}}  {self.projected_share[i]:>15.6f}  {self.norm_share[i]:>10.6f}  {self.part_norm[i]:>11.4e}"
-            )
-        if self.n_parts > max_rows:
-            lines.append(f"... {self.n_parts - max_rows} more parts")
-        lines.append("-" * len(head))
-        lines.append(f"{'sum':<{w}}  {self.share_sum:>15.6f}")
-        lines.append(
-            f"cancellation {self.cancellation:.4f} ({100 * self.cancelled_fraction:.1f}% of per-part mass cancels)"
-        )
-        if self.ok:
-            source = "the trainer's .grad" if self.engine.endswith(("+training_step", "+grad")) else "its own backward"
-            lines.append(f"conservation_error {self.conservation_error:.3e} ({self.dtype}; g_full by {source})")
-        else:  # relative to a zero or non-finite ||g_full||: undefined, as the logged scalar says
-            lines.append(f"conservation_error nan (||Σ g_S − g_full|| = {self.conservation_error:.3e}, relative to ||g_full|| = {self.full_grad_norm:.3e})")
-        if self.grad_match is not None:
-            lines.append(f"grad_match {self.grad_match:.3e} (g_full vs the trainer's .grad)")
-        if self.reason:
-            lines.append(f"UNDEFINED: {self.reason}")
-        lines.append(self._engine_line())
-        return "\n".join(lines)
+    def render(self, max_rows: int = 10) -> str:
+        """A readable table: the ``max_rows`` parts of largest and smallest ``|projected share|`` (the rest
+        summarised in one line), then the closing checks. With the terms at hand,
+        :func:`lens_callbacks.credit.table.credit_table` adds each part's group, reward, advantage, trained
+        length and completion."""
+        from .table import credit_table
+
+        return credit_table(self, top_k=(max_rows + 1) // 2, bottom_k=max_rows // 2).render()
 
     def _engine_line(self) -> str:
         held = "projected shares only (norms NaN)" if self.readings == "projected" else "projected and norm shares, cancellation"

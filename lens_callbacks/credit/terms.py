@@ -49,6 +49,8 @@ class CreditTerms:
         source: optional ``[B]`` int label of each row: dataset, task type, difficulty (used by
             ``by_source``); ids index ``source_names`` when given.
         source_names: optional names of the source ids (e.g. ``("easy", "hard")``).
+        text: optional ``[B]`` completion text of each row, shown (its start) in the credit table; without
+            it the table decodes ``tokens`` with the module's ``tokenizer`` when it has one.
     """
 
     terms: torch.Tensor  # [B, T]
@@ -62,6 +64,7 @@ class CreditTerms:
     advantages: Optional[torch.Tensor] = None  # [B]
     source: Optional[torch.Tensor] = None  # [B]
     source_names: Optional[tuple[str, ...]] = None
+    text: Optional[tuple[str, ...]] = None  # [B]
 
     # No __post_init__ check: constructing the terms inside `training_step` (``loss =
     # self.credit_terms(batch).terms.sum()``) must never end a training run. The audit validates them

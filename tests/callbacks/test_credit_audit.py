@@ -124,7 +124,7 @@ def test_tensorboard_holds_credit_scalars_text_and_figure(tmp_path):
     assert [t.step for t in texts] == [0, 2, 3]
     body = texts[-1].tensor_proto.string_val[0].decode()
     assert body.startswith("```") and "credit by by_rollout (8 parts" in body and "conservation_error" in body
-    assert audit.last_report.render() in body
+    assert audit.last_table.render() in body and audit.last_table.report is audit.last_report
     assert "credit/heatmap" in acc.Tags()["images"]
     assert (tmp_path / "tb" / "version_0" / "credit_last.txt").read_text().startswith("step 3\n")
 
@@ -345,8 +345,10 @@ def test_last_report_file_adds_the_last_defined_reading_when_the_last_is_undefin
     _fit([audit, ref], steps=3, seed=4, module_cls=_ZeroAtStep2, logger=logger)
     assert not audit.last_report.ok and ref.rows[1][1].ok
     text = (tmp_path / "tb" / "version_0" / "credit_last.txt").read_text()
-    assert text.startswith("step 2\n") and "UNDEFINED" in text
-    assert "last defined reading, step 1\n" + ref.rows[1][1].render() in text
+    # The last defined reading comes first (its rows of shares), the undefined last step after it.
+    assert text.startswith("step 1 (the last step whose shares are defined)\n")
+    assert "rollout_" in text.split("step 2 (the last audited step)\n")[0]
+    assert "UNDEFINED" in text.split("step 2 (the last audited step)\n")[1]
 
 
 class _Steps(pl.Callback):
@@ -434,7 +436,7 @@ def test_prints_last_report_and_tensorboard_line(tmp_path, capsys):
     audit = CreditAuditCallback(print_last_report=True)
     _fit([audit], steps=2, logger=logger)
     out = capsys.readouterr().out
-    assert "credit audit, step 1\n" in out and audit.last_report.render() in out
+    assert "credit audit, step 1\n" in out and audit.last_table.render() in out
     assert f"tensorboard --logdir {logger.log_dir}" in out
 
 

@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["lens_callbacks.credit.summaries", "lens_callbacks.credit.noise", "lens_callbacks.credit.ledger",
-           "lens_callbacks.credit.derived", "lens_callbacks.credit.partition"]
+           "lens_callbacks.credit.derived", "lens_callbacks.credit.partition", "lens_callbacks.credit.table"]
 
 
 @pytest.mark.parametrize("name", MODULES)
