@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from examples.grpo import AdditionDataModule, GRPOModule
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import by_rollout, credit_table
 from lens_callbacks.credit.table import module_decoder
@@ -123,7 +123,7 @@ def test_audit_command_prints_the_table_with_rollout_columns(tmp_path, capsys, m
 
     torch.manual_seed(0)
     m = GRPOModule(**SMALL)
-    rec_cb = RunRecordCallback(str(tmp_path / "record"), batch_builder="examples.grpo_tools.single_turn.grpo_rollout_batch")
+    rec_cb = RunRecordCallback(str(tmp_path / "record"), batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch")
     _trainer([rec_cb], 3).fit(m, AdditionDataModule(batch_size=3))
     rec = RunRecord(tmp_path / "record")
     monkeypatch.chdir(Path(__file__).resolve().parents[2])

@@ -65,7 +65,7 @@ def _carry_prompts_pct() -> float:
     """Percent of the demo's prompts whose sum has two digits, from the datamodule its config builds."""
     import yaml
 
-    from examples.grpo import AdditionDataModule
+    from lens_callbacks.examples.grpo import AdditionDataModule
 
     cfg = yaml.safe_load((ROOT / "cli_configs" / "grpo_credit.yaml").read_text())
     pairs = AdditionDataModule(**cfg["data"]["init_args"]).pairs  # [N, 2]
