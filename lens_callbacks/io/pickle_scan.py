@@ -24,6 +24,7 @@ per distinct object (memoized), so doubling an attacker's parameter at most doub
 
 from __future__ import annotations
 
+import gc
 import io
 import pickletools
 import re
@@ -39,6 +40,9 @@ MAX_KEY_NODES = 256
 MAX_CONTAINER_KEYS = 1_000
 #: Integers must fit in 64 bits (signed or unsigned).
 MAX_INT_BITS = 64
+
+# Counts saturate here: a DAG of a million levels would otherwise make its counts million-bit integers.
+_SAT = 1 << 62
 
 # Atoms larger than this are kept as their own node, so that an expansion refusal can say where they are.
 _FOLD_BYTES = 1 << 16
@@ -66,7 +70,7 @@ class PickleRefused(ValueError):
 class _Item:
     """What one stack slot or memo entry would hold: own weight, kept children, and (for keys) nesting."""
 
-    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first")
+    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state")
 
     def __init__(self, kind: int, b: int = 0, name: Optional[str] = None) -> None:
         self.kind = kind
@@ -78,9 +82,27 @@ class _Item:
         self.hnodes = 1  # nodes a hash of it visits (hashable kinds)
         self.name = name  # a str atom's value when it is a safe field name; a global's dotted name
         self.first: Optional["_Item"] = None  # tuples: the first element when it is not an atom
+        self.xn = self.xb = self.state = 0  # the expansion's nodes and bytes; 0 unseen, 1 on the DFS path, 2 done
 
 
 _MARK_ITEM = _Item(_MARK)
+
+# Opcode groups, most frequent first in the pass's dispatch.
+(_G_GET, _G_PUT, _G_MEMOIZE, _G_STR, _G_INT, _G_ATOM, _G_MARK, _G_SETITEMS, _G_SETITEM, _G_APPENDS, _G_APPEND, _G_TUPLEN,
+ _G_TUPLE, _G_EMPTY, _G_STOP, _G_FRAME) = range(16)
+_GROUPS = {
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _G_GET),
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT"), _G_PUT),
+    "MEMOIZE": _G_MEMOIZE,
+    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
+                     "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"), _G_STR),
+    **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"), _G_INT),
+    **dict.fromkeys(("NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "NEXT_BUFFER"), _G_ATOM),
+    "MARK": _G_MARK, "SETITEMS": _G_SETITEMS, "SETITEM": _G_SETITEM, "APPENDS": _G_APPENDS, "APPEND": _G_APPEND,
+    **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _G_TUPLEN), "TUPLE": _G_TUPLE,
+    **dict.fromkeys(("EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"), _G_EMPTY),
+    "STOP": _G_STOP, **dict.fromkeys(("PROTO", "FRAME"), _G_FRAME),
+}
 
 
 def _add(parent: _Item, child: _Item, label: Optional[str] = None) -> None:
@@ -106,7 +128,7 @@ def _hashable_container(kind: int, kids: list) -> _Item:
     for k in kids:
         _add(it, k)
         h += k.hnodes if k.kind in _HASHABLE else 1
-    it.hnodes = h
+    it.hnodes = h if h < _SAT else _SAT
     if kind == _TUPLE and kids and kids[0].kind != _ATOM:
         it.first = kids[0]
     return it
@@ -212,158 +234,94 @@ class _Scan:
 
     # ------------------------------------------------------------------------------------------ the pass
     def run(self, data: bytes) -> int:
+        gc_was = gc.isenabled()
+        gc.disable()  # the pass allocates one small record per opcode; collections would make it superlinear
+        try:
+            return self._run(data)
+        finally:
+            if gc_was:
+                gc.enable()
+
+    def _run(self, data: bytes) -> int:
         n = 0
         memo, stack = self.memo, self.stack
+        push = stack.append
         size = len(data)
         stopped = False
         root: Optional[_Item] = None
+        max_ops = self.max_opcodes
+        groups = _GROUPS
         try:
             for op, arg, pos in pickletools.genops(io.BytesIO(data)):
                 n += 1
-                if n > self.max_opcodes:
-                    raise PickleRefused(f"{self.path}: the {self.what} holds more than {self.max_opcodes:,} opcodes; refused as "
+                if n > max_ops:
+                    raise PickleRefused(f"{self.path}: the {self.what} holds more than {max_ops:,} opcodes; refused as "
                                         "a time bomb (a SkyRL dump or checkpoint holds a few thousand).")
-                name = op.name
-                if name == "STOP":
-                    root = self.top() if stack else None
-                    stopped = True
-                    break
-                if name in ("PROTO", "FRAME"):
-                    if name == "FRAME" and int(arg) > size - pos:
-                        raise PickleRefused(f"{self.path}: the {self.what} is truncated or corrupt: it declares a frame of "
-                                            f"{int(arg):,} bytes at byte {pos}; only {size - pos:,} remain.")
-                    continue
-                if name == "MARK":
-                    stack.append(_MARK_ITEM)
-                elif name in ("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"):
-                    if isinstance(arg, int) and not isinstance(arg, bool) and not -(1 << 63) <= arg < (1 << MAX_INT_BITS):
-                        self.refuse(f"holds an integer of {arg.bit_length():,} bits at byte {pos}; numbers wider than "
-                                    f"{MAX_INT_BITS} bits are refused (no dump or checkpoint holds one, and such keys can be "
-                                    "chosen so that all hash alike).")
-                    stack.append(_Item(_ATOM))
-                elif name in ("STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES",
-                                                                           "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
-                                                                           "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
-                                                                           "BINUNICODE8"):
-                    b = len(arg) if isinstance(arg, (str, bytes, bytearray)) else 0
-                    label = arg if isinstance(arg, str) and _SAFE_NAME.match(arg) else None
-                    stack.append(_Item(_ATOM, b, label))
-                elif name in ("NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "NEXT_BUFFER"):
-                    stack.append(_Item(_ATOM))
-                elif name == "READONLY_BUFFER":
-                    self.top()
-                elif name == "EMPTY_LIST":
-                    stack.append(_Item(_LIST))
-                elif name == "EMPTY_DICT":
-                    stack.append(_Item(_DICT))
-                elif name == "EMPTY_SET":
-                    stack.append(_Item(_SET))
-                elif name == "EMPTY_TUPLE":
-                    stack.append(_hashable_container(_TUPLE, []))
-                elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-                    stack.append(_hashable_container(_TUPLE, self.pop(int(name[-1]))))
-                elif name == "TUPLE":
-                    stack.append(_hashable_container(_TUPLE, self.pop_mark()))
-                elif name == "FROZENSET":
-                    items = self.pop_mark()
-                    for k in items:
-                        self.check_key(k)
-                    stack.append(_hashable_container(_FSET, items))
-                elif name == "LIST":
-                    lst = _Item(_LIST)
-                    for k in self.pop_mark():
-                        _add(lst, k)
-                    stack.append(lst)
-                elif name == "DICT":
-                    items = self.pop_mark()
-                    d = _Item(_DICT)
-                    stack.append(d)
-                    self._setitems(d, items)
-                elif name == "APPEND":
-                    (v,) = self.pop(1)
-                    _add(self.top(), v)
-                elif name == "APPENDS":
-                    items = self.pop_mark()
-                    target = self.top()
-                    for v in items:
-                        _add(target, v)
-                elif name == "SETITEM":
-                    k, v = self.pop(2)
-                    self._setitems(self.top(), [k, v])
-                elif name == "SETITEMS":
-                    items = self.pop_mark()
-                    self._setitems(self.top(), items)
-                elif name == "ADDITEMS":
-                    items = self.pop_mark()
-                    target = self.top()
-                    for k in items:
-                        self.check_key(k)
-                        _add(target, k)
-                elif name == "POP":
-                    if stack and stack[-1] is _MARK_ITEM:
-                        stack.pop()  # pickle's POP also discards a MARK
-                    else:
-                        self.pop(1)
-                elif name == "POP_MARK":
-                    self.pop_mark()
-                elif name == "DUP":
-                    stack.append(self.top())
-                elif name in ("GET", "BINGET", "LONG_BINGET"):
-                    idx = int(arg)
-                    if idx not in memo:
-                        raise PickleRefused(f"{self.path}: the {self.what} reads memo index {idx} at byte {pos}, which was "
-                                            "never stored.")
-                    stack.append(memo[idx])
-                elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                g = groups.get(op.name, -1)
+                if g == _G_GET:
+                    item = memo.get(int(arg))
+                    if item is None:
+                        raise PickleRefused(f"{self.path}: the {self.what} reads memo index {int(arg)} at byte {pos}, which "
+                                            "was never stored.")
+                    push(item)
+                elif g == _G_PUT:
                     idx = int(arg)
                     if idx < 0 or idx > len(memo):
                         raise PickleRefused(f"{self.path}: the {self.what} stores memo index {idx} at byte {pos} while only "
                                             f"{len(memo)} entries exist; refused (a memo table that large costs memory the "
                                             "file does not hold).")
                     memo[idx] = self.top()
-                elif name == "MEMOIZE":
+                elif g == _G_MEMOIZE:
                     memo[len(memo)] = self.top()
-                elif name == "GLOBAL":
-                    stack.append(_Item(_GLOBAL, name=str(arg).replace(" ", ".")))
-                elif name == "STACK_GLOBAL":
-                    mod, nm = self.pop(2)
-                    dotted = f"{mod.name}.{nm.name}" if mod.name and nm.name else None
-                    stack.append(_Item(_GLOBAL, name=dotted))
-                elif name in ("EXT1", "EXT2", "EXT4"):
-                    stack.append(_Item(_GLOBAL))
-                elif name == "REDUCE":
-                    fn, args = self.pop(2)
-                    self.check_hashed_args(fn, args)
-                    stack.append(_hashable_container(_OBJ, [fn, args]))
-                elif name == "NEWOBJ":
-                    cls, args = self.pop(2)
-                    stack.append(_hashable_container(_OBJ, [cls, args]))
-                elif name == "NEWOBJ_EX":
-                    stack.append(_hashable_container(_OBJ, self.pop(3)))
-                elif name in ("INST", "OBJ"):
+                elif g == _G_STR:
+                    if isinstance(arg, str):
+                        push(_Item(_ATOM, len(arg), arg if len(arg) <= 64 and _SAFE_NAME.match(arg) else None))
+                    else:
+                        push(_Item(_ATOM, len(arg) if isinstance(arg, (bytes, bytearray)) else 0))
+                elif g == _G_INT:
+                    if type(arg) is int and not -(1 << 63) <= arg < (1 << MAX_INT_BITS):
+                        self.refuse(f"holds an integer of {arg.bit_length():,} bits at byte {pos}; numbers wider than "
+                                    f"{MAX_INT_BITS} bits are refused (no dump or checkpoint holds one, and such keys can be "
+                                    "chosen so that all hash alike).")
+                    push(_Item(_ATOM))
+                elif g == _G_ATOM:
+                    push(_Item(_ATOM))
+                elif g == _G_MARK:
+                    push(_MARK_ITEM)
+                elif g == _G_SETITEMS:
                     items = self.pop_mark()
-                    if name == "INST":
-                        items = [_Item(_GLOBAL, name=str(arg).replace(" ", "."))] + items
-                    if items:
-                        args = _hashable_container(_TUPLE, items[1:])
-                        self.check_hashed_args(items[0], args)
-                    stack.append(_hashable_container(_OBJ, items))
-                elif name == "BUILD":
-                    (state,) = self.pop(1)
-                    obj = self.top()
-                    # A dict-like's __dict__.update(state) hashes the first item of each pair of a list state.
-                    s = state.first if state.kind == _TUPLE and state.first is not None else state
-                    if s.kind == _LIST:
-                        self.check_elements(s, "pairs")
-                    _add(obj, state)
-                elif name == "PERSID":
-                    stack.append(_Item(_OBJ))
-                elif name == "BINPERSID":
-                    (pid,) = self.pop(1)
-                    stack.append(_hashable_container(_OBJ, [pid]))
-                else:  # an opcode this pass does not model: refuse rather than guess its effect
-                    raise PickleRefused(f"{self.path}: the {self.what} uses the opcode {name} at byte {pos}, which no SkyRL "
-                                        "dump or checkpoint holds.")
+                    self._setitems(self.top(), items)
+                elif g == _G_SETITEM:
+                    k, v = self.pop(2)
+                    self._setitems(self.top(), [k, v])
+                elif g == _G_APPENDS:
+                    items = self.pop_mark()
+                    target = self.top()
+                    for v in items:
+                        _add(target, v)
+                elif g == _G_APPEND:
+                    (v,) = self.pop(1)
+                    _add(self.top(), v)
+                elif g == _G_TUPLEN:
+                    push(_hashable_container(_TUPLE, self.pop(int(op.name[-1]))))
+                elif g == _G_TUPLE:
+                    push(_hashable_container(_TUPLE, self.pop_mark()))
+                elif g == _G_EMPTY:
+                    name = op.name
+                    if name == "EMPTY_TUPLE":
+                        push(_hashable_container(_TUPLE, []))
+                    else:
+                        push(_Item(_LIST if name == "EMPTY_LIST" else _DICT if name == "EMPTY_DICT" else _SET))
+                elif g == _G_STOP:
+                    root = self.top() if stack else None
+                    stopped = True
+                    break
+                elif g == _G_FRAME:
+                    if op.name == "FRAME" and int(arg) > size - pos:
+                        raise PickleRefused(f"{self.path}: the {self.what} is truncated or corrupt: it declares a frame of "
+                                            f"{int(arg):,} bytes at byte {pos}; only {size - pos:,} remain.")
+                else:
+                    self._rare(op.name, arg, pos)
         except PickleRefused:
             raise
         except ValueError as err:  # a declared length beyond the data, an unknown opcode, a bad line
@@ -374,6 +332,80 @@ class _Scan:
         if root is not None:
             self.check_expansion(root)
         return n
+
+    def _rare(self, name: str, arg, pos: int) -> None:
+        stack = self.stack
+        push = stack.append
+        if name == "READONLY_BUFFER":
+            self.top()
+        elif name == "FROZENSET":
+            items = self.pop_mark()
+            for k in items:
+                self.check_key(k)
+            push(_hashable_container(_FSET, items))
+        elif name == "LIST":
+            lst = _Item(_LIST)
+            for k in self.pop_mark():
+                _add(lst, k)
+            push(lst)
+        elif name == "DICT":
+            items = self.pop_mark()
+            d = _Item(_DICT)
+            push(d)
+            self._setitems(d, items)
+        elif name == "ADDITEMS":
+            items = self.pop_mark()
+            target = self.top()
+            for k in items:
+                self.check_key(k)
+                _add(target, k)
+        elif name == "POP":
+            if stack and stack[-1] is _MARK_ITEM:
+                stack.pop()  # pickle's POP also discards a MARK
+            else:
+                self.pop(1)
+        elif name == "POP_MARK":
+            self.pop_mark()
+        elif name == "DUP":
+            push(self.top())
+        elif name == "GLOBAL":
+            push(_Item(_GLOBAL, name=str(arg).replace(" ", ".")))
+        elif name == "STACK_GLOBAL":
+            mod, nm = self.pop(2)
+            push(_Item(_GLOBAL, name=f"{mod.name}.{nm.name}" if mod.name and nm.name else None))
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            push(_Item(_GLOBAL))
+        elif name == "REDUCE":
+            fn, args = self.pop(2)
+            self.check_hashed_args(fn, args)
+            push(_hashable_container(_OBJ, [fn, args]))
+        elif name == "NEWOBJ":
+            push(_hashable_container(_OBJ, self.pop(2)))
+        elif name == "NEWOBJ_EX":
+            push(_hashable_container(_OBJ, self.pop(3)))
+        elif name in ("INST", "OBJ"):
+            items = self.pop_mark()
+            if name == "INST":
+                items = [_Item(_GLOBAL, name=str(arg).replace(" ", "."))] + items
+            if items:
+                self.check_hashed_args(items[0], _hashable_container(_TUPLE, items[1:]))
+            push(_hashable_container(_OBJ, items))
+        elif name == "BUILD":
+            (state,) = self.pop(1)
+            obj = self.top()
+            # A dict-like's __dict__.update(state) hashes the first item of each pair of a list state.
+            s = state.first if state.kind == _TUPLE and state.first is not None else state
+            if s.kind == _LIST:
+                self.check_elements(s, "pairs")
+            _add(obj, state)
+        elif name == "PERSID":
+            push(_Item(_OBJ))
+        elif name == "BINPERSID":
+            (pid,) = self.pop(1)
+            push(_hashable_container(_OBJ, [pid]))
+        else:  # an opcode this pass does not model: refuse rather than guess its effect
+            raise PickleRefused(f"{self.path}: the {self.what} uses the opcode {name} at byte {pos}, which no SkyRL dump or "
+                                "checkpoint holds.")
 
     def _setitems(self, d: _Item, items: list) -> None:
         if len(items) % 2:
@@ -387,43 +419,44 @@ class _Scan:
     # ------------------------------------------------------------------------------------------ expansion
     def check_expansion(self, root: _Item) -> None:
         """Nodes and bytes of the fully expanded tree under ``root``, each distinct item computed once."""
-        sizes: dict = {}
-        on_path: set = set()
-        todo = [(root, False)]
+        cycle = "holds a structure that contains itself; its expansion never ends."
+        root.state = 1
+        todo = [root]
         while todo:
-            it, done = todo.pop()
-            key = id(it)
-            if done:
-                on_path.discard(key)
-                nodes, nbytes = it.w, it.b
-                for k in it.kids or ():
-                    kn, kb = sizes[id(k)]
-                    nodes += kn
-                    nbytes += kb
-                sizes[key] = (nodes, nbytes)
+            it = todo[-1]
+            kids = it.kids
+            if it.state == 2:  # pushed twice (shared), already summed
+                todo.pop()
                 continue
-            if key in sizes:
+            if it.state == 1 and kids:
+                it.state = 3  # on the path: its children are above it; sum them when it is on top again
+                for k in kids:
+                    st = k.state
+                    if st == 3:  # an ancestor of itself
+                        self.refuse(cycle, "(a cycle)")
+                    if st != 2:
+                        k.state = 1
+                        todo.append(k)
                 continue
-            if key in on_path:
-                self.refuse("holds a structure that contains itself; its expansion never ends.", "(a cycle)")
-            on_path.add(key)
-            todo.append((it, True))
-            for k in it.kids or ():
-                kk = id(k)
-                if kk in on_path:
-                    self.refuse("holds a structure that contains itself; its expansion never ends.", "(a cycle)")
-                if kk not in sizes:
-                    todo.append((k, False))
-        nodes, nbytes = sizes[id(root)]
+            todo.pop()
+            nodes, nbytes = it.w, it.b
+            for k in kids or ():
+                nodes += k.xn
+                nbytes += k.xb
+            it.xn = nodes if nodes < _SAT else _SAT
+            it.xb = nbytes if nbytes < _SAT else _SAT
+            it.state = 2
+        nodes, nbytes = root.xn, root.xb
         if nodes > self.max_nodes:
-            self.refuse(f"expands to {nodes:,} nodes once its shared references are counted at their full size, more "
-                        f"than {self.max_nodes:,}; a walk or copy of it would never end.", self._where(root, sizes, 0, self.max_nodes))
+            self.refuse(f"expands to {'more than ' + format(_SAT, ',') if nodes >= _SAT else format(nodes, ',')} nodes once its "
+                        f"shared references are counted at their full size, more than {self.max_nodes:,}; a walk or copy of it "
+                        "would never end.", self._where(root, 0, self.max_nodes))
         if nbytes > self.max_bytes:
             self.refuse(f"expands to {nbytes / (1 << 20):,.1f} MiB once its shared references are counted at their full "
                         f"size, beyond the read budget of {self.max_bytes / (1 << 20):,.1f} MiB{self.budget_note}.",
-                        self._where(root, sizes, 1, self.max_bytes))
+                        self._where(root, 1, self.max_bytes))
 
-    def _where(self, root: _Item, sizes: dict, which: int, cap: int) -> str:
+    def _where(self, root: _Item, which: int, cap: int) -> str:
         """The dict keys down to the child at which the expansion first passes ``cap``."""
         names: list = []
         it = root
@@ -431,7 +464,7 @@ class _Scan:
             acc = (it.w, it.b)[which]
             nxt = None
             for j, k in enumerate(it.kids or ()):
-                s = sizes[id(k)][which]
+                s = (k.xn, k.xb)[which]
                 acc += s
                 if acc > cap:
                     label = it.labels[j] if it.labels is not None and j < len(it.labels) else None

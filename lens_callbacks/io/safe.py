@@ -69,7 +69,7 @@ class ReadLimits:
             (default 4; ``LENS_READ_BUDGET_FACTOR``). It is charged with every decoded array, every
             decompressed zip member and every tensor view a file asks for.
         budget_floor: see ``budget_factor`` (default 64 MiB; ``LENS_READ_BUDGET_FLOOR_MB``).
-        max_pickle_opcodes: the most opcodes one pickle may hold (default 2,000,000). SkyRL dumps and
+        max_pickle_opcodes: the most opcodes one pickle may hold (default 1,000,000). SkyRL dumps and
             checkpoints hold a few hundred to a few thousand: their tensors are single byte strings.
         max_zip_members: the most members one zip archive may hold (default 100,000).
         max_pickle_nodes: the most nodes a pickle's structure may hold once fully expanded, every shared
@@ -80,7 +80,7 @@ class ReadLimits:
     max_file_bytes: int = 2048 * _MiB
     budget_factor: float = 4.0
     budget_floor: int = 64 * _MiB
-    max_pickle_opcodes: int = 2_000_000
+    max_pickle_opcodes: int = 1_000_000
     max_zip_members: int = 100_000
     max_pickle_nodes: int = 2_000_000
 
