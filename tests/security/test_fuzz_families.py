@@ -3,7 +3,8 @@
 Each family (built in families.py) runs through the real commands (`skyrl`, `process`, `anchor-gate`) in a forked
 child of a warm worker (isolated.py). A refused case must be: exit 2, one line naming the file and the field (or
 the zip entry), peak resident memory under 600 MB, under 10 s, no marker file. Short by default (a few parameters
-per family, for CI); ``LENS_FUZZ_LONG=1`` draws many parameters with fresh randomness, far past the fixed ones.
+per family, for CI); ``LENS_FUZZ_LONG=1`` draws many parameters with fresh randomness, far past the fixed ones
+(200 per family; ``LENS_FUZZ_EXAMPLES`` changes it, ``LENS_FUZZ_LOG=file`` records each case's time and memory).
 
 The scaling tests run each family at a parameter and at twice it, in the same worker, and check that doubling
 what the attacker controls at most doubles the time and memory of the refusal (best of three runs against a
@@ -13,6 +14,7 @@ quadratic time here).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -24,7 +26,7 @@ import families as F
 import hostile as H
 
 LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
-FUZZ = settings(max_examples=200 if LONG else 3, deadline=None, derandomize=not LONG, database=None,
+FUZZ = settings(max_examples=int(os.environ.get("LENS_FUZZ_EXAMPLES", "200")) if LONG else 3, deadline=None, derandomize=not LONG, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
 PEAK_MB = 600
 WITHIN_S = 10.0
@@ -157,6 +159,10 @@ def _one(light, tmp: Path, name: str, param: int) -> None:
     build = CASES[name][0]
     argv, path, needles = build(tmp, param)
     r = light.run(*argv, timeout=30, mem_mb=2048)
+    if os.environ.get("LENS_FUZZ_LOG"):  # one JSON line per case: the numbers docs/security.md quotes
+        with open(os.environ["LENS_FUZZ_LOG"], "a") as f:
+            f.write(json.dumps({"case": name, "param": param, "rc": r.rc, "wall_s": round(r.wall_s, 3),
+                                "peak_mb": round(r.peak_mb, 1)}) + "\n")
     _refused(r, path, *needles)
     assert not (tmp / "MARKER").exists()
 
