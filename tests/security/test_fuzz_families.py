@@ -147,7 +147,7 @@ CASES = {
     "tuple_keys_skyrl": (lambda t, p: _tuple_keys_dump(t, p, "skyrl"), [1_001, 20_000], st.integers(1_001, 100_000)),
     "tuple_keys_process": (lambda t, p: _tuple_keys_dump(t, p, "process"), [1_001], st.integers(1_001, 100_000)),
     "tuple_keys_anchor_gate": (_tuple_keys_ckpt, [5_000], st.integers(1_001, 100_000)),
-    "group_ids_process": (_group_ids_record, [40_000], st.integers(4, 80_000)),
+    "group_ids_process": (_group_ids_record, [40_000], st.integers(5, 80_000)),
     "amplification_skyrl": (lambda t, p: _amplification_dump(t, p, "skyrl"), [1, 600], st.integers(1, 20_000)),
     "amplification_process": (lambda t, p: _amplification_dump(t, p, "process"), [600], st.integers(1, 20_000)),
     "zip_aliases_anchor_gate": (_zip_aliases_ckpt, [2, 1_000], st.integers(2, 5_000)),
@@ -249,3 +249,29 @@ def test_record_group_keys_that_collide_are_linear(tmp_path):
         assert int(groups) == n
         out[n] = float(secs)
     assert out[8_000] <= 2.5 * out[4_000] + 0.2, out
+
+
+AUDIT_CASES = {
+    # the record's policy checkpoint replaced by: (bytes, words the one line must hold)
+    "hash_dag": (lambda t: F.ckpt_with(F.tuple_dag(64), "key", marker=t / "MARKER"), ["a key at the top level", "deep"]),
+    "path_dag": (lambda t: F.ckpt_with(F.list_dag(50), "value", marker=t / "MARKER"), ["`extra`", "expands to"]),
+    "int_keys": (lambda t: F.ckpt_with(F.int_collision_dict(150_000), "value", marker=t / "MARKER"), ["`extra", "64 bits"]),
+    "zip_aliases": (lambda t: F.ckpt_zip_aliases(1_000), ["overlaps entry 'archive/data/0'"]),
+}
+
+
+@pytest.mark.slow  # the heavy worker and a real training run for the record
+@pytest.mark.parametrize("case", sorted(AUDIT_CASES))
+def test_audit_refuses_a_hostile_policy_checkpoint(heavy, record, tmp_path, case):
+    import shutil
+
+    rec = tmp_path / "record"
+    shutil.copytree(record, rec)
+    build, needles = AUDIT_CASES[case]
+    p = rec / "policy_step_000000.pt"
+    p.write_bytes(build(tmp_path))
+    r = heavy.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60, mem_mb=2048)
+    lines = r.stderr.splitlines()
+    assert r.rc == 2 and not r.timed_out and len(lines) == 1, (r.rc, r.stderr[-2000:])
+    assert "policy_step_000000.pt" in lines[0] and all(n in lines[0] for n in needles), lines[0]
+    assert r.wall_s < WITHIN_S and not (tmp_path / "MARKER").exists(), (r.wall_s, lines[0])
