@@ -70,7 +70,7 @@ class PickleRefused(ValueError):
 class _Item:
     """What one stack slot or memo entry would hold: own weight, kept children, and (for keys) nesting."""
 
-    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state")
+    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state", "en", "eb")
 
     def __init__(self, kind: int, b: int = 0, name: Optional[str] = None) -> None:
         self.kind = kind
@@ -83,6 +83,9 @@ class _Item:
         self.name = name  # a str atom's value when it is a safe field name; a global's dotted name
         self.first: Optional["_Item"] = None  # tuples: the first element when it is not an atom
         self.xn = self.xb = self.state = 0  # the expansion's nodes and bytes; 0 unseen, 1 on the DFS path, 2 done
+        # The expansion so far, summed as children are added: a lower bound of the final one (containers only
+        # grow), so a stream is refused as soon as it passes a limit, not after the rest is read.
+        self.en, self.eb = 1, b
 
 
 _MARK_ITEM = _Item(_MARK)
@@ -106,6 +109,9 @@ _GROUPS = {
 
 
 def _add(parent: _Item, child: _Item, label: Optional[str] = None) -> None:
+    en, eb = parent.en + child.en, parent.eb + child.eb
+    parent.en = en if en < _SAT else _SAT
+    parent.eb = eb if eb < _SAT else _SAT
     if child.kind == _ATOM and child.b < _FOLD_BYTES:
         parent.w += 1
         parent.b += child.b
@@ -177,6 +183,15 @@ class _Scan:
         return "a key of " + f if f != "(top level)" else "a key at the top level"
 
     # ------------------------------------------------------------------------------------------ stack
+    def grew(self, it: _Item, field: Optional[str] = None) -> None:
+        """Refuse as soon as an item's expansion so far passes a limit (it can only grow)."""
+        if it.en > self.max_nodes:
+            self.refuse(f"expands to more than {self.max_nodes:,} nodes once its shared references are counted at their "
+                        "full size; a walk or copy of it would never end.", field)
+        if it.eb > self.max_bytes:
+            self.refuse(f"expands to more than {self.max_bytes / (1 << 20):,.1f} MiB once its shared references are counted "
+                        f"at their full size, beyond the read budget{self.budget_note}.", field)
+
     def pop_mark(self) -> list:
         st = self.stack
         for i in range(len(st) - 1, -1, -1):
@@ -299,13 +314,17 @@ class _Scan:
                     target = self.top()
                     for v in items:
                         _add(target, v)
+                    self.grew(target)
                 elif g == _G_APPEND:
                     (v,) = self.pop(1)
                     _add(self.top(), v)
+                    self.grew(self.top())
                 elif g == _G_TUPLEN:
                     push(_hashable_container(_TUPLE, self.pop(int(op.name[-1]))))
+                    self.grew(stack[-1])
                 elif g == _G_TUPLE:
                     push(_hashable_container(_TUPLE, self.pop_mark()))
+                    self.grew(stack[-1])
                 elif g == _G_EMPTY:
                     name = op.name
                     if name == "EMPTY_TUPLE":
@@ -322,6 +341,8 @@ class _Scan:
                                             f"{int(arg):,} bytes at byte {pos}; only {size - pos:,} remain.")
                 else:
                     self._rare(op.name, arg, pos)
+                    if stack and stack[-1] is not _MARK_ITEM:
+                        self.grew(stack[-1])
         except PickleRefused:
             raise
         except ValueError as err:  # a declared length beyond the data, an unknown opcode, a bad line
@@ -415,6 +436,9 @@ class _Scan:
             self.check_key(k, in_dict=True)
             _add(d, k)
             _add(d, v, k.name if k.kind == _ATOM else None)
+            if d.en > self.max_nodes or d.eb > self.max_bytes:  # name the entry that passed the limit
+                f = self.field()
+                self.grew(d, _label(k) if f == "(top level)" else f"{f}.{_label(k)}")
 
     # ------------------------------------------------------------------------------------------ expansion
     def check_expansion(self, root: _Item) -> None:
