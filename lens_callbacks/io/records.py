@@ -140,7 +140,8 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
     reward = float(reward) if not isinstance(reward, int) or abs(reward) < 2**1023 else math.inf
     if not math.isfinite(reward):
         # JSON has no NaN; 1e400 parses as inf. An audit of a non-finite reward is a table of NaN.
-        raise ValueError(f"{where}: field `reward` must be finite, got {d['reward']!r}.")
+        raise ValueError(f"{where}: field `reward` must be finite, got "
+                         f"{'an integer beyond the float range' if isinstance(d['reward'], int) else _short(d['reward'])}.")
     return Trajectory(
         turns=tuple(turns),
         reward=reward,

@@ -275,3 +275,27 @@ def test_audit_refuses_a_hostile_policy_checkpoint(heavy, record, tmp_path, case
     assert r.rc == 2 and not r.timed_out and len(lines) == 1, (r.rc, r.stderr[-2000:])
     assert "policy_step_000000.pt" in lines[0] and all(n in lines[0] for n in needles), lines[0]
     assert r.wall_s < WITHIN_S and not (tmp_path / "MARKER").exists(), (r.wall_s, lines[0])
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("group", 2**64, "`group` must be an int in the int64 range"),
+    ("step", -2**63 - 1, "`step` must be an int in the int64 range"),
+    ("rollout", 5 * F.M61, "`rollout` must be an int in the int64 range"),
+    ("reward", 10**400, "`reward` must be finite, got an integer beyond the float range"),
+    ("token_ids", [1, 2**63], "`token_ids` must be token ids below 2**63"),
+])
+def test_record_numbers_out_of_range_name_the_field_and_quote_nothing(field, value, needle):
+    """Numbers JSON parses as unbounded ints, where an int64 or a float is read: one message naming the field."""
+    import json
+
+    from lens_callbacks.io.records import trajectory_from_json
+
+    line = json.loads(F.record_lines([(0, 0)]))
+    if field == "token_ids":
+        line["turns"][1]["token_ids"] = value
+    else:
+        line[field] = value
+    with pytest.raises(ValueError) as err:
+        trajectory_from_json(json.loads(json.dumps(line)), "f.jsonl:1")
+    assert needle in str(err.value) and str(err.value).startswith("f.jsonl:1"), str(err.value)
+    assert "000000000" not in str(err.value), str(err.value)  # the number itself is not quoted
