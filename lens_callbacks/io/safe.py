@@ -15,7 +15,6 @@ and how to raise it.
 
 from __future__ import annotations
 
-import io
 import os
 import reprlib
 import stat
