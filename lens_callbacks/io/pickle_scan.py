@@ -162,8 +162,14 @@ class _Scan:
                     if (j - i - 1) % 2 == 0:
                         last = st[j]
                     j += 1
-                if last is not None:
+                if (j - i - 1) % 2:  # a key waiting for the value being built
                     names.append(_label(last))
+                elif j - i - 1 >= 2 and (j == n or st[j - 1].kind in (_LIST, _DICT, _SET, _OBJ)):
+                    # The last value: on top (being filled now), or a container that the MARK after it fills. (A key
+                    # built right after a container value reads the same way; the message then names that value.)
+                    names.append(_label(st[j - 2]))
+                elif j < n:  # complete pairs, then a MARK for something new: a key under construction
+                    names.append("<a key>")
                 i = j
                 continue
             if it.kind in _DICTLIKE and i + 1 < n and st[i + 1] is not _MARK_ITEM and st[i + 1].kind == _ATOM:
