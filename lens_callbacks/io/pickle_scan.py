@@ -19,7 +19,9 @@ opcode would push (``pickletools.genops`` decodes the arguments) and refuses, na
   never stored, declared lengths or frames beyond the bytes that remain, or no ``STOP``.
 
 Every check costs time linear in the stream: each opcode is decoded once and the expansion is computed once
-per distinct object (memoized), so doubling an attacker's parameter at most doubles the cost of a refusal.
+per distinct object (memoized), so doubling an attacker's parameter at most doubles the cost of a refusal. A
+container's expansion so far is also kept as it fills (a lower bound of the final one, since containers only
+grow), so a stream is refused as soon as one passes a limit.
 """
 
 from __future__ import annotations
