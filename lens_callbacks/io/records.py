@@ -124,6 +124,8 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
             raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {_short(ids)}.")
         if ids and min(ids) < 0:
             raise ValueError(f"{w}: `token_ids` must be token ids >= 0, got {min(ids)}.")
+        if ids and max(ids) >= _INT64:
+            raise ValueError(f"{w}: `token_ids` must be token ids below 2**63, got one of {max(ids).bit_length()} bits.")
         call = t.get("tool_call")
         if call is not None:
             if not isinstance(call, Mapping):
@@ -133,18 +135,32 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
         if trained is not None and not isinstance(trained, bool):
             raise ValueError(f"{w}: `trained` must be true/false, got {trained!r}.")
         turns.append(Turn(role, _need(t, "text", (str,), w), None if ids is None else tuple(ids), trained, call))
-    reward = float(_need(d, "reward", (int, float), where))
+    reward = _need(d, "reward", (int, float), where)
+    # float() of an int of 400 digits raises OverflowError; such a reward is as unusable as 1e400.
+    reward = float(reward) if not isinstance(reward, int) or abs(reward) < 2**1023 else math.inf
     if not math.isfinite(reward):
         # JSON has no NaN; 1e400 parses as inf. An audit of a non-finite reward is a table of NaN.
-        raise ValueError(f"{where}: field `reward` must be finite, got {d['reward']!r}.")
+        raise ValueError(f"{where}: field `reward` must be finite, got "
+                         f"{'an integer beyond the float range' if isinstance(d['reward'], int) else _short(d['reward'])}.")
     return Trajectory(
         turns=tuple(turns),
         reward=reward,
-        group=int(_need(d, "group", (int,), where)),
-        rollout=int(_need(d, "rollout", (int,), where)),
+        group=_int64(d, "group", where),
+        rollout=_int64(d, "rollout", where),
         prompt_id=str(_need(d, "prompt_id", (str,), where)),
-        step=int(_need(d, "step", (int,), where)),
+        step=_int64(d, "step", where),
     )
+
+
+_INT64 = 1 << 63
+
+
+def _int64(d: Mapping[str, Any], key: str, where: str) -> int:
+    # Ids outside int64 overflow every tensor they reach, and k * (2**61 - 1) for any k all hash alike.
+    v = int(_need(d, key, (int,), where))
+    if not -_INT64 <= v < _INT64:
+        raise ValueError(f"{where}: field `{key}` must be an int in the int64 range, got one of {v.bit_length()} bits.")
+    return v
 
 
 def write_trajectories(path: PathLike, trajectories: Iterable[Trajectory], step: Optional[int] = None) -> Path:

@@ -15,14 +15,14 @@ and how to raise it.
 
 from __future__ import annotations
 
-import io
 import os
-import pickletools
 import reprlib
 import stat
 import zipfile
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
+
+from .pickle_scan import PickleRefused, scan_pickle_stream
 
 __all__ = [
     "ReadLimits",
@@ -68,19 +68,23 @@ class ReadLimits:
             (default 4; ``LENS_READ_BUDGET_FACTOR``). It is charged with every decoded array, every
             decompressed zip member and every tensor view a file asks for.
         budget_floor: see ``budget_factor`` (default 64 MiB; ``LENS_READ_BUDGET_FLOOR_MB``).
-        max_pickle_opcodes: the most opcodes one pickle may hold (default 2,000,000). SkyRL dumps and
+        max_pickle_opcodes: the most opcodes one pickle may hold (default 1,000,000). SkyRL dumps and
             checkpoints hold a few hundred to a few thousand: their tensors are single byte strings.
         max_zip_members: the most members one zip archive may hold (default 100,000).
+        max_pickle_nodes: the most nodes a pickle's structure may hold once fully expanded, every shared
+            reference counted at its full size (default 2,000,000): also the most objects one walk of a loaded
+            structure visits.
     """
 
     max_file_bytes: int = 2048 * _MiB
     budget_factor: float = 4.0
     budget_floor: int = 64 * _MiB
-    max_pickle_opcodes: int = 2_000_000
+    max_pickle_opcodes: int = 1_000_000
     max_zip_members: int = 100_000
+    max_pickle_nodes: int = 2_000_000
 
     def __post_init__(self) -> None:
-        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members"):
+        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members", "max_pickle_nodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"`{name}` must be an int > 0, got {v!r}.")
@@ -98,6 +102,7 @@ class ReadLimits:
             budget_floor=int(_env_number("LENS_READ_BUDGET_FLOOR_MB", d.budget_floor / _MiB) * _MiB),
             max_pickle_opcodes=d.max_pickle_opcodes,
             max_zip_members=d.max_zip_members,
+            max_pickle_nodes=d.max_pickle_nodes,
         )
 
     def budget_for(self, file_bytes: int, path: str) -> "ReadBudget":
@@ -207,59 +212,30 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-_MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
-_MEMO_GETS = {"GET", "BINGET", "LONG_BINGET"}
-
-
-def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, what: str = "pickle") -> int:
+def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, what: str = "pickle",
+                budget: Optional["ReadBudget"] = None) -> int:
     """Walk a pickle's opcodes without running any of them; refuse what its bytes cannot honestly hold.
 
-    Refused: a memo index beyond the entries stored so far (the C unpickler would grow its memo table to
-    that index: 2**27 costs 2 GiB), a memo read of an entry never stored, a declared length beyond the
-    bytes that remain (``pickletools`` reads at most what is there), a frame longer than the rest of the
-    file, more than ``limits.max_pickle_opcodes`` opcodes, and a stream that ends without ``STOP``.
+    The static pass of :mod:`lens_callbacks.io.pickle_scan`: memo indices beyond the entries stored so far (the
+    C unpickler would grow its memo table to that index: 2**27 costs 2 GiB), memo reads of entries never stored,
+    declared lengths and frames beyond the bytes that remain, more than ``limits.max_pickle_opcodes`` opcodes, a
+    stream without ``STOP``; a structure whose full expansion (shared references counted at their full size)
+    holds more than ``limits.max_pickle_nodes`` nodes or more bytes than the read budget (``budget.total``, or the
+    budget of a file of ``len(data)`` bytes); dict keys and set members that nest or expand too far to hash, or
+    too many tuple keys; integers wider than 64 bits.
 
     Returns:
         The number of opcodes.
     """
     limits = limits or ReadLimits.from_env()
-    memo = 0
-    n = 0
-    stopped = False
-    size = len(data)
+    total = budget.total if budget is not None else limits.budget_for(len(data), path).total
+    note = (f" ({limits.budget_factor:g} x file size + {_mib(limits.budget_floor)}; raise LENS_READ_BUDGET_FACTOR only for a "
+            "file you trust)")
     try:
-        for op, arg, pos in pickletools.genops(io.BytesIO(data)):
-            n += 1
-            if n > limits.max_pickle_opcodes:
-                raise BoundedReadError(f"{path}: the {what} holds more than {limits.max_pickle_opcodes:,} opcodes; refused as a "
-                                       "time bomb (a SkyRL dump or checkpoint holds a few thousand).")
-            name = op.name
-            if name == "MEMOIZE":
-                memo += 1
-            elif name in _MEMO_PUTS:
-                idx = int(arg)
-                if idx < 0 or idx > memo:
-                    raise BoundedReadError(f"{path}: the {what} stores memo index {idx} at byte {pos} while only {memo} "
-                                           "entries exist; refused (a memo table that large costs memory the file does not hold).")
-                if idx == memo:
-                    memo += 1
-            elif name in _MEMO_GETS:
-                idx = int(arg)
-                if idx < 0 or idx >= memo:
-                    raise BoundedReadError(f"{path}: the {what} reads memo index {idx} at byte {pos}, which was never stored.")
-            elif name == "FRAME" and int(arg) > size - pos:
-                raise BoundedReadError(f"{path}: the {what} is truncated or corrupt: it declares a frame of {int(arg):,} bytes at "
-                                       f"byte {pos}; only {size - pos:,} remain.")
-            elif name == "STOP":
-                stopped = True
-                break
-    except BoundedReadError:
-        raise
-    except ValueError as err:  # a declared length beyond the data, an unknown opcode, a bad line
-        raise BoundedReadError(f"{path}: the {what} is corrupt or truncated ({_one_line(err)}).") from None
-    if not stopped:
-        raise BoundedReadError(f"{path}: the {what} is truncated (it ends without STOP).")
-    return n
+        return scan_pickle_stream(data, path, what, max_opcodes=limits.max_pickle_opcodes, max_nodes=limits.max_pickle_nodes,
+                                  max_bytes=total, budget_note=note)
+    except PickleRefused as err:
+        raise BoundedReadError(str(err)) from None
 
 
 _REPR = reprlib.Repr()
@@ -291,52 +267,126 @@ def read_zip_member(zf: zipfile.ZipFile, name: str, budget: ReadBudget, what: st
         return f.read(info.file_size + 1)
 
 
-def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimits, what: str, stored_only: bool) -> None:
-    """Member count, and (for archives ``torch.save`` writes, all ``ZIP_STORED``) sizes within the file."""
+def _entry(name: str) -> str:
+    """A zip entry's name for a message: the name itself when it is short and plain, else a placeholder."""
+    return repr(name) if len(name) <= 80 and name.isprintable() else f"<an entry name of {len(name):,} characters>"
+
+
+def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimits, what: str, stored_only: bool,
+              raw: Any = None) -> None:
+    """The central directory of a zip, checked before any member is read.
+
+    Member count at most ``limits.max_zip_members``; names unique; every member's bytes (its local header, name,
+    extra field and data) inside the file, before the central directory, and disjoint from every other member's,
+    so that the sizes sum to at most the file: 1,000 entries pointing at one 1.5 MiB member would otherwise
+    make ``torch.load`` allocate 1.5 GiB from a 1.8 MB file. For archives ``torch.save`` writes
+    (``stored_only``), members must be stored uncompressed and no larger than the file. ``raw`` is the
+    archive's bytes or seekable file object (default: the one ``zf`` reads).
+    """
     infos = zf.infolist()
     if len(infos) > limits.max_zip_members:
         raise BoundedReadError(f"{path}: the {what} holds {len(infos):,} zip members, more than {limits.max_zip_members:,}.")
-    if stored_only:
-        for info in infos:
+    if raw is None:
+        raw = zf.fp
+    if isinstance(raw, (bytes, bytearray, memoryview)):
+        view = memoryview(raw)
+
+        def head_at(off: int) -> bytes:
+            return bytes(view[off: off + 30])
+    else:
+        def head_at(off: int) -> bytes:
+            raw.seek(off)
+            return raw.read(30)
+    start_dir = getattr(zf, "start_dir", None)
+    end_of_data = start_dir if isinstance(start_dir, int) and 0 <= start_dir <= file_bytes else file_bytes
+    seen: set = set()
+    spans = []
+    total = 0
+    for info in infos:
+        name = info.filename
+        if name in seen:
+            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} appears twice in its central directory; "
+                                   "refused (an alias reads one member's bytes twice).")
+        seen.add(name)
+        if stored_only:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise BoundedReadError(
-                    f"{path}: member {info.filename!r} of the {what} is compressed (method {info.compress_type}); torch.save "
+                    f"{path}: member {_entry(name)} of the {what} is compressed (method {info.compress_type}); torch.save "
                     "stores members uncompressed, and a compressed one could inflate far beyond the file."
                 )
             if info.file_size > file_bytes:
-                raise BoundedReadError(f"{path}: member {info.filename!r} of the {what} declares {info.file_size:,} bytes, "
+                raise BoundedReadError(f"{path}: member {_entry(name)} of the {what} declares {info.file_size:,} bytes, "
                                        f"more than the whole file ({file_bytes:,}).")
+        off = int(info.header_offset)
+        head = head_at(off) if 0 <= off <= end_of_data - 30 else b""
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} points at byte {off:,}, where no member "
+                                   "begins.")
+        n_name = int.from_bytes(head[26:28], "little")
+        n_extra = int.from_bytes(head[28:30], "little")
+        end = off + 30 + n_name + n_extra + int(info.compress_size)
+        if end > end_of_data:
+            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} declares {int(info.compress_size):,} bytes "
+                                   f"at byte {off:,}, past the end of the members (byte {end_of_data:,}).")
+        total += end - off
+        spans.append((off, end, name))
+    spans.sort()
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise BoundedReadError(f"{path}: zip entry {_entry(bn)} of the {what} overlaps entry {_entry(an)} (bytes "
+                                   f"{b0:,}-{b1:,} and {a0:,}-{a1:,}); refused (an alias reads the same bytes as two members).")
+    if total > file_bytes:  # disjoint spans inside the file cannot exceed it; kept as the invariant the loaders rely on
+        raise BoundedReadError(f"{path}: the zip entries of the {what} declare {total:,} bytes, more than the file holds "
+                               f"({file_bytes:,}).")
 
 
-def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "checkpoint", _depth: int = 0) -> int:
+def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "checkpoint", max_visits: Optional[int] = None) -> int:
     """Refuse tensors that view more elements than their storage holds (stride 0 included); count them.
 
     A stride-0 view of shape ``(14, 2**24)`` over one element costs nothing until someone copies it; the
     first copy allocates gigabytes. Every tensor's ``numel × element size`` is charged to ``budget``.
+
+    The walk visits each container and tensor once (by identity), so a structure that shares sub-structures (a
+    DAG of 50 levels, whose tree has 2**50 paths) costs its distinct objects, at most ``max_visits`` of them
+    (default ``budget.limits.max_pickle_nodes``); a tensor referenced twice is checked and charged once.
+    Containers may nest at most 64 deep.
     """
     import torch
 
-    if _depth > 64:
-        raise BoundedReadError(f"{path}: the {what} nests containers more than 64 deep.")
-    n = 0
-    if isinstance(obj, torch.Tensor):
-        sizes, strides = tuple(obj.shape), tuple(obj.stride())
-        if any(st == 0 and sz > 1 for sz, st in zip(sizes, strides)):
-            raise BoundedReadError(f"{path}: a tensor of the {what} has shape {list(sizes)} with stride {list(strides)}: stride 0 "
-                                   "repeats one element; refused, since a copy of it would allocate memory the file does not hold.")
-        need = obj.numel() * obj.element_size()
-        have = obj.untyped_storage().nbytes()
-        if need > have:
-            raise BoundedReadError(f"{path}: a tensor of the {what} of shape {list(sizes)} views {need:,} bytes of a storage "
-                                   f"that holds {have:,}; refused (overlapping strides).")
-        budget.charge(need, f"a tensor of the {what} of shape {list(sizes)}")
-        return 1
-    if isinstance(obj, Mapping):
-        for v in obj.values():
-            n += check_tensor_views(v, path, budget, what, _depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            n += check_tensor_views(v, path, budget, what, _depth + 1)
+    limit = budget.limits.max_pickle_nodes if max_visits is None else max_visits
+    seen: set = set()
+    todo = [(obj, 0)]
+    n = visits = 0
+    while todo:
+        o, depth = todo.pop()
+        if o is None or isinstance(o, (str, bytes, int, float)):
+            continue
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        visits += 1
+        if visits > limit:
+            raise BoundedReadError(f"{path}: the {what} holds more than {limit:,} distinct containers and tensors; refused (a "
+                                   "walk of it would not end in reasonable time).")
+        if depth > 64:
+            raise BoundedReadError(f"{path}: the {what} nests containers more than 64 deep.")
+        if isinstance(o, torch.Tensor):
+            sizes, strides = tuple(o.shape), tuple(o.stride())
+            if any(st == 0 and sz > 1 for sz, st in zip(sizes, strides)):
+                raise BoundedReadError(f"{path}: a tensor of the {what} has shape {list(sizes)} with stride {list(strides)}: "
+                                       "stride 0 repeats one element; refused, since a copy of it would allocate memory the "
+                                       "file does not hold.")
+            need = o.numel() * o.element_size()
+            have = o.untyped_storage().nbytes()
+            if need > have:
+                raise BoundedReadError(f"{path}: a tensor of the {what} of shape {list(sizes)} views {need:,} bytes of a storage "
+                                       f"that holds {have:,}; refused (overlapping strides).")
+            budget.charge(need, f"a tensor of the {what} of shape {list(sizes)}")
+            n += 1
+        elif isinstance(o, Mapping):
+            todo.extend((v, depth + 1) for v in o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend((v, depth + 1) for v in o)
     return n
 
 
@@ -362,11 +412,11 @@ def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, w
         f.seek(0)
         try:
             with zipfile.ZipFile(f) as zf:
-                check_zip(zf, shown, size, limits, what, stored_only=True)
+                check_zip(zf, shown, size, limits, what, stored_only=True, raw=f)
                 pkls = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
                 if len(pkls) != 1:
                     raise BoundedReadError(f"{shown}: the {what} holds {len(pkls)} data.pkl members, expected 1.")
-                scan_pickle(read_zip_member(zf, pkls[0], budget, what), shown, limits, f"{what}'s data.pkl")
+                scan_pickle(read_zip_member(zf, pkls[0], budget, what), shown, limits, f"{what}'s data.pkl", budget)
         except BoundedReadError:
             raise
         except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, KeyError) as err:

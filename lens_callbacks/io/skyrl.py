@@ -74,8 +74,11 @@ class ForbiddenGlobalError(SkyRLDumpError):
         self.name = name
         self.path = path
         names = ", ".join(sorted(ALLOWED_GLOBALS if allowed is None else allowed))
+        shown = f"{module}.{name}"
+        if len(shown) > 100 or not shown.isprintable():
+            shown = f"<a global name of {len(shown):,} characters>"
         super().__init__(
-            f"{path}: refused to unpickle the global {module}.{name}: it is not one that SkyRL's "
+            f"{path}: refused to unpickle the global {shown}: it is not one that SkyRL's "
             f"TrainingInputBatch.save writes (allowed here: {names}). "
             "Nothing was imported or called; read only dumps you trust with pickle itself."
         )
@@ -102,7 +105,18 @@ def _inert(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+_DEVICE_TYPE = re.compile(r"^[a-z_]{1,16}(:[0-9]{1,4})?$")
+
+
 def _device(*args: Any) -> str:
+    # torch.device("cuda", 0) or torch.device("cuda:0"): a short name and a small index, never stringified otherwise
+    # (str() of a 1 MiB byte string referenced 600 times would allocate gigabytes).
+    ok = 1 <= len(args) <= 2 and isinstance(args[0], str) and _DEVICE_TYPE.match(args[0]) is not None
+    if ok and len(args) == 2:
+        ok = type(args[1]) is int and 0 <= args[1] < 10_000
+    if not ok:
+        raise ValueError("a torch.device in the dump is not (device type, index): its arguments are "
+                         f"{', '.join(type(a).__name__ for a in args[:4])}{', ...' if len(args) > 4 else ''}")
     return ":".join(str(a) for a in args)
 
 
@@ -172,7 +186,7 @@ class _OuterUnpickler(pickle.Unpickler):
         return functools.partial(obj)
 
     def persistent_load(self, pid: Any) -> Any:
-        raise SkyRLDumpError(f"{self._path}: unexpected persistent id {pid!r} in the outer pickle.")
+        raise SkyRLDumpError(f"{self._path}: unexpected persistent id (a {type(pid).__name__}) in the outer pickle.")
 
 
 class _ZipTensorUnpickler(pickle.Unpickler):
@@ -197,18 +211,20 @@ class _ZipTensorUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Storage)):
-            raise SkyRLDumpError(f"{self._path}: unexpected persistent id {pid!r} in an embedded torch.save payload.")
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: unexpected persistent id (a {type(pid).__name__}) in an embedded "
+                                 "torch.save payload.")
         _, storage, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage key {key!r} / element count {numel!r} must be a str and an int >= 0.")
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: the storage key (a {type(key).__name__}) and element count (a "
+                                 f"{type(numel).__name__}) must be a str and an int >= 0.")
         # The declared element count is checked against the record's real size before anything is decoded.
         raw = self._load_record(key)
         if len(raw) % storage.np_dtype.itemsize:
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {key!r} holds {len(raw)} bytes, not a whole number of "
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {len(raw)} bytes, not a whole number of "
                                  f"{storage.np_dtype.itemsize}-byte elements.")
         arr = np.frombuffer(raw, dtype=storage.np_dtype)
         if arr.size != int(numel):
-            raise SkyRLDumpError(f"{self._path}: storage {key!r} holds {arr.size} elements, expected {numel}.")
+            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {arr.size} elements, expected {numel}.")
         return (arr, storage)
 
 
@@ -261,7 +277,7 @@ def _decode_torch_zip(data: Any, path: str, budget: ReadBudget, key: str) -> _Te
     if not isinstance(data, (bytes, bytearray)):
         raise SkyRLDumpError(f"{path}: `{key}` data must be bytes, got {type(data).__name__}.")
     with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
-        check_zip(zf, path, len(data), budget.limits, f"`{key}` torch.save payload", stored_only=False)
+        check_zip(zf, path, len(data), budget.limits, f"`{key}` torch.save payload", stored_only=False, raw=data)
         names = zf.namelist()
         pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
@@ -274,12 +290,12 @@ def _decode_torch_zip(data: Any, path: str, budget: ReadBudget, key: str) -> _Te
         if order != "little":
             raise SkyRLDumpError(f"{path}: embedded torch.save payload is {_short(order)}-endian; only little-endian is read.")
         inner = read_zip_member(zf, pkl[0], budget, what)
-        scan_pickle(inner, path, budget.limits, f"{what} data.pkl")
+        scan_pickle(inner, path, budget.limits, f"{what} data.pkl", budget)
 
         def load_record(name: str) -> bytes:
             member = f"{prefix}data/{name}"
             if member not in names:
-                raise SkyRLDumpError(f"{path}: `{key}`: the torch.save payload has no storage record {name!r}.")
+                raise SkyRLDumpError(f"{path}: `{key}`: the torch.save payload has no storage record {_short(name, 40)}.")
             return read_zip_member(zf, member, budget, what)
 
         out = _ZipTensorUnpickler(io.BytesIO(inner), path, load_record, budget, key).load()
@@ -496,7 +512,7 @@ def read_skyrl_dump(path: PathLike, limits: Optional[ReadLimits] = None) -> SkyR
         limits = limits or ReadLimits.from_env()
         data = read_regular_file(path, limits, "SkyRL dump")
         budget = limits.budget_for(len(data), path)
-        scan_pickle(data, path, limits, "SkyRL dump")
+        scan_pickle(data, path, limits, "SkyRL dump", budget)
     except BoundedReadError as err:
         raise SkyRLDumpError(str(err)) from None
     try:
@@ -660,7 +676,7 @@ def _groups(batch: dict[str, Any], metadata: dict[str, Any], layout: str, n: int
         covered = [r for g in groups for r in g]
         if covered != list(range(n)):
             raise SkyRLDumpError(
-                f"{path}: policy_prompt_boundaries {list(bounds)!r} must cover rows 0 .. {n - 1} in order, once each."
+                f"{path}: metadata `policy_prompt_boundaries` must cover rows 0 .. {n - 1} in order, once each."
             )
         return groups, "policy_prompt_boundaries"
     # No group ids reach disk (uids are popped): a group is a run of consecutive rows with one prompt.

@@ -65,7 +65,9 @@ def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[
     from ..io.records import read_trajectories
 
     wanted = None if steps is None else {int(s) for s in steps}
-    groups: dict[tuple[int, int], tuple[list[list[int]], list[float]]] = {}
+    # Keyed by the group's name, a str: str hashes are randomized per process, while the hash of an int tuple
+    # (step, group) is not, and a file can choose 40,000 pairs that all hash alike (a quadratic dict).
+    groups: dict[str, tuple[list[list[int]], list[float]]] = {}
     for path in _record_files(os.fspath(run_dir)):
         for traj in read_trajectories(path):
             if wanted is not None and traj.step not in wanted:
@@ -81,10 +83,10 @@ def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[
                         "instrument reads the sampled tokens, so record them."
                     )
                 comp.extend(turn.token_ids)
-            comps, rewards = groups.setdefault((traj.step, traj.group), ([], []))
+            comps, rewards = groups.setdefault(f"step{traj.step}/group{traj.group}", ([], []))
             comps.append(comp)
             rewards.append(traj.reward)
-    return [RolloutGroup(f"step{s}/group{g}", c, r) for (s, g), (c, r) in groups.items()]
+    return [RolloutGroup(name, c, r) for name, (c, r) in groups.items()]
 
 
 def groups_from_dump(dump: Any) -> list[RolloutGroup]:
