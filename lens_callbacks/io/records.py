@@ -180,14 +180,15 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (a record never holds NaN or Infinity)")
 
 
-def _loads(text: str, where: str) -> Any:
+def _loads(text: str, where: str, what: str = "") -> Any:
     """``json.loads`` that refuses NaN/Infinity and turns every failure (depth, huge ints) into one ValueError."""
+    what = f"the {what} is " if what else ""
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
-        raise ValueError(f"{where}: not valid JSON (nested too deeply).") from None
+        raise ValueError(f"{where}: {what}not valid JSON (nested too deeply).") from None
     except ValueError as err:
-        raise ValueError(f"{where}: not valid JSON ({' '.join(str(err).split())[:200]}).") from None
+        raise ValueError(f"{where}: {what}not valid JSON ({' '.join(str(err).split())[:200]}).") from None
 
 
 def _read_text(path: Path, what: str, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None) -> str:
@@ -203,7 +204,7 @@ def _read_json(path: Path, what: str, limits: Optional[ReadLimits] = None, root:
     limits = limits or ReadLimits.from_env()
     text = _read_text(path, what, limits, root)
     HeldBudget(limits).check(len(text) + json_cost(text), str(path), f"the {what} ({len(text):,} characters of JSON)")
-    return _loads(text, str(path))
+    return _loads(text, str(path), what)
 
 
 def iter_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
@@ -502,12 +503,14 @@ class RunRecord:
         One listing of ``trajectories/`` and one pass over ``steps``: linear in the number of steps.
         """
         listing = self._trajectory_files()
-        missing = [s for s in steps if step_path(self.run_dir, s).name not in listing]
+        steps = list(steps)
+        names = [f"step_{int(s):06d}.jsonl" for s in steps]  # as step_path names them, without a Path per step
+        missing = [s for s, n in zip(steps, names) if n not in listing]
         if missing:
             more = f" (and {len(missing) - 1:,} more listed steps)" if len(missing) > 1 else ""
             raise ValueError(f"{step_path(self.run_dir, missing[0])}: the trajectory file of step {missing[0]}{more} is missing, "
                              f"though {self.run_dir / _MANIFEST} lists the step in field `steps`; the replay needs every one.")
-        wanted = [listing[step_path(self.run_dir, s).name] for s in steps]
+        wanted = [listing[n] for n in names]
         dup = same_file_as(wanted)
         if dup:
             a, b = next(iter(dup.items()))

@@ -186,8 +186,6 @@ def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
     """
     limits = limits or ReadLimits.from_env()
     shown = os.fspath(path)
-    if root is not None:
-        check_inside(root, shown, what)
     real = os.path.realpath(shown)
     try:
         st = os.stat(real)
@@ -201,6 +199,8 @@ def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
     if any(_under(real, r) for r in _SPECIAL_ROOTS):
         raise BoundedReadError(f"{shown}: the {what} must be a regular file, got a kernel file under "
                                f"{next(r for r in _SPECIAL_ROOTS if _under(real, r))}/ (resolved to {real}); refused.")
+    if root is not None:  # after the kind of file is known: a FIFO or device out of the folder is named as such
+        check_inside(root, shown, what)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(real, flags)
