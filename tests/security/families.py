@@ -25,7 +25,10 @@ MANIFEST = {
     "trajectory_schema": "lens_callbacks.trajectory/1",
     "module": "examples.grpo_tools.module.GRPOToolsModule",
     "batch_builder": None,
-    "init_args": {"n_layer": 2, "n_embd": 32, "n_head": 2, "group_size": 2, "dropout": 0.0},
+    "init_args": {"dropout": 0.0, "dtype": "float32", "group_size": 2, "lr": 0.05, "max_new_tokens": 6, "max_tool_calls": 2,
+                  "momentum": 0.0, "n_embd": 32, "n_head": 2, "n_layer": 2, "optimizer": "sgd", "padding_side": "right",
+                  "seed": 0, "segment_by": "turn", "system_prompt": "tools : calc", "temperature": 1.0, "warm_start_lr": 0.01,
+                  "warm_start_steps": 40, "weight_decay": 0.0},
     "optimizer": [{"class": "torch.optim.sgd.SGD", "param_groups": [{"lr": 0.05, "momentum": 0.0}]}],
     "trainer": {"gradient_clip_val": None, "gradient_clip_algorithm": None, "accumulate_grad_batches": 1,
                 "precision": "32-true", "world_size": 1},
@@ -192,3 +195,60 @@ def python_tag(marker: Path, kind: str = "apply") -> str:
     if kind == "new":
         return f"model: !!python/object/new:pathlib.Path [{str(marker)!r}]\n"
     return f"model: !!python/name:os.system\n"
+
+
+# --------------------------------------------------------------------------------------------- checks shared by the families
+LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
+PEAK_MB = 600
+CASE_S = 10.0
+
+
+def _stats(family: str, r: Any) -> None:
+    """Append the case's numbers to ``$LENS_FUZZ_STATS`` (JSON Lines) when set: the long run's table."""
+    out = os.environ.get("LENS_FUZZ_STATS")
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps({"family": family, "rc": r.rc, "peak_mb": round(r.peak_mb, 1), "wall_s": round(r.wall_s, 3),
+                                "cpu_s": round(getattr(r, "cpu_s", float("nan")), 3)}) + "\n")
+
+
+def refused(r: Any, family: str, *needles: str, marker: Optional[Path] = None, rcs: tuple = (2,), forbidden: tuple = ()) -> str:
+    """One line on stderr holding every needle, exit status in ``rcs``, within 600 MB and 10 s, no marker file."""
+    _stats(family, r)
+    lines = r.stderr.splitlines()
+    assert not r.timed_out, (family, r.wall_s, r.stderr[-2000:])
+    assert r.rc in rcs, (family, r.rc, r.stderr[-3000:], r.stdout[-500:])
+    if r.rc == 2:
+        assert len(lines) == 1, (family, r.stderr[-3000:])
+        for n in needles:
+            assert n in lines[0], (family, n, lines[0])
+        for n in forbidden:
+            assert n not in lines[0], (family, n, lines[0])
+    assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr, (family, r.stderr[-3000:])
+    assert r.peak_mb <= PEAK_MB, (family, r.peak_mb, lines[:1])
+    assert r.wall_s <= CASE_S, (family, r.wall_s, lines[:1])
+    if marker is not None:
+        assert not marker.exists(), f"{family}: code ran ({marker} exists)"
+    return lines[0] if lines else ""
+
+
+def assert_scales(family: str, run: Any, params: list, tiny: Any, repeats: int = 2, noise_s: float = 0.6, noise_mb: float = 24.0) -> list:
+    """Doubling the attacker's parameter at most doubles the command's CPU time and memory (above a tiny case's).
+
+    ``run(p)`` runs the command once on the input of parameter ``p`` and returns the worker's result. Each
+    reading is the least of ``repeats`` runs (a shared machine only ever adds time); ``noise_s`` and ``noise_mb``
+    absorb what the machine adds on top. A check that grows as the square of its input fails by far: 4 x per
+    doubling of a part that is already seconds long.
+    """
+    def measure(p: Any) -> tuple[float, float]:
+        rs = [run(p) for _ in range(repeats)]
+        for r in rs:
+            refused(r, family, rcs=(0, 2, 3))
+        return min(r.cpu_s for r in rs), min(r.peak_mb for r in rs)
+
+    t0, m0 = measure(tiny)
+    rows = [(p, *measure(p)) for p in params]
+    for (p1, t1, m1), (p2, t2, m2) in zip(rows, rows[1:]):
+        assert t2 - t0 <= 2.0 * max(t1 - t0, 0.0) + noise_s, (family, "time", p1, p2, t0, t1, t2, rows)
+        assert m2 - m0 <= 2.0 * max(m1 - m0, 0.0) + noise_mb, (family, "memory", p1, p2, m0, m1, m2, rows)
+    return rows
