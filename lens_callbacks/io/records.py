@@ -31,7 +31,7 @@ import torch
 
 from ..credit.trajectories import ROLES, ToolCall, Trajectory, Turn
 from .budget import MAX_NAME, HeldBudget, json_cost, same_file_as, shown_value
-from .safe import BoundedReadError, ReadLimits, load_torch_checkpoint, open_regular_file, read_regular_file
+from .safe import BoundedReadError, ReadLimits, load_torch_checkpoint, open_regular_file, read_exactly
 
 __all__ = [
     "TRAJECTORY_SCHEMA",
@@ -191,20 +191,28 @@ def _loads(text: str, where: str, what: str = "") -> Any:
         raise ValueError(f"{where}: {what}not valid JSON ({' '.join(str(err).split())[:200]}).") from None
 
 
-def _read_text(path: Path, what: str, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None) -> str:
-    data = read_regular_file(path, limits, what, root)
+def _read_json(path: Path, what: str, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None) -> Any:
+    """A whole JSON file, its parsed size bounded before it is parsed.
+
+    Held as bytes, then as text, then parsed, a JSON file costs at least five times its size in the worst case
+    the bound allows for, so one whose size alone breaks the memory budget is refused before a byte is read.
+    """
+    limits = limits or ReadLimits.from_env()
+    budget = HeldBudget(limits)
+    shown = str(path)
+    fd, size = open_regular_file(path, limits, what, root)
     try:
-        return data.decode("utf-8")
+        budget.check(5 * size, shown, f"the {what} ({size:,} bytes of JSON, read, decoded and parsed)")
+        data = read_exactly(fd, size, shown, what)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: the {what} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
-
-
-def _read_json(path: Path, what: str, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None) -> Any:
-    """A whole JSON file, its parsed size bounded before it is parsed (a file too large is refused unread)."""
-    limits = limits or ReadLimits.from_env()
-    text = _read_text(path, what, limits, root)
-    HeldBudget(limits).check(len(text) + json_cost(text), str(path), f"the {what} ({len(text):,} characters of JSON)")
-    return _loads(text, str(path), what)
+    del data
+    budget.check(len(text) + json_cost(text), shown, f"the {what} ({len(text):,} characters of JSON)")
+    return _loads(text, shown, what)
 
 
 def iter_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
