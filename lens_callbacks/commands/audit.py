@@ -412,7 +412,15 @@ def audit_record(
     if isinstance(m, Refusal):
         return m
     batch = rebuild_batch(m, record, step)
-    report = disintegrate(m, batch, part, dtype=dtype, keep_grads=keep_grads)
+    try:
+        report = disintegrate(m, batch, part, dtype=dtype, keep_grads=keep_grads)
+    except (TypeError, IndexError, KeyError, AttributeError, RuntimeError, OverflowError) as err:
+        # The module's own code on the batch rebuilt from the record: name the step file (and the builder, if any).
+        from ..io.records import step_path
+
+        via = f" (batch from field `batch_builder` of {_manifest_where(record)})" if record.manifest.get("batch_builder") else ""
+        raise ValueError(f"{step_path(record.run_dir, step)}: auditing the step failed in {type(m).__name__}.credit_terms{via} "
+                         f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)
     return report

@@ -478,18 +478,17 @@ class RunRecord:
                 "write records with RunRecordCallback or RunRecordWriter."
             )
         self.manifest: dict[str, Any] = check_manifest(_read_json(mpath, "manifest", limits, self.run_dir), str(mpath))
-        # Sorted once: checks over a record of 100,000 steps stay linear.
-        self._steps = tuple(sorted(self.manifest["steps"]))
-        self._checkpoints = tuple(sorted(self.manifest["checkpoints"]))
         self._listing: Optional[dict[str, str]] = None
 
+    # Sorted from the manifest on each access (which may be edited in place): callers read them once per check,
+    # never once per step, so checks over a record of 100,000 steps stay linear.
     @property
     def steps(self) -> list[int]:
-        return list(self._steps)
+        return sorted(int(s) for s in self.manifest.get("steps", []))
 
     @property
     def checkpoints(self) -> list[int]:
-        return list(self._checkpoints)
+        return sorted(int(s) for s in self.manifest.get("checkpoints", []))
 
     def _trajectory_files(self) -> dict[str, str]:
         """``{file name: path}`` of ``trajectories/`` (listed once), refused where two names are one file."""
@@ -527,7 +526,7 @@ class RunRecord:
     def trajectories(self, step: int) -> list[Trajectory]:
         path = step_path(self.run_dir, step)
         if not os.path.lexists(path):
-            raise ValueError(f"`step` must be a recorded step ({_ranges(self._steps)}), got {step!r}: {path} is missing.")
+            raise ValueError(f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing.")
         return read_trajectories(path, self.limits, self.run_dir)
 
     def step_meta(self, step: int) -> dict[str, Any]:
@@ -538,14 +537,17 @@ class RunRecord:
         return check_step_meta(_read_json(path, "step meta", self.limits, self.run_dir), str(path))
 
     def iter_steps(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[int, list[Trajectory]]]:
-        for s in self._steps:
+        for s in self.steps:
             if s >= start and (stop is None or s < stop):
                 yield s, self.trajectories(s)
 
     def load_policy(self, step: int) -> dict[str, torch.Tensor]:
         path = policy_path(self.run_dir, step)
         if not os.path.lexists(path):
-            raise ValueError(f"no policy checkpoint at step {step} (have {_ranges(self._checkpoints)}): {path} is missing.")
+            listed = step in self.checkpoints
+            raise ValueError(f"{path}: no policy checkpoint at step {step}: the file is missing"
+                             + (f", though {self.run_dir / _MANIFEST} lists the step in field `checkpoints`." if listed else
+                                f" (field `checkpoints` of {self.run_dir / _MANIFEST}: {_ranges(self.checkpoints)})."))
         state = load_torch_checkpoint(path, self.limits, "policy checkpoint", self.run_dir)
         if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
             raise ValueError(f"{path}: the policy checkpoint must be a state dict (parameter name -> tensor), got "
@@ -554,9 +556,11 @@ class RunRecord:
 
     def nearest_checkpoint(self, step: int) -> int:
         """The latest checkpoint at or before ``step``."""
-        before = [c for c in self._checkpoints if c <= step]
+        checkpoints = self.checkpoints
+        before = [c for c in checkpoints if c <= step]
         if not before:
-            raise ValueError(f"the record has no policy checkpoint at or before step {step} (have {_ranges(self._checkpoints)}).")
+            raise ValueError(f"{self.run_dir / _MANIFEST}: field `checkpoints` holds no policy checkpoint at or before step {step} "
+                             f"(have {_ranges(checkpoints)}).")
         return before[-1]
 
 
