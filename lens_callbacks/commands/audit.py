@@ -36,10 +36,10 @@ from ..credit.engine import disintegrate
 from ..credit.partition import PARTITIONS, resolve_partition
 from ..credit.report import CreditReport
 from ..credit.trajectories import by_role, by_turn
+from ..io.budget import shown_value
 from ..io.records import RunRecord
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
-from ..io.budget import shown_value
 from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, one_line, report_error
 
 __all__ = ["audit_record", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
