@@ -9,7 +9,9 @@ stale snapshot and velocity extrapolation.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
@@ -194,8 +196,13 @@ def load_checkpoints(
                 continue
             raise ValueError(f"{p}: the checkpoint is the same file as {first} (a link) but would be step {step}; refused "
                              "(each step needs its own checkpoint).")
-        check_inside(directory, p, "checkpoint")
-        budget.check(p.stat().st_size, str(p), "the checkpoint")
+        try:
+            st = os.stat(p)
+        except OSError:
+            st = None  # the loader names what is wrong with it
+        if st is not None and stat.S_ISREG(st.st_mode):  # a FIFO or device is named as such by the loader
+            check_inside(directory, p, "checkpoint")
+            budget.check(st.st_size, str(p), "the checkpoint")
         obj = load_torch_checkpoint(p, limits, "checkpoint", root=directory)
         sd = obj.get("state_dict", obj) if isinstance(obj, Mapping) else None
         if not isinstance(sd, Mapping):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import families as F
 
-FUZZ = settings(max_examples=300 if F.LONG else 15, deadline=None, derandomize=not F.LONG, database=None,
+FUZZ = settings(max_examples=150 if F.LONG else 15, deadline=None, derandomize=not F.LONG, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "cli_configs").glob("*.yaml"))
