@@ -8,7 +8,8 @@ index of 2**27 in a 9-byte pickle, a stride-0 view of 2**28 elements, a deflated
 The limits (:class:`ReadLimits`) default to a ceiling on file size and, per read, an allocation budget of
 ``budget_factor × file size + budget_floor`` bytes. Each can be raised for files one trusts, through the
 ``limits=`` argument of a reader or the environment variables ``LENS_MAX_FILE_MB``,
-``LENS_READ_BUDGET_FACTOR`` and ``LENS_READ_BUDGET_FLOOR_MB`` (see docs/security.md). A refusal is a
+``LENS_READ_BUDGET_FACTOR``, ``LENS_READ_BUDGET_FLOOR_MB`` and ``LENS_MEMORY_MB`` (what a command may hold of
+all it reads; a file larger is refused unread) (see docs/security.md). A refusal is a
 :class:`BoundedReadError` (a ``ValueError``) whose message names the file, what exceeded which limit,
 and how to raise it.
 """
