@@ -785,7 +785,6 @@ def run_arms(
     A run whose ``result.json`` says it finished with the same config, steps and seed is read back, not re-run;
     a crashed one is run again.
     """
-    import yaml
 
     defs = {**ARMS, **(arm_defs or {})}
     arms = list(arms)
@@ -808,9 +807,17 @@ def run_arms(
         p = Path(config)
         if not p.is_file():
             raise ValueError(f"`config` must be a LightningCLI YAML file, got {str(config)!r} (not a file).")
-        cfg0, cfg_name = yaml.safe_load(p.read_text()) or {}, str(config)
+        from ..io.config import read_config_yaml  # bounded: size, tags, aliases expanded; errors are one line
+
+        cfg0, cfg_name = read_config_yaml(p) or {}, str(config)
         if not isinstance(cfg0, dict):
             raise ValueError(f"`config` must hold a YAML mapping (trainer/model/data), got {type(cfg0).__name__} in {cfg_name!r}.")
+    trainer0 = cfg0.get("trainer")
+    if trainer0 is not None and not isinstance(trainer0, Mapping):
+        raise ValueError(f"{cfg_name}: field `trainer` must be a mapping, got {type(trainer0).__name__}.")
+    cbs0 = (trainer0 or {}).get("callbacks")
+    if cbs0 is not None and not isinstance(cbs0, (list, Mapping)):
+        raise ValueError(f"{cfg_name}: field `trainer.callbacks` must be a list of callbacks, got {type(cbs0).__name__}.")
     out = Path(out)
     jobs_list = [(a, s) for a in arms for s in seed_list]
     if parity and "off" in arms:

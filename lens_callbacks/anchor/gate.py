@@ -9,14 +9,16 @@ stale snapshot and velocity extrapolation.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ..io.safe import ReadLimits, load_torch_checkpoint
+from ..io.safe import ReadLimits, check_inside, load_torch_checkpoint
 from .projector import AnchorReading, Rank1TrajProjector
 
 __all__ = ["GateReport", "replay", "load_checkpoints", "step_of"]
@@ -165,22 +167,82 @@ def load_checkpoints(
 
     Only floating tensors are kept; ``prefix`` keeps only keys that start with it. Checkpoints travel between
     people, so every file goes through the bounded loader (:func:`lens_callbacks.io.safe.load_torch_checkpoint`:
-    regular files under a size cap, ``weights_only=True``, tensor views checked against their storage).
+    regular files under a size cap, ``weights_only=True``, tensor views checked against their storage); a
+    symbolic link out of ``directory`` is refused by name; a file reached through several names is read once
+    (a link such as Lightning's ``last.ckpt`` to a checkpoint of the same step is skipped; one that would make
+    the same weights another step is refused); what all the checkpoints hold together is charged to the memory
+    budget (``LENS_MEMORY_MB``); every checkpoint must hold the tensors the first one holds, with their shapes.
 
     Raises:
         ValueError: a file that is not a regular file, too large, not a ``torch.save`` archive, refused by
-            ``weights_only=True``, or holding a tensor that views more than its storage; names the file.
+            ``weights_only=True``, holding a tensor that views more than its storage, or whose tensors differ
+            from the first checkpoint's; names the file (and the tensor).
     """
+    from ..io.budget import HeldBudget, same_file_as
+
+    limits = limits or ReadLimits.from_env()
+    budget = HeldBudget(limits)
     out: dict[int, dict[str, torch.Tensor]] = {}
+    source: dict[int, Path] = {}
     files = sorted(p for p in Path(directory).iterdir() if p.suffix in (".ckpt", ".pt", ".pth"))
+    dup = same_file_as([str(p) for p in files])
+    loaded: dict[str, tuple[Optional[int], Optional[dict]]] = {}  # first path -> (step inside, weights)
     for p in files:
-        obj = load_torch_checkpoint(p, limits, "checkpoint")
+        first = dup.get(str(p))
+        if first is not None:  # the same file again: never read twice
+            inside, sd = loaded.get(first, (None, None))
+            step = inside if inside is not None else step_of(p)
+            if sd is None or step is None or step in out and out[step] is sd:
+                continue
+            raise ValueError(f"{p}: the checkpoint is the same file as {first} (a link) but would be step {step}; refused "
+                             "(each step needs its own checkpoint).")
+        try:
+            st = os.stat(p)
+        except OSError:
+            st = None  # the loader names what is wrong with it
+        if st is not None and stat.S_ISREG(st.st_mode):  # a FIFO or device is named as such by the loader
+            check_inside(directory, p, "checkpoint")
+            budget.check(st.st_size, str(p), "the checkpoint")
+        obj = load_torch_checkpoint(p, limits, "checkpoint", root=directory)
         sd = obj.get("state_dict", obj) if isinstance(obj, Mapping) else None
         if not isinstance(sd, Mapping):
             continue
+        inside = obj.get("global_step") if isinstance(obj.get("global_step"), int) else None
         step = step_of(p, obj if isinstance(obj, Mapping) else None)
         if step is None:
             continue
-        out[step] = {k: v for k, v in sd.items()
-                     if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
+        kept = {k: v for k, v in sd.items()
+                if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
+        del obj, sd
+        budget.charge(sum(v.numel() * v.element_size() for v in kept.values()), str(p), "the checkpoints read so far")
+        loaded[str(p)] = (inside, kept)
+        out[step] = kept
+        source[step] = p
+    _check_same_tensors(out, source)
     return out
+
+
+def _check_same_tensors(weights: Mapping[int, Mapping[str, torch.Tensor]], source: Mapping[int, Path]) -> None:
+    """Every checkpoint holds the first one's tensor names and shapes (the replay compares them name by name)."""
+    steps = sorted(weights)
+    if not steps:
+        return
+    ref = weights[steps[0]]
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    for t in steps[1:]:
+        w = weights[t]
+        for k, shape in shapes.items():
+            if k not in w:
+                raise ValueError(f"{source[t]}: the checkpoint has no tensor `{_short_name(k)}`, which {source[steps[0]].name} holds; "
+                                 "every checkpoint must hold the same tensors (use --prefix to keep a common part).")
+            if tuple(w[k].shape) != shape:
+                raise ValueError(f"{source[t]}: tensor `{_short_name(k)}` has shape {list(w[k].shape)}, but {list(shape)} in "
+                                 f"{source[steps[0]].name}; every checkpoint must hold the same tensors.")
+        extra = [k for k in w if k not in shapes]
+        if extra:
+            raise ValueError(f"{source[t]}: the checkpoint holds tensor `{_short_name(extra[0])}`, which {source[steps[0]].name} "
+                             "does not; every checkpoint must hold the same tensors (use --prefix to keep a common part).")
+
+
+def _short_name(k: str) -> str:
+    return k if len(k) <= 120 else k[:117] + "..."

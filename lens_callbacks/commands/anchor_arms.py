@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..anchor.arms import GATED_ON_TOL, GRAD_NORM_FACTOR, REGRESSION_FLOOR, run_arms
+from ._errors import one_line
 
 __all__ = ["main", "build_parser"]
 
@@ -81,8 +82,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             timeout=args.timeout, progress=not args.no_progress, floor=args.floor, grad_factor=args.grad_factor,
             gated_on_tol=args.gated_on_tol,
         )
-    except ValueError as e:
-        print(f"anchor-arms: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a bad argument or config file: one line naming it, never a traceback
+        print(one_line(f"anchor-arms: {e}"), file=sys.stderr)
         return 2
     print(report.render())
     print(f"\nwritten: {args.out / 'decision.json'}, {args.out / 'decision.md'}", file=sys.stderr)

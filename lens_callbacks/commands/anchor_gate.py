@@ -66,7 +66,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     return tqdm(it, desc="anchor-gate", unit="snapshot", file=sys.stderr)
             except ImportError:
                 pass
-        report = replay(weights, args.cadence, args.delay_K, projector=projector, progress=progress)
+        try:
+            report = replay(weights, args.cadence, args.delay_K, projector=projector, progress=progress)
+        except ValueError as err:  # about the folder's checkpoints as a whole: name the folder
+            raise ValueError(f"{args.directory}: {err}") from None
         print(report.render())
         if args.json is not None:
             payload = {

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -37,10 +38,11 @@ from ..credit.report import CreditReport
 from ..credit.step_readings import RecordingPartition
 from ..credit.table import CreditTable, credit_table, module_decoder
 from ..credit.trajectories import by_role, by_turn
+from ..io.budget import shown_value
 from ..io.records import RunRecord
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
-from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, report_error
+from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, one_line, report_error
 
 __all__ = ["audit_record", "audit_record_table", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
 
@@ -75,23 +77,75 @@ def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.
     builder = record.manifest.get("batch_builder")
     if builder:  # checked now, before the module's own code runs
         resolve_batch_builder(builder, _trust(record), where)
+    state = record.load_policy(step)
+    check_sizes_against_checkpoint(cls, args, state, where, record, step)
     try:
         module = cls(**args)
     except Exception as err:
-        raise ValueError(f"{where}: building {cls.__qualname__} from `init_args` failed ({type(err).__name__}: {err}).") from None
-    _load_policy_into(module, record, step)
+        raise ValueError(f"{where}: building {cls.__qualname__} from `init_args` failed ({type(err).__name__}: "
+                         f"{one_line(str(err), 300)}).") from None
+    _load_policy_into(module, record, step, state)
     return module
 
 
-def _load_policy_into(module: torch.nn.Module, record: RunRecord, step: int) -> None:
+#: init args that size a module (``n_embd``, ``n_layer``, ``vocab_size``, ``hidden_size``, ``d_model`` ...).
+_SIZE_NAME = re.compile(r"^(n_(layer|layers|embd|embed|head|heads|positions|inner|ctx|kv_heads)|"
+                        r"num_(layers|hidden_layers|heads|attention_heads|key_value_heads|experts)|"
+                        r"(hidden|intermediate|vocab|embed|embedding|model|ffn|head)_(size|dim)|d_(model|ff|head)|"
+                        r"max_position_embeddings)$")
+
+
+def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: str, record: RunRecord, step: int) -> None:
+    """The module ``init_args`` describe must be the checkpoint's, checked before anything is built for real.
+
+    First, without building: an init arg named like a size (``n_embd``, ``n_layer``, ``*_size`` ...) cannot exceed
+    every tensor dimension and the tensor count of the checkpoint (``n_layer: 200000`` or ``n_embd: 4096`` beside
+    a 32-wide checkpoint). Then the module is built on the ``meta`` device (no memory for its weights; the RNG
+    left as it was) and its state dict's names and shapes compared with the checkpoint's. A module that cannot
+    be built on ``meta`` is only bounded by the first check.
+    """
     from ..io.records import policy_path
 
-    state = record.load_policy(step)
+    ckpt = policy_path(record.run_dir, step)
+    dims = [int(d) for v in state.values() for d in v.shape]
+    ceiling = max([len(state), *dims]) if state else 0
+    for name, v in args.items():
+        if isinstance(v, int) and not isinstance(v, bool) and _SIZE_NAME.search(name) and v > ceiling:
+            raise ValueError(f"{where}: field `init_args.{name}` is {shown_value(v)}, larger than every dimension and the tensor count "
+                             f"of {ckpt} (at most {ceiling:,}): the module it builds is not the checkpoint's; nothing was built.")
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            probe = cls(**args)
+        shapes = {k: tuple(v.shape) for k, v in probe.state_dict().items()}
+    except Exception:  # code that cannot run on meta: the bound above is the check
+        return
+    finally:
+        probe = None
+    fit = f"{ckpt}: the policy checkpoint does not fit the module that field `init_args` of {where} describes"
+    for k, shape in shapes.items():
+        if k not in state:
+            raise ValueError(f"{fit} (Missing key `{_short_key(k)}` of shape {list(shape)}); nothing was built.")
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"{fit} (size mismatch for `{_short_key(k)}`: the checkpoint holds {list(state[k].shape)}, the init "
+                             f"args build {list(shape)}); nothing was built.")
+    extra = [k for k in state if k not in shapes]
+    if extra:
+        raise ValueError(f"{fit} (Unexpected key `{_short_key(extra[0])}`); nothing was built.")
+
+
+def _short_key(k: str) -> str:
+    return k if len(k) <= 120 else k[:117] + "..."
+
+
+def _load_policy_into(module: torch.nn.Module, record: RunRecord, step: int, state: Optional[dict] = None) -> None:
+    from ..io.records import policy_path
+
+    state = record.load_policy(step) if state is None else state
     try:
         module.load_state_dict(state)
     except Exception as err:  # missing/unexpected keys, wrong shapes
         raise ValueError(f"{policy_path(record.run_dir, step)}: the policy checkpoint does not fit {type(module).__name__} "
-                         f"({type(err).__name__}: {err}).") from None
+                         f"({type(err).__name__}: {one_line(str(err), 400)}).") from None
 
 
 def _vocab_size(module: torch.nn.Module) -> Optional[int]:
@@ -111,16 +165,34 @@ def _vocab_size(module: torch.nn.Module) -> Optional[int]:
     return None
 
 
+def _max_positions(module: torch.nn.Module) -> Optional[int]:
+    """The longest sequence the policy embeds (a Hugging Face config's ``n_positions`` / ``max_position_embeddings``)."""
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        for name in ("n_positions", "max_position_embeddings"):
+            v = getattr(cfg, name, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
 def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where: str) -> None:
-    """Refuse recorded token ids the policy cannot embed (negative or beyond its vocabulary)."""
+    """Refuse recorded token ids the policy cannot embed (negative or beyond its vocabulary), and sequences longer
+    than its positions."""
     vocab = _vocab_size(module)
+    positions = _max_positions(module)
     for k, traj in enumerate(trajectories):
+        total = 0
         for j, turn in enumerate(traj.turns):
             ids = turn.token_ids or ()
+            total += len(ids)
             bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
             if bad:
-                raise ValueError(f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {bad[0]}, outside the policy's "
+                raise ValueError(f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {shown_value(bad[0])}, outside the policy's "
                                  f"vocabulary 0..{vocab - 1 if vocab is not None else '?'}.")
+        if positions is not None and total > positions:
+            raise ValueError(f"{where}, trajectory {k}: field `token_ids` holds {total:,} tokens over its turns, more than the "
+                             f"policy's {positions:,} positions.")
 
 
 def _make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -147,25 +219,25 @@ def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[R
     man = record.manifest
     tr = man.get("trainer", {})
     if tr.get("gradient_clip_val") not in (None, 0, 0.0) and (tr.get("gradient_clip_algorithm") or "norm") not in ("norm", "value"):
-        return Refusal("gradient_clip_algorithm", f"training clipped gradients with {tr['gradient_clip_algorithm']!r}, which the replay "
+        return Refusal("gradient_clip_algorithm", f"training clipped gradients with {shown_value(tr['gradient_clip_algorithm'])}, which the replay "
                        "does not know.", remedy="record with checkpoint_every=1 and audit at a checkpoint")
     if int(tr.get("world_size", 1)) != 1:
         return Refusal("world_size", f"training ran on {tr['world_size']} processes; the replay of an averaged DDP step is not exact.",
                        remedy="record with checkpoint_every=1 and audit at a checkpoint")
     if str(tr.get("precision", "32-true")) not in ("32-true", "32", "64-true", "64"):
-        return Refusal("precision", f"training ran at precision {tr['precision']!r}; the replay runs at full precision.",
+        return Refusal("precision", f"training ran at precision {shown_value(tr['precision'])}; the replay runs at full precision.",
                        remedy="record with checkpoint_every=1 and audit at a checkpoint")
     recorded = man.get("optimizer") or []
     if recorded:
         cls = recorded[0].get("class", "")
         mine = f"{type(opt).__module__}.{type(opt).__qualname__}"
         if cls != mine:
-            return Refusal("optimizer", f"the record's optimizer is {cls!r}, the rebuilt module's is {mine!r}.",
+            return Refusal("optimizer", f"the record's optimizer is {shown_value(cls)}, the rebuilt module's is {mine!r}.",
                            remedy="audit with the module code the run was trained with, or at a checkpoint")
         for i, (rg, g) in enumerate(zip(recorded[0].get("param_groups", []), opt.param_groups)):
             for k in ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps"):
                 if k in rg and k in g and _plain_value(g[k]) != rg[k]:
-                    return Refusal("optimizer", f"param group {i}: `{k}` is {rg[k]!r} in the record, {g[k]!r} in the rebuilt optimizer.",
+                    return Refusal("optimizer", f"param group {i}: `{k}` is {shown_value(rg[k])} in the record, {g[k]!r} in the rebuilt optimizer.",
                                    remedy="audit with the module code the run was trained with, or at a checkpoint")
     return None
 
@@ -196,16 +268,26 @@ def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
     trajs = record.trajectories(step)
     check_token_ids(module, trajs, str(step_path(record.run_dir, step)))
     builder = record.manifest.get("batch_builder")
+    where = step_path(record.run_dir, step)
     if builder:
         fn = resolve_batch_builder(builder, _trust(record), _manifest_where(record))
-        return fn(module, trajs, record.step_meta(step))
+        meta = record.step_meta(step)
+        try:
+            return fn(module, trajs, meta)
+        except Exception as err:  # trusted code, but not this module's builder
+            raise ValueError(f"{_manifest_where(record)}: field `batch_builder` ({builder}) failed on the trajectories of {where} "
+                             f"with {type(module).__name__} ({type(err).__name__}: {one_line(str(err), 300)}).") from None
     make = getattr(module, "make_rollout_batch", None)
     if make is None:
         raise ValueError(
             f"{type(module).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`; "
             "record with RunRecordCallback(batch_builder='pkg.mod.fn')."
         )
-    return make(trajs)
+    try:
+        return make(trajs)
+    except Exception as err:
+        raise ValueError(f"{where}: {type(module).__name__}.make_rollout_batch failed on the recorded trajectories "
+                         f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
 
 
 def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusal]:
@@ -243,11 +325,13 @@ def replay_to(
     if not _stateless(opt) and start != 0:
         start = 0
         _load_policy_into(m, record, 0)
-    missing = [s for s in range(start, step) if s not in set(record.steps)]
+    have = set(record.steps)  # once: a set per step made this check quadratic
+    missing = [s for s in range(start, step) if s not in have]
     if missing:
         return Refusal("missing_steps", f"steps {missing[:5]} between checkpoint {start} and step {step} are not recorded.",
                        {"start": start, "step": step, "n_missing": len(missing)},
                        remedy="record every step (RunRecordCallback on the whole run), or audit at a checkpoint")
+    record.check_step_files(range(start, step))
     blocker = _dropout_blocker(record, range(start, step))
     if blocker is not None:
         return blocker
@@ -276,8 +360,14 @@ def replay_to(
                 for g, lr in zip(opt.param_groups, lrs):
                     g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-            loss = m.credit_terms(batch).terms.sum()
-            loss.backward()
+            try:
+                loss = m.credit_terms(batch).terms.sum()
+                loss.backward()
+            except Exception as err:  # the module's own code on a batch it rebuilt: name the step it failed on
+                from ..io.records import step_path
+
+                raise ValueError(f"{step_path(record.run_dir, s)}: replaying the step failed in {type(m).__name__}.credit_terms "
+                                 f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
             _clip_like_lightning(opt, clip_val, clip_algo)
             opt.step()
     opt.zero_grad(set_to_none=True)
@@ -335,8 +425,10 @@ def audit_record_table(
     reward, advantage, trained length and, when the module has a ``tokenizer`` (or ``decode_completion``),
     the start of its completion; ``table_parts`` parts shown, the rest summarised."""
     record = RunRecord(run_dir, trust=trust)
-    if step not in record.steps:
+    if step not in set(record.steps):
         raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
+    start = record.nearest_checkpoint(step)  # every listed step from there on needs its file: checked before anything is built
+    record.check_step_files([s for s in record.steps if start <= s <= step])
     part = AUDIT_PARTITIONS.get(partition) if isinstance(partition, str) else None
     part = part if part is not None else resolve_partition(partition)
     m = replay_to(record, step, module, progress)
@@ -344,7 +436,15 @@ def audit_record_table(
         return m
     batch = rebuild_batch(m, record, step)
     recorder = RecordingPartition(part, partition if isinstance(partition, str) else "custom")
-    report = disintegrate(m, batch, recorder if table else part, dtype=dtype, keep_grads=keep_grads)
+    try:
+        report = disintegrate(m, batch, recorder if table else part, dtype=dtype, keep_grads=keep_grads)
+    except (TypeError, IndexError, KeyError, AttributeError, RuntimeError, OverflowError) as err:
+        # The module's own code on the batch rebuilt from the record: name the step file (and the builder, if any).
+        from ..io.records import step_path
+
+        via = f" (batch from field `batch_builder` of {_manifest_where(record)})" if record.manifest.get("batch_builder") else ""
+        raise ValueError(f"{step_path(record.run_dir, step)}: auditing the step failed in {type(m).__name__}.credit_terms{via} "
+                         f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)
     if not table:

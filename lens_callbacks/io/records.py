@@ -30,7 +30,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 
 from ..credit.trajectories import ROLES, ToolCall, Trajectory, Turn
-from .safe import ReadLimits, load_torch_checkpoint, read_regular_file, short_repr
+from .budget import MAX_NAME, HeldBudget, json_cost, same_file_as, shown_value
+from .safe import BoundedReadError, ReadLimits, load_torch_checkpoint, open_regular_file, read_exactly
 
 __all__ = [
     "TRAJECTORY_SCHEMA",
@@ -39,6 +40,7 @@ __all__ = [
     "trajectory_from_json",
     "write_trajectories",
     "read_trajectories",
+    "iter_trajectories",
     "RunRecordWriter",
     "RunRecord",
     "step_path",
@@ -99,7 +101,7 @@ def _need(d: Mapping[str, Any], key: str, types: tuple, where: str) -> Any:
     v = d[key]
     if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
         names = "/".join(t.__name__ for t in types)
-        raise ValueError(f"{where}: field `{key}` must be {names}, got {v!r}.")
+        raise ValueError(f"{where}: field `{key}` must be {names}, got {shown_value(v)}.")
     return v
 
 
@@ -109,7 +111,7 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
         raise ValueError(f"{where}: must be a JSON object, got {type(d).__name__}.")
     schema = d.get("schema")
     if schema != TRAJECTORY_SCHEMA:
-        raise ValueError(f"{where}: `schema` must be {TRAJECTORY_SCHEMA!r}, got {schema!r}.")
+        raise ValueError(f"{where}: `schema` must be {TRAJECTORY_SCHEMA!r}, got {shown_value(schema)}.")
     turns_raw = _need(d, "turns", (list,), where)
     turns = []
     for j, t in enumerate(turns_raw):
@@ -118,30 +120,29 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
             raise ValueError(f"{w}: must be a JSON object, got {type(t).__name__}.")
         role = _need(t, "role", (str,), w)
         if role not in ROLES:
-            raise ValueError(f"{w}: `role` must be one of {ROLES}, got {role!r}.")
+            raise ValueError(f"{w}: `role` must be one of {ROLES}, got {shown_value(role)}.")
         ids = t.get("token_ids")
         if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {_short(ids)}.")
+            raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {shown_value(ids)}.")
         if ids and min(ids) < 0:
-            raise ValueError(f"{w}: `token_ids` must be token ids >= 0, got {min(ids)}.")
-        if ids and max(ids) >= _INT64:
-            raise ValueError(f"{w}: `token_ids` must be token ids below 2**63, got one of {max(ids).bit_length()} bits.")
+            raise ValueError(f"{w}: `token_ids` must be token ids >= 0, got {shown_value(min(ids))}.")
+        if ids and max(ids) > _INT64_MAX:  # torch holds ids as int64: a wider one is no token id
+            raise ValueError(f"{w}: `token_ids` must be token ids below 2**63, got {shown_value(max(ids))}.")
         call = t.get("tool_call")
         if call is not None:
             if not isinstance(call, Mapping):
-                raise ValueError(f"{w}: `tool_call` must be null or {{'name', 'arguments'}}, got {call!r}.")
+                raise ValueError(f"{w}: `tool_call` must be null or {{'name', 'arguments'}}, got {shown_value(call)}.")
             call = ToolCall(_need(call, "name", (str,), w + " tool_call"), _need(call, "arguments", (str,), w + " tool_call"))
         trained = t.get("trained")
         if trained is not None and not isinstance(trained, bool):
-            raise ValueError(f"{w}: `trained` must be true/false, got {trained!r}.")
+            raise ValueError(f"{w}: `trained` must be true/false, got {shown_value(trained)}.")
         turns.append(Turn(role, _need(t, "text", (str,), w), None if ids is None else tuple(ids), trained, call))
-    reward = _need(d, "reward", (int, float), where)
-    # float() of an int of 400 digits raises OverflowError; such a reward is as unusable as 1e400.
-    reward = float(reward) if not isinstance(reward, int) or abs(reward) < 2**1023 else math.inf
+    raw = _need(d, "reward", (int, float), where)
+    # JSON has no NaN; 1e400 parses as inf, and an integer of 400 digits overflows a float. An audit of a
+    # non-finite reward is a table of NaN.
+    reward = float(raw) if not isinstance(raw, int) or abs(raw) < 2**1000 else math.inf
     if not math.isfinite(reward):
-        # JSON has no NaN; 1e400 parses as inf. An audit of a non-finite reward is a table of NaN.
-        raise ValueError(f"{where}: field `reward` must be finite, got "
-                         f"{'an integer beyond the float range' if isinstance(d['reward'], int) else _short(d['reward'])}.")
+        raise ValueError(f"{where}: field `reward` must be finite, got {shown_value(raw)}.")
     return Trajectory(
         turns=tuple(turns),
         reward=reward,
@@ -152,15 +153,15 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
     )
 
 
-_INT64 = 1 << 63
+_INT64_MAX = 2**63 - 1
 
 
 def _int64(d: Mapping[str, Any], key: str, where: str) -> int:
-    # Ids outside int64 overflow every tensor they reach, and k * (2**61 - 1) for any k all hash alike.
-    v = int(_need(d, key, (int,), where))
-    if not -_INT64 <= v < _INT64:
-        raise ValueError(f"{where}: field `{key}` must be an int in the int64 range, got one of {v.bit_length()} bits.")
-    return v
+    """An int field that tensors will hold: within int64, or one line naming the field."""
+    v = _need(d, key, (int,), where)
+    if not -_INT64_MAX - 1 <= v <= _INT64_MAX:
+        raise ValueError(f"{where}: field `{key}` must be an int within 64 bits, got {shown_value(v)}.")
+    return int(v)
 
 
 def write_trajectories(path: PathLike, trajectories: Iterable[Trajectory], step: Optional[int] = None) -> Path:
@@ -175,45 +176,112 @@ def write_trajectories(path: PathLike, trajectories: Iterable[Trajectory], step:
     return path
 
 
-def _short(v: Any, limit: int = 120) -> str:
-    return short_repr(v, limit)
-
-
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (a record never holds NaN or Infinity)")
 
 
-def _loads(text: str, where: str) -> Any:
+def _loads(text: str, where: str, what: str = "") -> Any:
     """``json.loads`` that refuses NaN/Infinity and turns every failure (depth, huge ints) into one ValueError."""
+    what = f"the {what} is " if what else ""
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
-        raise ValueError(f"{where}: not valid JSON (nested too deeply).") from None
+        raise ValueError(f"{where}: {what}not valid JSON (nested too deeply).") from None
     except ValueError as err:
-        raise ValueError(f"{where}: not valid JSON ({' '.join(str(err).split())[:200]}).") from None
+        raise ValueError(f"{where}: {what}not valid JSON ({' '.join(str(err).split())[:200]}).") from None
 
 
-def _read_text(path: Path, what: str, limits: Optional[ReadLimits] = None) -> str:
-    data = read_regular_file(path, limits, what)
+def _read_json(path: Path, what: str, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None) -> Any:
+    """A whole JSON file, its parsed size bounded before it is parsed.
+
+    Held as bytes, then as text, then parsed, a JSON file costs at least five times its size in the worst case
+    the bound allows for, so one whose size alone breaks the memory budget is refused before a byte is read.
+    """
+    limits = limits or ReadLimits.from_env()
+    budget = HeldBudget(limits)
+    shown = str(path)
+    fd, size = open_regular_file(path, limits, what, root)
     try:
-        return data.decode("utf-8")
+        budget.check(5 * size, shown, f"the {what} ({size:,} bytes of JSON, read, decoded and parsed)")
+        data = read_exactly(fd, size, shown, what)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: the {what} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+    del data
+    budget.check(len(text) + json_cost(text), shown, f"the {what} ({len(text):,} characters of JSON)")
+    return _loads(text, shown, what)
 
 
-def read_trajectories(path: PathLike, limits: Optional[ReadLimits] = None) -> list[Trajectory]:
+def iter_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
+                      budget: Optional[HeldBudget] = None) -> Iterator[Trajectory]:
+    """The trajectories of a ``.jsonl`` file, one line at a time: memory stays one line's, whatever the file's size.
+
+    Each line's parsed size is bounded before it is parsed (:func:`~lens_callbacks.io.budget.json_cost`) against
+    what ``budget`` has left; the file is read up to the size it had when opened (one that grows meanwhile is
+    refused). Errors name the file and line.
+    """
+    limits = limits or ReadLimits.from_env()
+    budget = budget or HeldBudget(limits)
+    path = Path(path)
+    fd, size = open_regular_file(path, limits, "trajectory file", root)
+    longest = max(1, limits.memory_bytes // 4)
+    with os.fdopen(fd, "rb", buffering=1 << 20) as f:
+        got, n = 0, 0
+        while True:
+            try:
+                raw = f.readline(min(longest, size - got) + 1)
+            except OSError as err:
+                raise BoundedReadError(f"{path}: the trajectory file cannot be read ({err.strerror or type(err).__name__}).") from None
+            if not raw:
+                break
+            got += len(raw)
+            n += 1
+            if got > size:
+                raise BoundedReadError(f"{path}: the trajectory file grew while being read (it held {size:,} bytes when opened); "
+                                       "refused: read it once nothing writes to it any more.")
+            if len(raw) > longest and not raw.endswith(b"\n"):
+                raise BoundedReadError(f"{path}:{n}: the line is longer than {longest:,} bytes (a quarter of LENS_MEMORY_MB); refused.")
+            where = f"{path.name}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: the line is not UTF-8 text ({err.reason} at byte {err.start}).") from None
+            del raw
+            # Lines end at "\n" only, as when a file is iterated: str.splitlines would also split inside strings (U+0085, U+2028).
+            if not line.strip():
+                continue
+            budget.check(json_cost(line), str(path), f"line {n} ({len(line):,} characters of JSON)")
+            yield trajectory_from_json(_loads(line, where), where)
+
+
+def held_cost(traj: Trajectory) -> int:
+    """An upper bound of the bytes a parsed trajectory keeps (objects, token ids at 40 bytes each, text at 4 per character)."""
+    n = 400 + 4 * len(traj.prompt_id)
+    for t in traj.turns:
+        n += 300 + 4 * len(t.text) + 40 * len(t.token_ids or ())
+        if t.tool_call is not None:
+            n += 200 + 4 * (len(t.tool_call.name) + len(t.tool_call.arguments))
+    return n
+
+
+def read_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
+                      budget: Optional[HeldBudget] = None) -> list[Trajectory]:
     """Read a ``.jsonl`` file of trajectories; errors name the file and line.
 
-    The read is bounded (a regular file under ``limits.max_file_bytes``; see :mod:`lens_callbacks.io.safe`).
+    The read is bounded (a regular file under ``limits.max_file_bytes`` and ``limits.memory_bytes``; see
+    :mod:`lens_callbacks.io.safe`), streamed one line at a time (:func:`iter_trajectories`), and what it keeps is
+    charged to ``budget`` (a fresh :class:`~lens_callbacks.io.budget.HeldBudget` when None). ``root``: the run
+    folder no symbolic link may leave.
     """
-    path = Path(path)
+    limits = limits or ReadLimits.from_env()
+    budget = budget or HeldBudget(limits)
     out = []
-    # Lines end at "\n" only, as when a file is iterated: str.splitlines would also split inside strings (U+0085, U+2028).
-    for n, line in enumerate(_read_text(path, "trajectory file", limits).split("\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path.name}:{n}"
-        out.append(trajectory_from_json(_loads(line, where), where))
+    for traj in iter_trajectories(path, limits, root, budget):
+        budget.charge(held_cost(traj), str(path), f"the trajectories read so far ({len(out) + 1:,})")
+        out.append(traj)
     return out
 
 
@@ -319,7 +387,7 @@ def _check_step_list(man: Mapping[str, Any], key: str, where: str) -> None:
         raise ValueError(f"{where}: field `{key}` must be a list of step numbers, got {type(v).__name__}.")
     for i, s in enumerate(v):
         if not _is_int(s) or s < 0 or s > 10**12:
-            raise ValueError(f"{where}: field `{key}[{i}]` must be a step number (an int >= 0), got {_short(s)}.")
+            raise ValueError(f"{where}: field `{key}[{i}]` must be a step number (an int >= 0), got {shown_value(s)}.")
 
 
 #: trainer settings an exact replay depends on, and what each must be.
@@ -337,19 +405,23 @@ def check_manifest(man: Any, where: str) -> dict[str, Any]:
     if not isinstance(man, dict):
         raise ValueError(f"{where}: the manifest must be a JSON object, got {type(man).__name__}.")
     if man.get("schema") != RECORD_SCHEMA:
-        raise ValueError(f"{where}: `schema` must be {RECORD_SCHEMA!r}, got {_short(man.get('schema'))}.")
+        raise ValueError(f"{where}: `schema` must be {RECORD_SCHEMA!r}, got {shown_value(man.get('schema'))}.")
     if "trajectory_schema" in man and man["trajectory_schema"] != TRAJECTORY_SCHEMA:
-        raise ValueError(f"{where}: field `trajectory_schema` must be {TRAJECTORY_SCHEMA!r}, got {_short(man['trajectory_schema'])}.")
+        raise ValueError(f"{where}: field `trajectory_schema` must be {TRAJECTORY_SCHEMA!r}, got {shown_value(man['trajectory_schema'])}.")
     for key in ("steps", "checkpoints"):
         if key not in man:
             raise ValueError(f"{where}: field `{key}` is missing.")
         _check_step_list(man, key, where)
     if "module" in man and not isinstance(man["module"], str):
-        raise ValueError(f"{where}: field `module` must be a class path string, got {_short(man['module'])}.")
+        raise ValueError(f"{where}: field `module` must be a class path string, got {shown_value(man['module'])}.")
+    for key in ("module", "batch_builder"):  # before any regex sees them
+        if isinstance(man.get(key), str) and len(man[key]) > MAX_NAME:
+            raise ValueError(f"{where}: field `{key}` must be an import path of at most {MAX_NAME} characters, got "
+                             f"{shown_value(man[key])}.")
     if "init_args" in man and not isinstance(man["init_args"], dict):
         raise ValueError(f"{where}: field `init_args` must be a JSON object, got {type(man['init_args']).__name__}.")
     if man.get("batch_builder") is not None and not isinstance(man["batch_builder"], str):
-        raise ValueError(f"{where}: field `batch_builder` must be an import path string or null, got {_short(man['batch_builder'])}.")
+        raise ValueError(f"{where}: field `batch_builder` must be an import path string or null, got {shown_value(man['batch_builder'])}.")
     if "optimizer" in man:
         opts = man["optimizer"]
         if not isinstance(opts, list):
@@ -357,30 +429,30 @@ def check_manifest(man: Any, where: str) -> dict[str, Any]:
         for i, o in enumerate(opts):
             if not isinstance(o, dict) or not isinstance(o.get("class", ""), str) or not isinstance(o.get("param_groups", []), list) \
                     or not all(isinstance(g, dict) for g in o.get("param_groups", [])):
-                raise ValueError(f"{where}: field `optimizer[{i}]` must be {{'class': str, 'param_groups': [object, ...]}}, got {_short(o)}.")
+                raise ValueError(f"{where}: field `optimizer[{i}]` must be {{'class': str, 'param_groups': [object, ...]}}, got {shown_value(o)}.")
     if "trainer" in man:
         tr = man["trainer"]
         if not isinstance(tr, dict):
             raise ValueError(f"{where}: field `trainer` must be a JSON object, got {type(tr).__name__}.")
         for key, (what, ok) in _TRAINER_FIELDS.items():
             if key in tr and not ok(tr[key]):
-                raise ValueError(f"{where}: field `trainer.{key}` must be {what}, got {_short(tr[key])}.")
+                raise ValueError(f"{where}: field `trainer.{key}` must be {what}, got {shown_value(tr[key])}.")
     return man
 
 
 def check_step_meta(meta: Any, where: str) -> dict[str, Any]:
     """Validate a step's meta (``steps/step_N.json``): ``lr`` a list of finite rates >= 0, ``dropout_seed`` an int."""
     if not isinstance(meta, dict):
-        raise ValueError(f"{where}: the step meta must be a JSON object, got {type(meta).__name__} {_short(meta)}.")
+        raise ValueError(f"{where}: the step meta must be a JSON object, got {shown_value(meta)}.")
     lr = meta.get("lr")
     if lr is not None:
         if not isinstance(lr, list) or not lr:
-            raise ValueError(f"{where}: field `lr` must be a list of learning rates (one per param group), got {_short(lr)}.")
+            raise ValueError(f"{where}: field `lr` must be a list of learning rates (one per param group), got {shown_value(lr)}.")
         for i, x in enumerate(lr):
             if not _is_number(x) or x < 0:
-                raise ValueError(f"{where}: field `lr[{i}]` must be a finite number >= 0, got {_short(x)}.")
+                raise ValueError(f"{where}: field `lr[{i}]` must be a finite number >= 0, got {shown_value(x)}.")
     if "dropout_seed" in meta and not _is_int(meta["dropout_seed"]):
-        raise ValueError(f"{where}: field `dropout_seed` must be an int, got {_short(meta['dropout_seed'])}.")
+        raise ValueError(f"{where}: field `dropout_seed` must be an int, got {shown_value(meta['dropout_seed'])}.")
     return meta
 
 
@@ -405,8 +477,11 @@ class RunRecord:
                 f"`run_dir` must hold a run record ({_MANIFEST}), got {str(self.run_dir)!r} without one; "
                 "write records with RunRecordCallback or RunRecordWriter."
             )
-        self.manifest: dict[str, Any] = check_manifest(_loads(_read_text(mpath, "manifest", limits), str(mpath)), str(mpath))
+        self.manifest: dict[str, Any] = check_manifest(_read_json(mpath, "manifest", limits, self.run_dir), str(mpath))
+        self._listing: Optional[dict[str, str]] = None
 
+    # Sorted from the manifest on each access (which may be edited in place): callers read them once per check,
+    # never once per step, so checks over a record of 100,000 steps stay linear.
     @property
     def steps(self) -> list[int]:
         return sorted(int(s) for s in self.manifest.get("steps", []))
@@ -415,18 +490,51 @@ class RunRecord:
     def checkpoints(self) -> list[int]:
         return sorted(int(s) for s in self.manifest.get("checkpoints", []))
 
+    def _trajectory_files(self) -> dict[str, str]:
+        """``{file name: path}`` of ``trajectories/`` (listed once), refused where two names are one file."""
+        if self._listing is None:
+            folder = self.run_dir / "trajectories"
+            names: list[str] = []
+            if os.path.isdir(folder) and not os.path.islink(folder):
+                try:
+                    with os.scandir(folder) as it:
+                        names = [e.name for e in it if e.name.endswith(".jsonl")]
+                except OSError as err:
+                    raise BoundedReadError(f"{folder}: the folder cannot be listed ({err.strerror or type(err).__name__}).") from None
+            self._listing = {n: str(folder / n) for n in names}
+        return self._listing
+
+    def check_step_files(self, steps: Iterable[int]) -> None:
+        """Every step in ``steps`` has its trajectory file, each its own file; else one error naming the first missing.
+
+        One listing of ``trajectories/`` and one pass over ``steps``: linear in the number of steps.
+        """
+        listing = self._trajectory_files()
+        steps = list(steps)
+        names = [f"step_{int(s):06d}.jsonl" for s in steps]  # as step_path names them, without a Path per step
+        missing = [s for s, n in zip(steps, names) if n not in listing]
+        if missing:
+            more = f" (and {len(missing) - 1:,} more listed steps)" if len(missing) > 1 else ""
+            raise ValueError(f"{step_path(self.run_dir, missing[0])}: the trajectory file of step {missing[0]}{more} is missing, "
+                             f"though {self.run_dir / _MANIFEST} lists the step in field `steps`; the replay needs every one.")
+        wanted = [listing[n] for n in names]
+        dup = same_file_as(wanted)
+        if dup:
+            a, b = next(iter(dup.items()))
+            raise ValueError(f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused.")
+
     def trajectories(self, step: int) -> list[Trajectory]:
         path = step_path(self.run_dir, step)
         if not os.path.lexists(path):
             raise ValueError(f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing.")
-        return read_trajectories(path, self.limits)
+        return read_trajectories(path, self.limits, self.run_dir)
 
     def step_meta(self, step: int) -> dict[str, Any]:
         """What the module needs besides the trajectories to rebuild its batch (``{}`` when nothing)."""
         path = meta_path(self.run_dir, step)
         if not os.path.lexists(path):
             return {}
-        return check_step_meta(_loads(_read_text(path, "step meta", self.limits), str(path)), str(path))
+        return check_step_meta(_read_json(path, "step meta", self.limits, self.run_dir), str(path))
 
     def iter_steps(self, start: int = 0, stop: Optional[int] = None) -> Iterator[tuple[int, list[Trajectory]]]:
         for s in self.steps:
@@ -436,8 +544,11 @@ class RunRecord:
     def load_policy(self, step: int) -> dict[str, torch.Tensor]:
         path = policy_path(self.run_dir, step)
         if not os.path.lexists(path):
-            raise ValueError(f"no policy checkpoint at step {step} (have {self.checkpoints}): {path} is missing.")
-        state = load_torch_checkpoint(path, self.limits, "policy checkpoint")
+            listed = step in self.checkpoints
+            raise ValueError(f"{path}: no policy checkpoint at step {step}: the file is missing"
+                             + (f", though {self.run_dir / _MANIFEST} lists the step in field `checkpoints`." if listed else
+                                f" (field `checkpoints` of {self.run_dir / _MANIFEST}: {_ranges(self.checkpoints)})."))
+        state = load_torch_checkpoint(path, self.limits, "policy checkpoint", self.run_dir)
         if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
             raise ValueError(f"{path}: the policy checkpoint must be a state dict (parameter name -> tensor), got "
                              f"{type(state).__name__}.")
@@ -445,9 +556,11 @@ class RunRecord:
 
     def nearest_checkpoint(self, step: int) -> int:
         """The latest checkpoint at or before ``step``."""
-        before = [c for c in self.checkpoints if c <= step]
+        checkpoints = self.checkpoints
+        before = [c for c in checkpoints if c <= step]
         if not before:
-            raise ValueError(f"the record has no policy checkpoint at or before step {step} (have {self.checkpoints}).")
+            raise ValueError(f"{self.run_dir / _MANIFEST}: field `checkpoints` holds no policy checkpoint at or before step {step} "
+                             f"(have {_ranges(checkpoints)}).")
         return before[-1]
 
 

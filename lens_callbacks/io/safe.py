@@ -8,7 +8,8 @@ index of 2**27 in a 9-byte pickle, a stride-0 view of 2**28 elements, a deflated
 The limits (:class:`ReadLimits`) default to a ceiling on file size and, per read, an allocation budget of
 ``budget_factor × file size + budget_floor`` bytes. Each can be raised for files one trusts, through the
 ``limits=`` argument of a reader or the environment variables ``LENS_MAX_FILE_MB``,
-``LENS_READ_BUDGET_FACTOR`` and ``LENS_READ_BUDGET_FLOOR_MB`` (see docs/security.md). A refusal is a
+``LENS_READ_BUDGET_FACTOR``, ``LENS_READ_BUDGET_FLOOR_MB`` and ``LENS_MEMORY_MB`` (what a command may hold of
+all it reads; a file larger is refused unread) (see docs/security.md). A refusal is a
 :class:`BoundedReadError` (a ``ValueError``) whose message names the file, what exceeded which limit,
 and how to raise it.
 """
@@ -30,6 +31,8 @@ __all__ = [
     "BoundedReadError",
     "open_regular_file",
     "read_regular_file",
+    "read_exactly",
+    "check_inside",
     "scan_pickle",
     "read_zip_member",
     "load_torch_checkpoint",
@@ -74,6 +77,10 @@ class ReadLimits:
         max_pickle_nodes: the most nodes a pickle's structure may hold once fully expanded, every shared
             reference counted at its full size (default 2,000,000): also the most objects one walk of a loaded
             structure visits.
+        memory_bytes: what the data one command reads may hold in memory, all files together (default
+            256 MiB; ``LENS_MEMORY_MB``): a file larger than this is refused by its size before any byte is
+            read, whatever ``max_file_bytes`` allows, and no read's allocation budget exceeds it. With the
+            interpreter and torch, the whole command stays under 600 MB.
     """
 
     max_file_bytes: int = 2048 * _MiB
@@ -82,9 +89,11 @@ class ReadLimits:
     max_pickle_opcodes: int = 1_000_000
     max_zip_members: int = 100_000
     max_pickle_nodes: int = 2_000_000
+    memory_bytes: int = 256 * _MiB
 
     def __post_init__(self) -> None:
-        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members", "max_pickle_nodes"):
+        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members", "max_pickle_nodes",
+                     "memory_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"`{name}` must be an int > 0, got {v!r}.")
@@ -103,10 +112,11 @@ class ReadLimits:
             max_pickle_opcodes=d.max_pickle_opcodes,
             max_zip_members=d.max_zip_members,
             max_pickle_nodes=d.max_pickle_nodes,
+            memory_bytes=int(_env_number("LENS_MEMORY_MB", d.memory_bytes / _MiB) * _MiB),
         )
 
     def budget_for(self, file_bytes: int, path: str) -> "ReadBudget":
-        return ReadBudget(int(self.budget_factor * file_bytes) + self.budget_floor, path, self)
+        return ReadBudget(min(int(self.budget_factor * file_bytes) + self.budget_floor, self.memory_bytes), path, self)
 
 
 def _mib(n: float) -> str:
@@ -128,22 +138,58 @@ class ReadBudget:
         if nbytes < 0 or nbytes > self.left:
             raise BoundedReadError(
                 f"{self.path}: {what} needs {_mib(nbytes)}, beyond the read budget of {_mib(self.total)} "
-                f"({self.limits.budget_factor:g} x file size + {_mib(self.limits.budget_floor)}; {_mib(self.used)} already "
-                "used); raise LENS_READ_BUDGET_FACTOR or LENS_READ_BUDGET_FLOOR_MB only for a file you trust."
+                f"({self.limits.budget_factor:g} x file size + {_mib(self.limits.budget_floor)}, at most LENS_MEMORY_MB = "
+                f"{_mib(self.limits.memory_bytes)}; {_mib(self.used)} already used); raise LENS_READ_BUDGET_FACTOR, "
+                "LENS_READ_BUDGET_FLOOR_MB or LENS_MEMORY_MB only for a file you trust."
             )
         self.used += nbytes
 
 
-def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> tuple[int, int]:
+#: Where the kernel serves files that say they are regular but are not data (``/proc/self/pagemap`` refuses reads
+#: of the wrong size, ``/proc/self/mem`` fails with EIO, ``/sys`` files change while read).
+_SPECIAL_ROOTS = ("/proc", "/sys", "/dev")
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_inside(root: PathLike, path: PathLike, what: str = "file") -> None:
+    """Refuse ``path`` when a symbolic link on its way down from ``root`` leads out of ``root``.
+
+    A shared folder (a run record, a directory of checkpoints or dumps) may hold links between its own files;
+    a link out of it would make the reader open whatever the link names (``/proc/self/mem``, a private file),
+    so it is refused by the link's name, without reading or quoting its target.
+    """
+    root_abs, path_abs = os.path.abspath(os.fspath(root)), os.path.abspath(os.fspath(path))
+    root_real = os.path.realpath(root_abs)
+    rel = os.path.relpath(path_abs, root_abs)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise BoundedReadError(f"{path_abs}: the {what} lies outside the folder {root_abs}; refused.")
+    cur = root_abs
+    for comp in rel.split(os.sep):
+        if comp in ("", os.curdir):
+            continue
+        cur = os.path.join(cur, comp)
+        if os.path.islink(cur) and not _under(os.path.realpath(cur), root_real):
+            raise BoundedReadError(f"{cur}: the {what} is reached through a symbolic link out of the folder {root_abs}; refused "
+                                   "(links in a shared folder must stay inside it).")
+
+
+def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file",
+                      root: Optional[PathLike] = None) -> tuple[int, int]:
     """Open a regular file for reading; return ``(fd, size)``. The caller closes ``fd``.
 
     Symlinks are resolved and the target is checked again: a FIFO, socket, device or directory is refused
     without blocking (the file is opened ``O_NONBLOCK`` and checked with ``fstat`` on that descriptor, so it
-    cannot be swapped between the check and the read). Its size must be at most ``limits.max_file_bytes``.
+    cannot be swapped between the check and the read), and so is anything under ``/proc``, ``/sys`` or
+    ``/dev``. With ``root``, a link out of that folder is refused (:func:`check_inside`). Its size must be at
+    most ``limits.max_file_bytes`` and ``limits.memory_bytes``: a file whose size alone breaks the memory
+    budget is refused before any byte is read.
 
     Raises:
         FileNotFoundError: no such file.
-        BoundedReadError: not a regular file, or larger than the cap.
+        BoundedReadError: not a regular file, a link out of ``root``, or larger than a cap.
     """
     limits = limits or ReadLimits.from_env()
     shown = os.fspath(path)
@@ -152,9 +198,16 @@ def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
         st = os.stat(real)
     except FileNotFoundError:
         raise FileNotFoundError(f"{shown}: no such {what}.") from None
+    except OSError as err:  # a link loop, a name too long, a folder without permission
+        raise BoundedReadError(f"{shown}: the {what} cannot be opened ({err.strerror or type(err).__name__}).") from None
     if not stat.S_ISREG(st.st_mode):
         raise BoundedReadError(f"{shown}: the {what} must be a regular file, got {_kind(st.st_mode)}"
                                + (f" (resolved to {real})" if real != os.path.abspath(shown) else "") + ".")
+    if any(_under(real, r) for r in _SPECIAL_ROOTS):
+        raise BoundedReadError(f"{shown}: the {what} must be a regular file, got a kernel file under "
+                               f"{next(r for r in _SPECIAL_ROOTS if _under(real, r))}/ (resolved to {real}); refused.")
+    if root is not None:  # after the kind of file is known: a FIFO or device out of the folder is named as such
+        check_inside(root, shown, what)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(real, flags)
@@ -169,37 +222,55 @@ def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
                 f"{shown}: the {what} is {_mib(st.st_size)}, above the cap of {_mib(limits.max_file_bytes)}; "
                 "raise LENS_MAX_FILE_MB if you trust it."
             )
+        if st.st_size > limits.memory_bytes:
+            raise BoundedReadError(
+                f"{shown}: the {what} is {_mib(st.st_size)}, more than the memory budget of {_mib(limits.memory_bytes)} "
+                "(LENS_MEMORY_MB); refused before reading it. Raise LENS_MEMORY_MB only for a file you trust."
+            )
     except BaseException:
         os.close(fd)
         raise
     return fd, int(st.st_size)
 
 
-def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file") -> bytes:
-    """The bytes of a regular file, at most ``limits.max_file_bytes`` of them (see :func:`open_regular_file`).
+def read_exactly(fd: int, size: int, shown: str, what: str) -> bytes:
+    """The ``size`` bytes ``fstat`` promised, and not one more: a file that grows while read is refused at once.
+
+    A read error (``/proc`` files behind a hard link, a disk error) is a :class:`BoundedReadError` naming the file.
+    """
+    chunks, got = [], 0
+    try:
+        while got < size:
+            chunk = os.read(fd, size - got)
+            if not chunk:  # it shrank: what is there is what is read
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        extra = os.read(fd, 1)
+    except OSError as err:
+        raise BoundedReadError(f"{shown}: the {what} cannot be read ({err.strerror or type(err).__name__}).") from None
+    if extra:
+        raise BoundedReadError(f"{shown}: the {what} grew while being read (it held {size:,} bytes when opened); refused: read "
+                               "it once nothing writes to it any more.")
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file",
+                      root: Optional[PathLike] = None) -> bytes:
+    """The bytes of a regular file, at most ``limits.max_file_bytes`` and ``limits.memory_bytes`` of them.
+
+    See :func:`open_regular_file` (``root``: the shared folder no link may leave). The file is read once, at the
+    size it had when opened; one that grows meanwhile is refused before it can hold more.
 
     Raises:
         FileNotFoundError: no such file.
-        BoundedReadError: not a regular file, or larger than the cap (also when it grows past it while read).
+        BoundedReadError: not a regular file, larger than a cap, grown while read, or unreadable.
     """
     limits = limits or ReadLimits.from_env()
     shown = os.fspath(path)
-    fd, size = open_regular_file(shown, limits, what)
+    fd, size = open_regular_file(shown, limits, what, root)
     try:
-        chunks, total = [], 0
-        # One read of the whole declared size first: a single chunk joins without a copy. Later reads only
-        # notice a file that grew after fstat.
-        want = size + 1
-        while True:
-            chunk = os.read(fd, max(1, min(want, limits.max_file_bytes + 1 - total)))
-            want = _MiB
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limits.max_file_bytes:  # the file grew while it was read
-                raise BoundedReadError(f"{shown}: the {what} grew past the cap of {_mib(limits.max_file_bytes)} while being read.")
-        return b"".join(chunks)
+        return read_exactly(fd, size, shown, what)
     finally:
         os.close(fd)
 
@@ -390,7 +461,8 @@ def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "che
     return n
 
 
-def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint") -> Any:
+def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint",
+                          root: Optional[PathLike] = None) -> Any:
     """``torch.load(..., weights_only=True)`` of a file, bounded and checked before and after.
 
     Before: a regular file under the size cap (:func:`open_regular_file`); a ``torch.save`` zip archive (the
@@ -403,7 +475,7 @@ def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, w
 
     limits = limits or ReadLimits.from_env()
     shown = os.fspath(path)
-    fd, size = open_regular_file(shown, limits, what)
+    fd, size = open_regular_file(shown, limits, what, root)
     with os.fdopen(fd, "rb") as f:
         budget = limits.budget_for(size, shown)
         if f.read(4) != b"PK\x03\x04":

@@ -41,6 +41,7 @@ __all__ = ["TrustPolicy", "DEFAULT_TRUSTED", "resolve_module_class", "resolve_ba
 #: Top-level packages a record may name without ``--trust-record``; checked to lie in this distribution.
 DEFAULT_TRUSTED = ("lens_callbacks",)
 
+_MAX_PATH = 512
 _DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 
 
@@ -77,6 +78,9 @@ class TrustPolicy:
 
     def check(self, path: Any, field: str, where: str) -> str:
         """Raise ``ValueError`` unless the record's ``field`` names an import path this policy trusts."""
+        if isinstance(path, str) and len(path) > _MAX_PATH:  # before the regex: an 8 MB string costs it half a gigabyte
+            raise ValueError(f"{where}: field `{field}` must be an import path 'package.module.Name' of at most {_MAX_PATH} "
+                             f"characters, got a string of {len(path):,}.")
         if not isinstance(path, str) or not _DOTTED.match(path):
             raise ValueError(f"{where}: field `{field}` must be an import path 'package.module.Name', got {_short(path)}.")
         if self.trust_all or any(path == p or path.startswith(p + ".") for p in self.allow_modules):
@@ -216,9 +220,10 @@ def check_init_args(cls: type, args: Any, where: str) -> dict[str, Any]:
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     named = {p.name: p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     out = {k: v for k, v in args.items() if not (isinstance(k, str) and k.startswith("_"))}
-    unknown = sorted(k for k in out if k not in named)
+    unknown = [k for k in out if k not in named]
     if unknown and not var_kw:
-        raise ValueError(f"{where}: field `init_args` holds {unknown[:5]}, which {cls.__qualname__}.__init__ does not take "
+        shown = ", ".join(_short(k, 40) for k in sorted(unknown[:1000])[:5]) + (f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else "")
+        raise ValueError(f"{where}: field `init_args` holds {shown}, which {cls.__qualname__}.__init__ does not take "
                          f"(it takes {sorted(named)}).")
     missing = [n for n in named if n not in out]
     if missing:

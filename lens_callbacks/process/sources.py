@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 from typing import Any, Optional, Sequence, Union
@@ -46,11 +47,17 @@ def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
 
 
 def _record_files(run_dir: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(run_dir, "trajectories", "step_*.jsonl")))
+    files = sorted(glob.glob(os.path.join(glob.escape(run_dir), "trajectories", "step_*.jsonl")))
     if not files:
         raise FileNotFoundError(
             f"`run_dir` must hold trajectories/step_*.jsonl (a run record), got none under {run_dir!r}."
         )
+    from ..io.budget import same_file_as
+
+    dup = same_file_as(files)
+    if dup:  # one file under two step names would count its groups twice
+        a, b = next(iter(dup.items()))
+        raise ValueError(f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused.")
     return files
 
 
@@ -62,14 +69,17 @@ def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[
     ``(step, group)`` in file order. Lines are parsed and validated by the record reader, so its errors
     name the file and line.
     """
-    from ..io.records import read_trajectories
+    from ..io.budget import HeldBudget
+    from ..io.records import iter_trajectories
 
     wanted = None if steps is None else {int(s) for s in steps}
     # Keyed by the group's name, a str: str hashes are randomized per process, while the hash of an int tuple
     # (step, group) is not, and a file can choose 40,000 pairs that all hash alike (a quadratic dict).
     groups: dict[str, tuple[list[list[int]], list[float]]] = {}
-    for path in _record_files(os.fspath(run_dir)):
-        for traj in read_trajectories(path):
+    run_dir = os.fspath(run_dir)
+    budget = HeldBudget()  # what the groups keep, over every step's file
+    for path in _record_files(run_dir):
+        for traj in iter_trajectories(path, budget.limits, run_dir, budget):
             if wanted is not None and traj.step not in wanted:
                 continue
             comp: list[int] = []
@@ -83,10 +93,16 @@ def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[
                         "instrument reads the sampled tokens, so record them."
                     )
                 comp.extend(turn.token_ids)
+            budget.charge(_held(len(comp)), path, f"the groups read so far ({len(groups):,})")
             comps, rewards = groups.setdefault(f"step{traj.step}/group{traj.group}", ([], []))
             comps.append(comp)
             rewards.append(traj.reward)
     return [RolloutGroup(name, c, r) for name, (c, r) in groups.items()]
+
+
+def _held(n_tokens: int) -> int:
+    """What one kept completion costs at most: its list, 40 bytes a token id, its reward, its group's share."""
+    return 400 + 40 * n_tokens
 
 
 def groups_from_dump(dump: Any) -> list[RolloutGroup]:
@@ -116,15 +132,24 @@ def load_groups(path: Union[str, "os.PathLike[str]"]) -> tuple[list[RolloutGroup
     from ..io.skyrl import read_skyrl_dump
 
     if os.path.isdir(path):
-        dumps = sorted(glob.glob(os.path.join(path, "**", "global_step_*_training_input.pkl"), recursive=True))
+        from ..io.budget import HeldBudget, same_file_as, walk_files
+
+        # Walked without following links to folders (a link loop ends); a link to a file outside is refused by name.
+        dumps = walk_files(path, lambda n: fnmatch.fnmatchcase(n, "global_step_*_training_input.pkl"), "SkyRL dump")
+        dup = same_file_as(dumps)
+        dumps = [p for p in dumps if p not in dup]  # a dump reached through two names is read once
         if not dumps:
             raise FileNotFoundError(
                 f"`path` must be a run record (with trajectories/) or a SkyRL dump, got a directory with neither: {path!r}."
             )
         groups: list[RolloutGroup] = []
+        budget = HeldBudget()  # what the groups keep, over every dump
         for p in dumps:
             d = read_skyrl_dump(p)
-            groups += [RolloutGroup(f"step{d.step}/group{g.key}", g.completions, g.rewards) for g in groups_from_dump(d)]
+            new = [RolloutGroup(f"step{d.step}/group{g.key}", g.completions, g.rewards) for g in groups_from_dump(d)]
+            del d
+            budget.charge(sum(_held(len(c)) for g in new for c in g.completions), p, f"the groups of {len(groups) + len(new):,} so far")
+            groups += new
         return groups, f"{len(dumps)} SkyRL dumps under {path} (advantage as outcome)"
     if not os.path.exists(path):
         raise FileNotFoundError(f"`path` must be a run record directory or a SkyRL dump file, got {path!r} (no such path).")

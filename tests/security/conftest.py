@@ -53,6 +53,17 @@ def light():
     w.close()
 
 
+#: The offline commands of the second-round families (audit before it builds a module, anchor-arms' config reader).
+FAMILIES = LIGHT + ["lens_callbacks.commands.audit", "lens_callbacks.commands.anchor_arms", "lens_callbacks.io.config", "yaml"]
+
+
+@pytest.fixture(scope="session")
+def families_worker():
+    w = Worker(FAMILIES)
+    yield w
+    w.close()
+
+
 @pytest.fixture(scope="session")
 def heavy():
     w = Worker(HEAVY)

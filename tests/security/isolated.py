@@ -97,6 +97,7 @@ def run_case(case: dict) -> dict:
         "stderr": Path(err_path).read_text(errors="replace") if os.path.exists(err_path) else "",
         "wall_s": wall,
         "peak_mb": usage.ru_maxrss / 1024.0,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
         "timed_out": timed_out,
     }
     for p in (out_path, err_path):
