@@ -113,7 +113,7 @@ def _group_ids_record(tmp, n):
     """``group`` ids ``k * (2**61 - 1)`` on ``n`` record lines: refused at the first one outside int64."""
     d = F.record_dir(tmp, [(0, k * F.M61) for k in range(1, n + 1)])
     p = d / "trajectories" / "step_000000.jsonl"
-    return ("process", d, "--no-progress"), p.name + ":5", ["`group`", "int64"]  # 4 * (2**61 - 1) still fits
+    return ("process", d, "--no-progress"), p.name + ":5", ["`group`", "within 64 bits"]  # 4 * (2**61 - 1) still fits
 
 
 def _amplification_dump(tmp, n, command):
@@ -279,10 +279,10 @@ def test_audit_refuses_a_hostile_policy_checkpoint(heavy, record, tmp_path, case
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("group", 2**64, "`group` must be an int in the int64 range"),
-    ("step", -2**63 - 1, "`step` must be an int in the int64 range"),
-    ("rollout", 5 * F.M61, "`rollout` must be an int in the int64 range"),
-    ("reward", 10**400, "`reward` must be finite, got an integer beyond the float range"),
+    ("group", 2**64, "`group` must be an int within 64 bits"),
+    ("step", -2**63 - 1, "`step` must be an int within 64 bits"),
+    ("rollout", 5 * F.M61, "`rollout` must be an int within 64 bits"),
+    ("reward", 10**400, "`reward` must be finite, got an integer of 401 digits"),
     ("token_ids", [1, 2**63], "`token_ids` must be token ids below 2**63"),
 ])
 def test_record_numbers_out_of_range_name_the_field_and_quote_nothing(field, value, needle):
