@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lens_callbacks.credit.conservation import step_conservation  # noqa: E402
+from lens_callbacks.credit.readings.conservation import step_conservation  # noqa: E402
 
 
 def main() -> None:

@@ -43,8 +43,8 @@ from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
 from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments  # noqa: E402
 from lens_callbacks.credit.engines.jvp import disintegrate_jvp, terms_jvp  # noqa: E402
-from lens_callbacks.credit.trajectories import Trajectory, Turn  # noqa: E402
-from lens_callbacks.credit.update_share import update_shares  # noqa: E402
+from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn  # noqa: E402
+from lens_callbacks.credit.readings.update_share import update_shares  # noqa: E402
 
 SECTION = "## Forward-mode engine on turns (`benchmarks/credit_jvp_cost.py`)"
 

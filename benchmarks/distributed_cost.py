@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lens_callbacks.credit import CreditTerms, disintegrate  # noqa: E402
-from lens_callbacks.credit.distributed import Collectives, global_report  # noqa: E402
+from lens_callbacks.credit.readings.distributed import Collectives, global_report  # noqa: E402
 
 
 def _collectives(rank: int, world: int) -> Collectives:

@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lens_callbacks.credit import CreditTerms  # noqa: E402
-from lens_callbacks.credit.probe import optimizer_update_map, probe_credit, probe_value_and_grad, with_actual  # noqa: E402
+from lens_callbacks.credit.readings.probe import optimizer_update_map, probe_credit, probe_value_and_grad, with_actual  # noqa: E402
 
 
 class Policy(nn.Module):

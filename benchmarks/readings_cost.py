@@ -18,8 +18,8 @@ import torch
 
 from lens_callbacks.examples.grpo import GRPOModule
 from lens_callbacks.credit import disintegrate
-from lens_callbacks.credit.partition import PARTITIONS
-from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.credit.inputs.partition import PARTITIONS
+from lens_callbacks.credit.readings.step_readings import RecordingPartition, StepReadings
 
 
 def median_time(fn, n):

@@ -27,7 +27,7 @@ from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDat
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import replay_to  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402
-from lens_callbacks.credit.trajectories import by_turn  # noqa: E402
+from lens_callbacks.credit.inputs.trajectories import by_turn  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 
 

@@ -165,7 +165,7 @@ def _choices_of(cls: type, arg: str) -> "set[str] | None":
     """The values an argument of one of the package's callbacks accepts, from the code itself (None: open-ended)."""
     if arg == "partition":
         import lens_callbacks.credit  # registers by_turn and by_role
-        from lens_callbacks.credit.partition import PARTITIONS
+        from lens_callbacks.credit.inputs.partition import PARTITIONS
 
         return set(PARTITIONS)
     if arg == "dtype":

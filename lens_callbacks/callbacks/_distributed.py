@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from lens_callbacks.credit.distributed import Collectives
+from lens_callbacks.credit.readings.distributed import Collectives
 
 __all__ = [
     "strategy_collectives",

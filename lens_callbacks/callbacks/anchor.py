@@ -17,7 +17,7 @@ from ._logging import log_figure
 from ..anchor import Rank1TrajProjector, confidence_weights, ema_update, projected_merge, signed_ema
 from ..anchor.projector import AnchorReading, block_of
 from ..credit.engine import evaluate_terms, resolve_dtype
-from ..credit.terms import is_credit_source
+from ..credit.inputs.terms import is_credit_source
 from ..metrics.anchor import GatedOnFraction, WeightPredictionError
 from ..refusal import Refusal
 

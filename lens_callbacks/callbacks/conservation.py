@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ._logging import OncePerCause, log_figure, log_scalars, log_text
 from ._mergers import grad_mergers, merger_at
-from ..credit.conservation import UNIT_ROUNDOFF, ConservationReading, exact_optimizer_precondition, step_conservation
+from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading, exact_optimizer_precondition, step_conservation
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
 
@@ -52,7 +52,7 @@ class ConservationCheckCallback(Callback):
     violation is also a warning in words (what was compared, the figure, the likely cause, the fix).
 
     Optimizers and trainer settings outside the exact set (see
-    :func:`~lens_callbacks.credit.conservation.exact_optimizer_precondition`) are refused: the refusal is
+    :func:`~lens_callbacks.credit.readings.conservation.exact_optimizer_precondition`) are refused: the refusal is
     logged once per reason as text (a warning and TensorBoard text) and ``conservation/refused = 1`` every
     step; no buffer is copied for a refused step; the refusals are counted and summarised at the end of fit.
     The callback is read-only: weights, gradients, optimizer state and the random stream are left as they were.

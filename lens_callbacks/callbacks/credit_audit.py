@@ -10,7 +10,7 @@ state and the random stream are left as they were.
 
 DDP / FSDP2 (``scope="global"``, the default): each rank disintegrates its local batch and dots its
 parts with the rank-averaged ``.grad`` the optimizer applies; the global reading
-(:func:`lens_callbacks.credit.distributed.global_report`) names the parts ``r{rank}/{name}``, its shares
+(:func:`lens_callbacks.credit.readings.distributed.global_report`) names the parts ``r{rank}/{name}``, its shares
 sum to 1 over all ranks, and cancellation, conservation and ``grad_match`` are those of the global step.
 Cost per audited step: a few scalar all-gathers and one all-reduce of ``2·|θ|`` elements.
 ``scope="rank"`` keeps the per-rank readings instead (no collective; ``grad_match`` is then not read,
@@ -37,8 +37,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.engines.ghost import RideAlong
-from lens_callbacks.credit.mismatch import grad_match_threshold, terms_not_loss_words
-from lens_callbacks.credit.partition import (
+from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
+from lens_callbacks.credit.inputs.partition import (
     PARTITION_REMEDY,
     POSITIONAL_PARTITIONS,
     MissingSegmentsError,
@@ -46,10 +46,10 @@ from lens_callbacks.credit.partition import (
     resolve_partition,
 )
 from lens_callbacks.credit.report import CreditReport
-from lens_callbacks.credit.step_readings import RecordingPartition, StepReadings
-from lens_callbacks.credit.table import CreditTable, credit_table, module_decoder
-from lens_callbacks.credit.terms import CreditTermsError, is_credit_source
-from lens_callbacks.credit.update_share import update_shares as _update_shares
+from lens_callbacks.credit.readings.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.credit.readings.table import CreditTable, credit_table, module_decoder
+from lens_callbacks.credit.inputs.terms import CreditTermsError, is_credit_source
+from lens_callbacks.credit.readings.update_share import update_shares as _update_shares
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
 from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from lens_callbacks.metrics.credit import CreditMetric
@@ -70,7 +70,7 @@ class CreditAuditCallback(Callback):
     ``grad_match``, ``share_sum``, ``full_grad_norm``, ``undefined_fraction``, ``n_parts``, ``n_trained``
     and ``projected_share/<part>``, ``norm_share/<part>`` for the first ``max_logged_parts`` parts, every
     audited step; their means over the epoch as ``credit/epoch/...``. The credit table
-    (:func:`lens_callbacks.credit.table.credit_table`: parts by ``|projected share|``, each with its
+    (:func:`lens_callbacks.credit.readings.table.credit_table`: parts by ``|projected share|``, each with its
     group, reward, advantage, trained length and, when the terms carry ``text`` or the module a
     ``tokenizer``, the start of its completion) goes to TensorBoard as text (``credit/table``) every
     ``log_table_every_n_steps`` steps and for the last audit; with matplotlib, a heatmap of projected
@@ -142,7 +142,7 @@ class CreditAuditCallback(Callback):
     Attributes:
         last_report: the latest :class:`CreditReport` (``None`` before the first or after a refused audit).
         last_report_step: ``trainer.global_step`` when it was made (before the optimizer step increments it).
-        last_table: the :class:`~lens_callbacks.credit.table.CreditTable` of ``last_report``.
+        last_table: the :class:`~lens_callbacks.credit.readings.table.CreditTable` of ``last_report``.
         last_refusal: the latest :class:`~lens_callbacks.refusal.Refusal`, if an audit was declined.
         last_values: the scalars logged for the latest audited step (name -> value).
         last_epoch_values: the epoch means logged at the latest epoch end.
@@ -555,7 +555,7 @@ class CreditAuditCallback(Callback):
 
     def _audit_distributed(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
         """The global reading (every rank calls it on the same steps: it runs collectives)."""
-        from lens_callbacks.credit.distributed import global_report
+        from lens_callbacks.credit.readings.distributed import global_report
 
         from ._distributed import fsdp_hooks_off, full_grads, full_params, strategy_collectives
 
@@ -838,7 +838,7 @@ class CreditAuditCallback(Callback):
                 # The report is the global step's and this rank's terms describe its own rows: each rank sums
                 # its rows' global shares into the extra parts and the ranks meet by part name (a collective;
                 # every rank reaches it with the same global report).
-                from lens_callbacks.credit.distributed import global_extra_shares
+                from lens_callbacks.credit.readings.distributed import global_extra_shares
 
                 from ._distributed import strategy_collectives
 

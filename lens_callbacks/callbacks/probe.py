@@ -1,6 +1,6 @@
 """``ProbeCreditCallback``: which rollouts moved a held-out probe objective, checked against its real change.
 
-A thin adapter over :mod:`lens_callbacks.credit.probe`. At ``on_before_optimizer_step`` (the step's
+A thin adapter over :mod:`lens_callbacks.credit.readings.probe`. At ``on_before_optimizer_step`` (the step's
 unclipped ``.grad`` and the optimizer's pre-step state in place) it reads the optimizer's update map,
 takes ``g_probe = ∇θ L_probe`` for every named probe batch (one backward each, on detached copies of the
 parameters), and disintegrates the step's ``credit_terms`` projected onto ``D ⊙ g_probe`` (one pass of the
@@ -32,8 +32,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lens_callbacks.credit.engine import resolve_dtype
 from lens_callbacks.credit.engines import check_engine
-from lens_callbacks.credit.partition import resolve_partition
-from lens_callbacks.credit.probe import (
+from lens_callbacks.credit.inputs.partition import resolve_partition
+from lens_callbacks.credit.readings.probe import (
     DEFAULT_SPLITS,
     ProbeCreditReport,
     combine_ranks,
@@ -42,7 +42,7 @@ from lens_callbacks.credit.probe import (
     probe_value_and_grad,
     with_actual,
 )
-from lens_callbacks.credit.terms import is_credit_source
+from lens_callbacks.credit.inputs.terms import is_credit_source
 from lens_callbacks.metrics.probe import ProbeCreditMetric
 from lens_callbacks.refusal import Refusal
 

@@ -2,7 +2,7 @@
 
 A thin adapter over :class:`lens_callbacks.io.records.RunRecordWriter`. It reads what the module
 trained on from ``pl_module.last_trajectories`` (a list of
-:class:`~lens_callbacks.credit.trajectories.Trajectory`) or, for single-turn modules, from
+:class:`~lens_callbacks.credit.inputs.trajectories.Trajectory`) or, for single-turn modules, from
 ``pl_module.last_rollouts`` (one entry per rollout: prompt and completion text and token ids, reward,
 group, rollout), which becomes a two-turn ``user``/``assistant`` trajectory.
 """
@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ..credit.trajectories import Trajectory, Turn
+from ..credit.inputs.trajectories import Trajectory, Turn
 from ..io.records import RunRecordWriter
 
 __all__ = ["RunRecordCallback", "trajectories_of"]

@@ -33,11 +33,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..credit.engine import disintegrate
-from ..credit.partition import PARTITIONS, resolve_partition
+from ..credit.inputs.partition import PARTITIONS, resolve_partition
 from ..credit.report import CreditReport
-from ..credit.step_readings import RecordingPartition
-from ..credit.table import CreditTable, credit_table, module_decoder
-from ..credit.trajectories import by_role, by_turn
+from ..credit.readings.step_readings import RecordingPartition
+from ..credit.readings.table import CreditTable, credit_table, module_decoder
+from ..credit.inputs.trajectories import by_role, by_turn
 from ..io.budget import shown_value
 from ..io.records import RunRecord
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class

@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..credit.probe import ProbeCreditReport, optimizer_update_map, probe_credit, probe_value_and_grad, with_actual
+from ..credit.readings.probe import ProbeCreditReport, optimizer_update_map, probe_credit, probe_value_and_grad, with_actual
 from ..io.records import RunRecord, read_trajectories
 from ..io.trust import TrustPolicy
 from ..refusal import Refusal
@@ -64,7 +64,7 @@ def probe_audit(
         rebuild_batch,
         replay_to,
     )
-    from ..credit.partition import resolve_partition
+    from ..credit.inputs.partition import resolve_partition
 
     record = RunRecord(run_dir, trust=trust)
     if step not in record.steps:

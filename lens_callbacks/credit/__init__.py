@@ -1,12 +1,18 @@
-"""Exact credit disintegration of one RL step (pure torch; never imports lightning)."""
+"""Exact credit disintegration of one RL step (pure torch; never imports lightning).
 
-from .conservation import ConservationReading, exact_optimizer_precondition, step_conservation, unit_roundoff
+Three folders, three concerns: ``inputs/`` (what goes in: terms, partitions, trajectories),
+``engines/`` (the one-pass, forward-mode and reference engines with their per-layer rules), and
+``readings/`` (what is read from a report). ``engine.disintegrate`` chooses an engine; ``primitives``
+holds what the dispatcher and the engines share; ``report`` is the report they all make.
+"""
+
+from .readings.conservation import ConservationReading, exact_optimizer_precondition, step_conservation, unit_roundoff
 from .engine import disintegrate, evaluate_terms, resolve_dtype
-from .partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
+from .inputs.partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
 from .report import CreditGrads, CreditReport
-from .table import CreditTable, PartContext, credit_table, part_context
-from .terms import CreditSource, CreditTerms, is_credit_source
-from .trajectories import (
+from .readings.table import CreditTable, PartContext, credit_table, part_context
+from .inputs.terms import CreditSource, CreditTerms, is_credit_source
+from .inputs.trajectories import (
     ToolCall,
     Trajectory,
     TrajectoryBatch,

@@ -21,7 +21,7 @@ from torch import nn
 
 from .engines import available_engines, check_engine, choose_engine, get_engine
 from .engines.ghost import NotRowSeparable, RowInteraction
-from .partition import Partition, PartitionFn, apply_partition, resolve_partition
+from .inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
     _DTYPES,
     DTypeSpec,
@@ -42,7 +42,7 @@ from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.cred
     resolve_dtype,
 )
 from .report import CreditGrads, CreditReport, share_readings
-from .terms import CreditTerms
+from .inputs.terms import CreditTerms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
 
@@ -106,7 +106,7 @@ def disintegrate(
             ``projected_share[S] = <g_S, v> / ||v||²``, and whose zero norm makes them undefined. Under
             DDP ``v`` is the rank-averaged ``.grad`` the optimizer applies, so that a local share divided
             by the world size is that rank's part of the global step (see
-            :mod:`lens_callbacks.credit.distributed`). ``cancellation``, ``conservation_error`` and
+            :mod:`lens_callbacks.credit.readings.distributed`). ``cancellation``, ``conservation_error`` and
             ``grad_match`` still read against ``g_full``.
         params: name → tensor to evaluate the terms at instead of the live parameters (e.g. the full
             tensors gathered from sharded ones).

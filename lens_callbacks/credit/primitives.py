@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .partition import Partition
-from .terms import CreditTerms, validate_terms
+from .inputs.partition import Partition
+from .inputs.terms import CreditTerms, validate_terms
 
 __all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms"]
 

@@ -149,9 +149,9 @@ class CreditReport:
     def render(self, max_rows: int = 10) -> str:
         """A readable table: the ``max_rows`` parts of largest and smallest ``|projected share|`` (the rest
         summarised in one line), then the closing checks. With the terms at hand,
-        :func:`lens_callbacks.credit.table.credit_table` adds each part's group, reward, advantage, trained
+        :func:`lens_callbacks.credit.readings.table.credit_table` adds each part's group, reward, advantage, trained
         length and completion."""
-        from .table import credit_table
+        from .readings.table import credit_table
 
         return credit_table(self, top_k=(max_rows + 1) // 2, bottom_k=max_rows // 2).render()
 

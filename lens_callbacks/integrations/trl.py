@@ -38,7 +38,7 @@ this version does not know.
 Under several data-parallel processes (DDP: ``accelerate launch``/``torchrun`` with ``MULTI_GPU``/``MULTI_CPU``
 and the like) ``.grad`` at the optimizer step is the rank average ``ḡ = (1/W) Σ_r g_r``. Each rank then
 disintegrates its own micro-batches with ``project_onto=ḡ / c`` and the ranks combine their readings with
-:func:`lens_callbacks.credit.distributed.global_report` over ``torch.distributed``: part names
+:func:`lens_callbacks.credit.readings.distributed.global_report` over ``torch.distributed``: part names
 ``r{rank}/...``, shares over all ranks summing to 1, ``grad_match`` and the conservation check held against
 the global step. Every rank holds the same readings; only the main process logs them.
 
@@ -94,11 +94,11 @@ _check_versions()
 from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
 
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
-from ..credit.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
-from ..credit.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
-from ..credit.distributed import Collectives, global_report  # noqa: E402
+from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
+from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
+from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
-from ..credit.terms import CreditTerms, CreditTermsError  # noqa: E402
+from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
 
 __all__ = [
     "LensGRPOMixin",
@@ -622,7 +622,7 @@ class LensTRLCallback(TrainerCallback):
     refusal's numbers when a reading is declined (the reason goes to the ``lens_callbacks`` logger).
 
     Under several data-parallel processes the readings are those of the global step (part names
-    ``r{rank}/...``; see :mod:`lens_callbacks.credit.distributed`): the callback must be attached on every
+    ``r{rank}/...``; see :mod:`lens_callbacks.credit.readings.distributed`): the callback must be attached on every
     rank (it runs collectives at each audited step), every rank holds the same readings, and only the main
     process logs them.
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from ..credit.trajectories import ROLES, ToolCall, Trajectory, Turn
+from ..credit.inputs.trajectories import ROLES, ToolCall, Trajectory, Turn
 from .budget import MAX_NAME, HeldBudget, json_cost, same_file_as, shown_value
 from .safe import BoundedReadError, ReadLimits, load_torch_checkpoint, open_regular_file, read_exactly
 

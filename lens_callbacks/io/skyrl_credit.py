@@ -27,7 +27,7 @@ from torch import nn
 
 from ..credit.engine import disintegrate
 from ..credit.report import CreditReport
-from ..credit.terms import CreditTerms
+from ..credit.inputs.terms import CreditTerms
 from .skyrl import SkyRLDump
 
 __all__ = [

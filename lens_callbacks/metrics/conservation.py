@@ -14,7 +14,7 @@ from typing import Iterable, Union
 import torch
 from torchmetrics import Metric
 
-from ..credit.conservation import ConservationReading
+from ..credit.readings.conservation import ConservationReading
 from ..refusal import Refusal
 
 __all__ = ["ConservationMetric", "conservation_summary"]

@@ -14,7 +14,7 @@ from typing import Iterable, Union
 import torch
 from torchmetrics import Metric
 
-from ..credit.probe import ProbeCreditReport
+from ..credit.readings.probe import ProbeCreditReport
 from ..refusal import Refusal
 
 __all__ = ["ProbeCreditMetric", "probe_summary"]

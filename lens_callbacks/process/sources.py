@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..credit.terms import validate_terms
+from ..credit.inputs.terms import validate_terms
 from .instrument import RolloutGroup
 
 __all__ = [
@@ -25,7 +25,7 @@ def groups_from_terms(terms: Any, *, prefix: str = "") -> list[RolloutGroup]:
 
     Needs ``terms.tokens`` (``[B, T]`` token ids) and ``terms.rewards`` (``[B]`` outcomes); raises
     ``ValueError`` naming the missing field otherwise, and checks the rest of the contract as every audit
-    does (:func:`~lens_callbacks.credit.terms.validate_terms`).
+    does (:func:`~lens_callbacks.credit.inputs.terms.validate_terms`).
     """
     for name in ("tokens", "rewards"):
         if getattr(terms, name, None) is None:
@@ -65,7 +65,7 @@ def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[
     """Every group of every step of a run record (``trajectories/step_{N:06d}.jsonl``).
 
     A trajectory's completion is the token ids of its trained turns, in order (``trained`` unset means
-    assistant turns, as in :class:`~lens_callbacks.credit.trajectories.Turn`); groups are keyed by
+    assistant turns, as in :class:`~lens_callbacks.credit.inputs.trajectories.Turn`); groups are keyed by
     ``(step, group)`` in file order. Lines are parsed and validated by the record reader, so its errors
     name the file and line.
     """

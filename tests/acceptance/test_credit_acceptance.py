@@ -22,7 +22,7 @@ from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDat
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402
-from lens_callbacks.credit.trajectories import by_role, by_turn, turn_claim_support  # noqa: E402
+from lens_callbacks.credit.inputs.trajectories import by_role, by_turn, turn_claim_support  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_one_real_sgd_step_against_the_summed_parts(record):
     comparison that shares no code with it.
     """
     from lens_callbacks.commands.audit import _make_optimizer
-    from lens_callbacks.credit.conservation import exact_optimizer_precondition, step_conservation
+    from lens_callbacks.credit.readings.conservation import exact_optimizer_precondition, step_conservation
 
     step = 1
     rep = audit_record(record.run_dir, step, "by_rollout", "float64", progress=False, keep_grads=True)

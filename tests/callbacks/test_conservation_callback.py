@@ -14,7 +14,7 @@ from torch import nn
 
 from lens_callbacks.callbacks.conservation import ConservationCheckCallback
 from lens_callbacks.credit import CreditTerms
-from lens_callbacks.credit.conservation import ConservationReading
+from lens_callbacks.credit.readings.conservation import ConservationReading
 from lens_callbacks.metrics.conservation import ConservationMetric, conservation_summary
 from lens_callbacks.refusal import Refusal
 

@@ -402,7 +402,7 @@ def test_keep_grads_set_by_another_callback():
 
 def test_partition_by_import_path_adds_up_the_per_rollout_shares():
     by_rollout = CreditAuditCallback(dtype="float64")
-    by_group = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_group", dtype="float64")
+    by_group = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_group", dtype="float64")
     probe = _Reference(by_rollout)
     rows = []
 

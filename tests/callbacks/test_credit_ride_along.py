@@ -63,7 +63,7 @@ def test_ride_along_readings_equal_the_separate_pass():
     ride = CreditAuditCallback(capture="training_step", log_figure=False)
     # The same partition by its import path: a second callback needs its own state key.
     separate = CreditAuditCallback(
-        partition="lens_callbacks.credit.partition.by_rollout", engine="ghost", dtype="native", log_figure=False
+        partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="ghost", dtype="native", log_figure=False
     )
     pairs = _Pairs(ride, separate)
     _fit([ride, separate, pairs], steps=4, seed=1)
@@ -140,7 +140,7 @@ def test_bad_arguments_name_the_options():
 
 def test_projected_readings_ride_along():
     ride = CreditAuditCallback(capture="training_step", readings="projected", log_figure=False)
-    separate = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="reference", log_figure=False)
+    separate = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False)
     pairs = _Pairs(ride, separate)
     _fit([ride, separate, pairs], steps=2, seed=1)
     for r, s in pairs.rows:
@@ -154,7 +154,7 @@ def test_projected_readings_ride_along():
 
 def test_shares_readings_ride_along_hold_the_norms_without_the_interference_matrix():
     ride = CreditAuditCallback(capture="training_step", readings="shares", log_figure=False)
-    separate = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="reference", log_figure=False)
+    separate = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False)
     pairs = _Pairs(ride, separate)
     _fit([ride, separate, pairs], steps=3, seed=1)
     compared = 0
@@ -182,7 +182,7 @@ class _Readings(Callback):
 
 def test_ride_along_parts_hold_against_real_sgd_steps():
     from lens_callbacks.callbacks import ConservationCheckCallback
-    from lens_callbacks.credit.conservation import ConservationReading
+    from lens_callbacks.credit.readings.conservation import ConservationReading
 
     ride = CreditAuditCallback(capture="training_step", log_figure=False)
     check = ConservationCheckCallback(log_figure=False)
@@ -204,7 +204,7 @@ def test_ride_along_parts_hold_against_real_sgd_steps():
 def test_full_grad_trainer_reads_the_separate_pass_against_grad():
     plain = _fit(steps=3, seed=2)
     fast = CreditAuditCallback(full_grad="trainer", readings="shares", log_figure=False)
-    own = CreditAuditCallback(partition="lens_callbacks.credit.partition.by_rollout", engine="ghost", readings="shares",
+    own = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="ghost", readings="shares",
                               log_figure=False)
     pairs = _Pairs(fast, own)
     with warnings.catch_warnings():

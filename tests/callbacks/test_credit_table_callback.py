@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import by_rollout, credit_table
-from lens_callbacks.credit.table import module_decoder
+from lens_callbacks.credit.readings.table import module_decoder
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 

@@ -230,7 +230,7 @@ def test_ddp_extra_partitions_are_read_over_all_ranks_without_nan_or_deprecated_
         assert all(k.split("/")[-2] in ("r0", "r1") for k in groups), sorted(groups)
         # The noise scale of the global batch: every rank's rows, from a one-process by_rollout audit.
         per_row = disintegrate(plain, None, "by_rollout", dtype="float64", terms_fn=terms_fn)
-        from lens_callbacks.credit.noise import noise_scale
+        from lens_callbacks.credit.readings.noise import noise_scale
 
         want = noise_scale(per_row.part_norm, per_row.full_grad_norm)
         assert logged["credit/noise/b_simple"] == pytest.approx(want.b_simple, rel=1e-9)

@@ -15,7 +15,7 @@ from lightning.pytorch import Callback, Trainer
 
 from lens_callbacks.callbacks.conservation import ConservationCheckCallback
 from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
-from lens_callbacks.credit.conservation import UNIT_ROUNDOFF, ConservationReading
+from lens_callbacks.credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading
 
 from test_conservation_callback import LitPolicy  # noqa: E402  (tests/callbacks is on sys.path)
 

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import Logger
 from lens_callbacks.examples.grpo import AdditionDataModule
 from lens_callbacks.examples.grpo.probe import GRPOProbeModule
 from lens_callbacks import ProbeCreditCallback
-from lens_callbacks.credit.probe import ProbeCreditReport
+from lens_callbacks.credit.readings.probe import ProbeCreditReport
 from lens_callbacks.refusal import Refusal
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, n_probe=4)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lens_callbacks.credit import CreditTerms, disintegrate
-from lens_callbacks.credit.conservation import (
+from lens_callbacks.credit.readings.conservation import (
     ConservationReading,
     exact_optimizer_precondition,
     step_conservation,
@@ -346,7 +346,7 @@ def test_cost_benchmark_runs_on_a_small_size():
     assert "read (step_conservation) / plain step:" in r.stdout and "last reading: error" in r.stdout
 
 
-@pytest.mark.parametrize("name", ["lens_callbacks.credit.conservation", "lens_callbacks.metrics.conservation"])
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.readings.conservation", "lens_callbacks.metrics.conservation"])
 def test_doctests(name):
     import doctest
     import importlib

@@ -16,7 +16,7 @@ import torch
 
 from lens_callbacks.credit import CreditTerms, Partition, by_group, by_rollout
 from lens_callbacks.credit.report import CreditReport
-from lens_callbacks.credit.table import credit_table, module_decoder, part_context
+from lens_callbacks.credit.readings.table import credit_table, module_decoder, part_context
 
 B, T, G = 12, 6, 3
 

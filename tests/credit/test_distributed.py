@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lens_callbacks.credit import CreditTerms, disintegrate
-from lens_callbacks.credit.distributed import Collectives, global_report
+from lens_callbacks.credit.readings.distributed import Collectives, global_report
 from lens_callbacks.refusal import Refusal
 
 

@@ -23,7 +23,7 @@ from lens_callbacks.credit import (
     disintegrate,
     resolve_partition,
 )
-from lens_callbacks.credit.terms import CreditTermsError
+from lens_callbacks.credit.inputs.terms import CreditTermsError
 
 VOCAB = 11
 

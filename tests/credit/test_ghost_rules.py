@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lens_callbacks.credit import CreditTerms, disintegrate
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost
 from lens_callbacks.credit.engines.rules import Factors, Rule, find_rule, register, take, unregister
-from lens_callbacks.credit.partition import by_rollout
+from lens_callbacks.credit.inputs.partition import by_rollout
 from tests.credit.test_ghost_engine import llama_float64  # noqa: F401  (transformers' float32 spots patched)
 
 TOL = 1e-12

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lens_callbacks.credit import CreditTerms, Partition, by_segment, by_turn
-from lens_callbacks.credit.partition import MissingSegmentsError, PartitionError
-from lens_callbacks.credit.terms import CreditTermsError, validate_terms
+from lens_callbacks.credit.inputs.partition import MissingSegmentsError, PartitionError
+from lens_callbacks.credit.inputs.terms import CreditTermsError, validate_terms
 
 
 def _terms(terms, trained=None, B=2, T=3, **kw):

@@ -18,7 +18,7 @@ from torch import nn
 
 from lens_callbacks.credit import CreditTerms, Partition, batch_from_trajectories, by_turn, disintegrate, turn_segments
 from lens_callbacks.credit.engines.jvp import ForwardADUnsupportedError, disintegrate_jvp, terms_jvp
-from lens_callbacks.credit.trajectories import Trajectory, Turn
+from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn
 
 pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lens_callbacks.credit.ledger import RunLedger
+from lens_callbacks.credit.readings.ledger import RunLedger
 
 
 def _readings(n, seed=0):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from lens_callbacks.credit import disintegrate
-from lens_callbacks.credit.noise import NoiseScale, NoiseScaleEMA, noise_from_report, noise_scale
+from lens_callbacks.credit.readings.noise import NoiseScale, NoiseScaleEMA, noise_from_report, noise_scale
 from tests.credit.test_engine import TinyPolicy, make_batch
 
 

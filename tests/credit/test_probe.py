@@ -1,6 +1,6 @@
 """Probe credit against plain references: per-part backward passes, real optimizer steps, finite differences.
 
-Every reading is computed by :mod:`lens_callbacks.credit.probe` and held against a reference built here
+Every reading is computed by :mod:`lens_callbacks.credit.readings.probe` and held against a reference built here
 independently: a per-part ``autograd.grad`` in a loop dotted with ``g_probe``, the update a real
 ``torch.optim`` step applied (``θ_after − θ_before``), and a central finite difference of ``∇L_probe``
 for the second-order term.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lens_callbacks.credit import CreditTerms, Partition
-from lens_callbacks.credit.probe import (
+from lens_callbacks.credit.readings.probe import (
     ProbeCreditReport,
     combine_ranks,
     optimizer_update_map,
@@ -295,7 +295,7 @@ def test_combine_ranks_adds_parts_and_splits():
     assert c.predicted == pytest.approx(-0.25) and c.split("by_advantage_sign") == {"positive": -1.0, "negative": 0.25, "zero": 0.0}
 
 
-@pytest.mark.parametrize("name", ["lens_callbacks.credit.probe", "lens_callbacks.metrics.probe"])
+@pytest.mark.parametrize("name", ["lens_callbacks.credit.readings.probe", "lens_callbacks.metrics.probe"])
 def test_docstring_examples(name):
     import doctest
     import importlib

@@ -5,8 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["lens_callbacks.credit.summaries", "lens_callbacks.credit.noise", "lens_callbacks.credit.ledger",
-           "lens_callbacks.credit.derived", "lens_callbacks.credit.partition", "lens_callbacks.credit.table"]
+MODULES = ["lens_callbacks.credit.readings.summaries", "lens_callbacks.credit.readings.noise", "lens_callbacks.credit.readings.ledger",
+           "lens_callbacks.credit.readings.derived", "lens_callbacks.credit.inputs.partition", "lens_callbacks.credit.readings.table"]
 
 
 @pytest.mark.parametrize("name", MODULES)

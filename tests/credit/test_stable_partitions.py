@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lens_callbacks.credit import CreditTerms, Partition, by_rollout, disintegrate
-from lens_callbacks.credit.derived import coarsening, derive_shares, rows_per_part
-from lens_callbacks.credit.partition import (
+from lens_callbacks.credit.readings.derived import coarsening, derive_shares, rows_per_part
+from lens_callbacks.credit.inputs.partition import (
     PARTITIONS,
     by_advantage_sign,
     by_reward,

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lens_callbacks.credit.summaries import concentration, lorenz_curve
+from lens_callbacks.credit.readings.summaries import concentration, lorenz_curve
 
 
 def test_fixed_shares_by_hand():

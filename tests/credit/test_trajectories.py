@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lens_callbacks.credit.terms import CreditTerms
-from lens_callbacks.credit.trajectories import (
+from lens_callbacks.credit.inputs.terms import CreditTerms
+from lens_callbacks.credit.inputs.trajectories import (
     ROLES,
     ToolCall,
     Trajectory,

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments
-from lens_callbacks.credit.update_share import UpdateShareReport, update_shares
-from lens_callbacks.credit.trajectories import Trajectory, Turn
+from lens_callbacks.credit.readings.update_share import UpdateShareReport, update_shares
+from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn
 
 pytest.importorskip("transformers")
 
@@ -188,7 +188,7 @@ def test_report_dict_and_render():
 def test_doctests():
     import doctest
 
-    from lens_callbacks.credit import update_share
+    from lens_callbacks.credit.readings import update_share
 
     res = doctest.testmod(update_share)
     assert res.attempted > 0 and res.failed == 0

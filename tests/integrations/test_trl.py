@@ -20,7 +20,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
-from lens_callbacks.credit.conservation import ConservationReading  # noqa: E402
+from lens_callbacks.credit.readings.conservation import ConservationReading  # noqa: E402
 from lens_callbacks.integrations.trl import LOSS_TYPES, LensGRPOMixin, LensTRLCallback  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 

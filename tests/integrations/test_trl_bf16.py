@@ -21,7 +21,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
-from lens_callbacks.credit.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
+from lens_callbacks.credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback  # noqa: E402
 
 pytestmark = pytest.mark.slow

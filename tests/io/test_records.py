@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lens_callbacks.credit.trajectories import ToolCall, Trajectory, Turn, batch_from_trajectories, turn_segments
+from lens_callbacks.credit.inputs.trajectories import ToolCall, Trajectory, Turn, batch_from_trajectories, turn_segments
 from lens_callbacks.io.records import (
     TRAJECTORY_SCHEMA,
     RunRecord,

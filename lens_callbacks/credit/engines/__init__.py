@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..partition import Partition
+from ..inputs.partition import Partition
 
 __all__ = ["ENGINES", "READINGS", "available_engines", "get_engine", "is_row_separable", "choose_engine"]
 

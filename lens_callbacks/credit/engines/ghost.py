@@ -44,10 +44,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
 from ..report import CreditGrads, CreditReport, share_readings
-from ..terms import CreditTerms, validate_terms
+from ..inputs.terms import CreditTerms, validate_terms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, ghost_eligible, ghost_param, sparse_only
 from .rules import Rule, find_rule

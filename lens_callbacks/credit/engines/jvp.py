@@ -42,9 +42,9 @@ from ..primitives import (
     evaluate_terms,
     resolve_dtype,
 )
-from ..partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..report import CreditReport
-from ..terms import CreditTerms, validate_terms
+from ..inputs.terms import CreditTerms, validate_terms
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 

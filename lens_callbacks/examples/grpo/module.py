@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover
     from pytorch_lightning import LightningModule  # type: ignore
 
-from lens_callbacks.credit.terms import CreditTerms
+from lens_callbacks.credit.inputs.terms import CreditTerms
 
 from ..tiny_policy import check_policy_args, make_optimizer, tiny_gpt2
 from .task import EOS, PAD, UNK, build_tokenizer, prompt_text, reward

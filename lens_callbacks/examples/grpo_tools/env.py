@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from lens_callbacks.credit.trajectories import ToolCall, Turn, encode_text
+from lens_callbacks.credit.inputs.trajectories import ToolCall, Turn, encode_text
 
 MAX_NUMBER = 19
 EOT = "<eot>"

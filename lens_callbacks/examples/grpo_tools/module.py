@@ -1,7 +1,7 @@
 """A multi-turn GRPO loop whose assistant may call a calculator tool.
 
 Each training step samples ``group_size`` episodes per prompt inside ``training_step`` (never again
-later), builds the rollout batch with :func:`~lens_callbacks.credit.trajectories.batch_from_trajectories`
+later), builds the rollout batch with :func:`~lens_callbacks.credit.inputs.trajectories.batch_from_trajectories`
 (each turn tokenised on its own; only assistant turns trained; tool results are ``tool`` turns), caches
 it as ``last_rollout_batch``, and returns exactly ``self.credit_terms(None).terms.sum()`` as the loss.
 
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader
 
-from lens_callbacks.credit.terms import CreditTerms
-from lens_callbacks.credit.trajectories import (
+from lens_callbacks.credit.inputs.terms import CreditTerms
+from lens_callbacks.credit.inputs.trajectories import (
     Trajectory,
     TrajectoryBatch,
     TurnSegments,

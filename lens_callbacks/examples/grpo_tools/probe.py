@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from lens_callbacks.credit.terms import CreditTerms
-from lens_callbacks.credit.trajectories import Trajectory
+from lens_callbacks.credit.inputs.terms import CreditTerms
+from lens_callbacks.credit.inputs.trajectories import Trajectory
 
 from .module import GRPOToolsModule, ToolRolloutBatch
 

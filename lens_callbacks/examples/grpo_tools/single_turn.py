@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from lens_callbacks.credit.trajectories import Trajectory
+from lens_callbacks.credit.inputs.trajectories import Trajectory
 
 __all__ = ["grpo_rollout_batch"]
 

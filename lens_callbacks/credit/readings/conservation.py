@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from ..refusal import Refusal
+from ...refusal import Refusal
 
 __all__ = [
     "ConservationReading",

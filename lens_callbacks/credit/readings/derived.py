@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .partition import Partition
+from ..inputs.partition import Partition
 
 __all__ = ["PartitionShares", "coarsening", "derive_shares"]
 

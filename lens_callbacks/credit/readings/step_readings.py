@@ -24,10 +24,10 @@ import torch
 from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
 from .ledger import RunLedger
 from .noise import NoiseScale, NoiseScaleEMA, noise_scale
-from .partition import POSITIONAL_PARTITIONS, Partition, PartitionFn
-from .report import CreditReport
+from ..inputs.partition import POSITIONAL_PARTITIONS, Partition, PartitionFn
+from ..report import CreditReport
 from .summaries import Concentration, concentration
-from .terms import CreditTerms
+from ..inputs.terms import CreditTerms
 
 __all__ = ["StepReadings", "RecordingPartition", "whole_rows"]
 
@@ -116,7 +116,7 @@ class StepReadings:
         """All scalars of this step's extra readings; updates the ledger and the smoothed noise scale.
 
         ``whole`` and ``extra_shares`` stand in for ``partition``/``terms`` when the report is a global one
-        (:func:`~lens_callbacks.credit.distributed.global_extra_shares` made them over every rank). The smoothed
+        (:func:`~lens_callbacks.credit.readings.distributed.global_extra_shares` made them over every rank). The smoothed
         noise readings are left out until there is a reading to smooth, rather than logged as NaN.
         """
         p = self.prefix

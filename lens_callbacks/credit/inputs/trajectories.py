@@ -6,7 +6,7 @@ boundary, and a turn decomposition built on merged tokens attributes a token to 
 the merge (see ``docs/multi_turn.md``, "The merge trap").
 
 :func:`turn_segments` turns the per-position turn index into the ``segment`` ids and names that
-:class:`~lens_callbacks.credit.terms.CreditTerms` carries, and :func:`by_turn` / :func:`by_role` are the
+:class:`~lens_callbacks.credit.inputs.terms.CreditTerms` carries, and :func:`by_turn` / :func:`by_role` are the
 partitions of a turn decomposition. Untrained turns (user, system, tool) are named as parts with no
 positions, so they read as an exact zero share rather than being absent from the table.
 
@@ -25,7 +25,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from ..refusal import Refusal
+from ...refusal import Refusal
 from .partition import MissingSegmentsError, Partition, trained_segments
 from .terms import CreditTerms
 

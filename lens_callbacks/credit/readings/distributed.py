@@ -28,11 +28,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..refusal import Refusal
+from ...refusal import Refusal
 from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
-from .partition import POSITIONAL_PARTITIONS, Partition
-from .report import CreditGrads, CreditReport
-from .terms import CreditTerms
+from ..inputs.partition import POSITIONAL_PARTITIONS, Partition
+from ..report import CreditGrads, CreditReport
+from ..inputs.terms import CreditTerms
 
 __all__ = ["Collectives", "global_report", "global_part_name", "global_extra_shares"]
 

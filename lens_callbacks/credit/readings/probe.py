@@ -43,13 +43,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..refusal import Refusal
+from ...refusal import Refusal
 from .conservation import UNIT_ROUNDOFF
 from .derived import coarsening
-from .engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
-from .partition import Partition, PartitionFn, resolve_partition
+from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
+from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from .step_readings import RecordingPartition
-from .terms import CreditTerms
+from ..inputs.terms import CreditTerms
 
 __all__ = [
     "UpdateMap",

@@ -202,7 +202,7 @@ def validate_terms(terms: Any) -> CreditTerms:
     if not isinstance(terms, CreditTerms):
         raise TypeError(
             f"`credit_terms` must return a CreditTerms, got {type(terms).__name__}; return "
-            "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.terms)."
+            "CreditTerms(terms, trained, rollout, group) (see lens_callbacks.credit.inputs.terms)."
         )
     terms.validate()
     return terms

@@ -250,7 +250,7 @@ def reward_levels(edges: Optional[Sequence[float]] = None, max_levels: int = 8, 
             many equal-count bins (``reward_q1`` = lowest … ``reward_q<n_bins>`` = highest).
 
     Example:
-        >>> from lens_callbacks.credit.terms import CreditTerms
+        >>> from lens_callbacks.credit.inputs.terms import CreditTerms
         >>> t = CreditTerms(torch.zeros(3, 2), torch.ones(3, 2, dtype=torch.bool), torch.arange(3),
         ...                 torch.zeros(3, dtype=torch.long), rewards=torch.tensor([1.0, 0.0, 1.0]))
         >>> reward_levels()(t).names, reward_levels(edges=[0.5])(t).names

@@ -29,10 +29,10 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from .engine import DTypeSpec, _dot, _grad, _partition_name, _preserved_rng, _sqnorm, evaluate_terms
-from .engines.jvp import _replayed_rng, _rng_snapshot, part_sums, terms_jvp
-from .partition import Partition, PartitionFn, apply_partition, resolve_partition
-from .terms import CreditTerms
+from ..engine import DTypeSpec, _dot, _grad, _partition_name, _preserved_rng, _sqnorm, evaluate_terms
+from ..engines.jvp import _replayed_rng, _rng_snapshot, part_sums, terms_jvp
+from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..inputs.terms import CreditTerms
 
 __all__ = ["UpdateShareReport", "update_shares"]
 

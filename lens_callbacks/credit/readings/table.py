@@ -1,7 +1,7 @@
 """The credit table a person reads: the parts that carried the step, and what each part is.
 
 :func:`credit_table` turns a :class:`~lens_callbacks.credit.report.CreditReport` (and, when known, the
-:class:`~lens_callbacks.credit.terms.CreditTerms` and :class:`~lens_callbacks.credit.partition.Partition`
+:class:`~lens_callbacks.credit.inputs.terms.CreditTerms` and :class:`~lens_callbacks.credit.inputs.partition.Partition`
 it was made from) into a :class:`CreditTable`: the parts sorted by ``|projected share|``, the ``top_k``
 largest and the ``bottom_k`` smallest shown, the rest summarised in one line whose share is the sum of
 the omitted shares. Beside each part's shares: the group, reward, advantage and trained length of its
@@ -20,9 +20,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .partition import Partition
-from .report import CreditReport
-from .terms import CreditTerms
+from ..inputs.partition import Partition
+from ..report import CreditReport
+from ..inputs.terms import CreditTerms
 
 __all__ = ["PartContext", "TableRow", "CreditTable", "credit_table", "part_context", "module_decoder"]
 
