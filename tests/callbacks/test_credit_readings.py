@@ -55,9 +55,12 @@ def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scala
     for values, report, direct, extra in check.rows:
         assert not any("rollout_" in k for k in values), sorted(k for k in values if "rollout_" in k)
         for tag in ("credit/concentration/effective_parts_norm", "credit/concentration/top1_share",
-                    "credit/noise/b_simple_ema", "credit/by_advantage_sign/projected_share/positive",
+                    "credit/noise/grad_sq_ema", "credit/by_advantage_sign/projected_share/positive",
                     "credit/by_source/projected_share/carry", "credit/by_source/projected_share/no_carry"):
             assert tag in values, tag
+        # The smoothed noise scale is logged exactly when it is defined (the smoothed ‖G‖² is positive), never as NaN.
+        assert ("credit/noise/b_simple_ema" in values) == (values["credit/noise/grad_sq_ema"] > 0)
+        assert not [k for k, v in values.items() if "/noise/" in k and v != v]
         if not report.ok:
             continue
         defined += 1
