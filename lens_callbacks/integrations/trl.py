@@ -290,6 +290,8 @@ class LensGRPOMixin:
             return None, None
         if not cb.ride_along:
             return None, "ride_along=False"
+        if cb._ride_structural is not None:
+            return None, cb._ride_structural  # found at an earlier step; the model's layers have not changed
         accum = int(self.current_gradient_accumulation_steps)
         if accum != 1:
             return None, (
@@ -380,6 +382,8 @@ class LensGRPOMixin:
             result = f"the ride-along reading failed: {type(e).__name__}: {e}"
         finally:
             rider.clear()
+        if isinstance(result, str) and "outside the layers the hooks cover" in result:
+            ride.cb._ride_structural = result  # the same on every step: later steps take the separate pass at once
         self._lens_ride_result = (ride.step, result)
 
     def _lens_ride_read(self, ride: "_Ride") -> Union[CreditReport, str]:
@@ -860,6 +864,7 @@ class LensTRLCallback(TrainerCallback):
         #: Why the last audited step did not ride on TRL's backward (None: it did).
         self.ride_reason: Optional[str] = None
         self._ride_reasons_logged: set[str] = set()
+        self._ride_structural: Optional[str] = None
         self.trainer: Any = None
         self.last_report: Union[CreditReport, Refusal, None] = None
         self.last_conservation: Union[ConservationReading, Refusal, None] = None
