@@ -23,7 +23,23 @@ Every figure is a ratio of medians taken in the same run with ``torch.set_num_th
 memory is read from the profiler's allocation events (bytes allocated inside the call and alive at once,
 matched by address), at the largest ``m``.
 
-Usage: ``python benchmarks/credit_cost.py [--repeats 5] [--parts 8 32 64] [--write docs/performance.md]``
+Real shapes (``--only real``): a Qwen2-shaped policy (vocabulary 151,936, tied embedding / LM head, width
+896, 2 layers, MLP 4864) and a Llama-shaped one (vocabulary 32,000, untied, width 512, 4 layers), random
+weights from their transformers configs, float32, ``by_rollout`` at m rows of T positions (``--real-rows``,
+default ``llama:8:128 qwen2:8:128 llama:32:128 llama:8:512``; the other (m, T) of {8, 32} × {128, 512} are
+listed with their estimated peak memory and work). Modes, interleaved in one process: the plain step,
+riding along with ``readings="shares"``, separate ``shares`` and all readings, ``full_grad="trainer"``, and
+the peers (torch.func, Opacus) where their ``m × |θ|`` per-row gradients fit ``--peer-budget-gib``; peak
+memory per mode over the plain step; float32 against float64 shares; a profile of the separate pass and
+of the ride-along step. The block ends with the Qwen2.5-7B shape on paper (:mod:`route_counts`).
+
+Usage::
+
+    python benchmarks/credit_cost.py --write docs/performance.md              # toys and real shapes
+    python benchmarks/credit_cost.py --only real --write docs/performance.md  # real shapes only
+    python benchmarks/credit_cost.py --only toy --repeats 5 --write docs/performance.md
+    python benchmarks/credit_cost.py --quick                                  # a smoke run, nothing written
+    python benchmarks/credit_cost.py --only real --rows-from LOG --write docs/performance.md  # re-render
 """
 
 from __future__ import annotations
@@ -672,6 +688,7 @@ def measure_real(
             times[k].append(clock(fn))
     tr = statistics.median(times["step"])
     row["step_s"] = tr
+    row["repeats"] = repeats
     for k, ts in times.items():
         if k != "step":
             med = statistics.median(ts)
@@ -712,6 +729,7 @@ def profile_top(fn: Callable[[], Any], step_s: float, n: int = 6) -> list[tuple[
 
 
 def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
+    reps = " / ".join(str(x) for x in sorted({r.get("repeats", repeats) for r in rows})) or str(repeats)
     shapes = []
     for kind, sh in REAL_SHAPES.items():
         shapes.append(
@@ -722,8 +740,9 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
     lines = [
         "Policies (transformers configs, random weights, float32, eager attention, nothing downloaded): "
         + "; ".join(shapes) + ".",
-        f"`by_rollout`, m rows of T positions (the first T/8 untrained); {repeats} interleaved repeats in one",
-        "process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam. Separate",
+        f"`by_rollout`, m rows of T positions (the first T/8 untrained); {reps} interleaved repeats in one",
+        "process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam (its wall time",
+        "on the machine as loaded during the run in the `step (s)` column). Separate",
         "passes: audit time / step time (`engine=\"ghost\"`, `reference_grads=\"grad\"`); ride-along: (audited step −",
         "plain step) / plain step. Peers make all readings (dots with g_full and the Gram) from per-row gradients.",
         "Memory: peak bytes allocated inside the call and alive at once, minus the plain step's, in units of the",
@@ -757,6 +776,10 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _span_text(sp: tuple[float, float]) -> str:
+    return f"{sp[0]:.2f}" if f"{sp[0]:.2f}" == f"{sp[1]:.2f}" else f"{sp[0]:.2f}–{sp[1]:.2f}"
+
+
 def real_verdict(rows: list[dict]) -> str:
     """The issue's goals at real shapes, against the rows: met or not, with the numbers."""
 
@@ -774,7 +797,7 @@ def real_verdict(rows: list[dict]) -> str:
         if sp is None:
             continue
         met = "met" if sp[1] <= goal else ("met on some rows" if sp[0] <= goal else "not met")
-        lines.append(f"- {label}: {sp[0]:.2f}–{sp[1]:.2f} — {met}.")
+        lines.append(f"- {label}: {_span_text(sp)} — {met}.")
     ahead = total = 0
     for r in rows:
         peers = [r[f"{k}_over_train"] for k in ("vmap", "opacus") if r.get(f"{k}_over_train") is not None]
@@ -795,10 +818,12 @@ def real_verdict(rows: list[dict]) -> str:
         lines.append(f"- float32 shares sum to 1 within 1e-7: worst {ss[1]:.1e} — {'met' if ss[1] <= 1e-7 else 'not met'}.")
     prof = [(r, r["profile"]) for r in rows if r.get("profile")]
     if prof:
-        lines += ["", "Where the time goes (`torch.profiler`, self CPU time of the top operators, in steps):", ""]
+        lines += ["", "Where the time goes (`torch.profiler`, one call each, self CPU time of the top operators as a",
+                  "fraction of the median plain step):", ""]
+        what = {"sep_shares": "the separate `shares` pass", "ride_shares": "the whole ride-along step (the step's own work included)"}
         for r, p in prof:
             for k, ops in p.items():
-                lines.append(f"- {r['kind']}, m = {r['m']}, T = {r['T']}, {REAL_LABELS[k]}: "
+                lines.append(f"- {r['kind']}, m = {r['m']}, T = {r['T']}, {what[k]}: "
                              + ", ".join(f"`{name}` {frac:.2f}" for name, frac in ops) + ".")
     return "\n".join(lines)
 
@@ -818,15 +843,26 @@ def paper_block() -> str:
 def run_real(args) -> str:
     wanted = [tuple(x) for x in args.real_rows]
     dropped, rows = [], []
+    if args.rows_from is not None:
+        # re-render rows measured earlier (the JSON lines this script prints), e.g. after a run cut short
+        for line in args.rows_from.read_text().splitlines():
+            if line.startswith("{") and '"kind"' in line and '"step_s"' in line:
+                rows.append(json.loads(line))
+        done = {(r["kind"], r["m"], r["T"]) for r in rows}
+        for kind, m, T in wanted:
+            if (kind, m, T) not in done:
+                dropped.append(f"{kind}, m = {m}, T = {T}: not finished in the run these rows come from")
+        wanted = [w for w in wanted if w in done]
     for kind, m, T in REAL_GRID:
-        if (kind, m, T) in wanted:
+        if (kind, m, T) in wanted or any(d.startswith(f"{kind}, m = {m}, T = {T}:") for d in dropped):
             continue
         est = real_estimate(kind, m, T)
+        why = "over the ~8 GiB this machine allows one process" if est["peak_bytes"] > 8 * 2**30 else "too long for one thread here"
         dropped.append(
-            f"{kind}, m = {m}, T = {T}: about {est['peak_bytes'] / 2**30:.1f} GiB at peak and "
-            f"{est['step_macs'] / 1e12:.1f} T multiply-adds a step (×{len(REAL_MODES) + 4} passes × repeats) on one thread"
+            f"{kind}, m = {m}, T = {T}: {why} — about {est['peak_bytes'] / 2**30:.1f} GiB at peak (estimated) and "
+            f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {len(REAL_MODES) + 6} step-sized passes per repeat"
         )
-    for kind, m, T in wanted:
+    for kind, m, T in ([] if args.rows_from is not None else wanted):
         row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=not args.quick,
                            drift=not args.quick, profile=args.profile and not args.quick,
                            peer_budget=args.peer_budget_gib * 2**30)
@@ -864,6 +900,8 @@ def main(argv=None) -> int:
                     help="skip torch.func / Opacus on a real row whose m × |θ| per-row gradients exceed this")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="profile the separate `shares` pass and the ride-along step on each real row")
+    ap.add_argument("--rows-from", type=Path, default=None, metavar="LOG",
+                    help="render the real-shape block from the JSON rows an earlier run printed, instead of measuring")
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
         "--route", default="auto", choices=["auto", "direct", "ghost"],

@@ -24,6 +24,12 @@ accumulation count included, plus the KL and entropy-bonus terms at the position
 Summed over the step's micro-batches, the terms' gradient is the gradient the optimizer receives before
 clipping.
 
+Where it is exact (one process, gradient accumulation 1, every trained parameter in a layer the one-pass
+engine's hooks cover — a LoRA run, since TRL's fused LM head reads ``lm_head.weight`` outside any layer),
+the audit rides on TRL's own forward and backward: the mixin runs TRL's forward inside the hooks, TRL's
+loss is taken and backpropagated on that forward's outputs unchanged, and the per-rollout readings are
+reduced inside TRL's backward; the adapter's terms are held, every step, to send the same gradient into
+the forward's outputs as TRL's loss. Elsewhere, and as the fallback of any step that cannot ride,
 :class:`LensTRLCallback` runs :func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step``
 (``grad_match`` against ``.grad`` with the clip coefficient divided out) and the step-conservation
 check at ``on_optimizer_step`` (the update held against the clip coefficient times ``Σ_S g_S``), and
@@ -695,7 +701,6 @@ class LensGRPOMixin:
         return terms, mask.bool(), completion_ids
 
 
-
 def _partition_name(spec: Any) -> str:
     return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
 
@@ -739,6 +744,7 @@ class _Ride:
     extra_forwards: int = 0
     error: Optional[str] = None
     gap: Optional[float] = None
+
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
     # accelerate's AcceleratedOptimizer holds the torch optimizer as `.optimizer`
@@ -1009,8 +1015,8 @@ class LensTRLCallback(TrainerCallback):
         self.last_clip_coef = float(coef)
         if self._log is not None:
             self._log.values[f"{self.prefix}clip_coef"] = self.last_clip_coef
-        ride = tr.lens_ride_result() if not distributed else None
-        if isinstance(ride, CreditReport):
+        ride = tr.lens_ride_result()
+        if isinstance(ride, CreditReport) and not distributed:
             self.ride_reason = None
             if self._log is not None:
                 self._log.values[f"{self.prefix}ride_along"] = 1.0
