@@ -306,6 +306,15 @@ class LensGRPOMixin:
             )
         if int(self.accelerator.num_processes) > 1:
             return None, f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes"
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            # known before the forward: spares the first step a capture that could not be read
+            return None, (
+                "the LM head is trained and TRL's fused LM head computes the log-probabilities from `lm_head.weight` "
+                "without calling the layer, so the hooks cannot see its per-rollout pieces (a run whose LM head is "
+                "frozen, e.g. a LoRA adapter, rides along)"
+            )
         if cb.engine not in (None, "auto", "ghost"):
             return None, f"engine={cb.engine!r} asks for the separate pass"
         if self.args.bf16 or self.args.fp16:
