@@ -23,13 +23,30 @@ Every figure is a ratio of medians taken in the same run with ``torch.set_num_th
 memory is read from the profiler's allocation events (bytes allocated inside the call and alive at once,
 matched by address), at the largest ``m``.
 
-Usage: ``python benchmarks/credit_cost.py [--repeats 5] [--parts 8 32 64] [--write docs/performance.md]``
+Real shapes (``--only real``): a Qwen2-shaped policy (vocabulary 151,936, tied embedding / LM head, width
+896, 2 layers, MLP 4864) and a Llama-shaped one (vocabulary 32,000, untied, width 512, 4 layers), random
+weights from their transformers configs, float32, ``by_rollout`` at m rows of T positions (``--real-rows``,
+default ``llama:8:128 qwen2:8:128 llama:32:128 llama:8:512``; the other (m, T) of {8, 32} × {128, 512} are
+listed with their estimated peak memory and work). Modes, interleaved in one process: the plain step,
+riding along with ``readings="shares"``, separate ``shares`` and all readings, ``full_grad="trainer"``, and
+the peers (torch.func, Opacus) where their ``m × |θ|`` per-row gradients fit ``--peer-budget-gib``; peak
+memory per mode over the plain step; float32 against float64 shares; a profile of the separate pass and
+of the ride-along step. The block ends with the Qwen2.5-7B shape on paper (:mod:`route_counts`).
+
+Usage::
+
+    python benchmarks/credit_cost.py --write docs/performance.md              # toys and real shapes
+    python benchmarks/credit_cost.py --only real --write docs/performance.md  # real shapes only
+    python benchmarks/credit_cost.py --only toy --repeats 5 --write docs/performance.md
+    python benchmarks/credit_cost.py --quick                                  # a smoke run, nothing written
+    python benchmarks/credit_cost.py --only real --rows-from LOG --write docs/performance.md  # re-render
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -43,6 +60,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # route_counts
 
 from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate  # noqa: E402
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  # noqa: E402
@@ -449,51 +467,474 @@ def verdict(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace the generated part of the section (up to ``GENERATED_END``; the written analysis after it stays)."""
+def write_section(path: Path, body: str, section: str = SECTION, end_marker: str = GENERATED_END) -> None:
+    """Replace the generated part of ``section`` (up to ``end_marker``; the written analysis after it stays)."""
     text = path.read_text() if path.exists() else "# Performance\n\n"
-    body = body + "\n\n" + GENERATED_END
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
-        end = rest.find(GENERATED_END)
+    body = body + "\n\n" + end_marker
+    if section in text:
+        head, _, rest = text.partition(section)
+        end = rest.find(end_marker)
         if end >= 0:
-            tail = rest[end + len(GENERATED_END) :].lstrip("\n")
+            tail = rest[end + len(end_marker) :].lstrip("\n")
         else:
             nxt = rest.find("\n## ")
             tail = rest[nxt + 1 :] if nxt >= 0 else ""
-        text = head + SECTION + "\n\n" + body + "\n\n" + tail
+        text = head + section + "\n\n" + body + "\n\n" + tail
     else:
-        text = text.rstrip("\n") + "\n\n" + SECTION + "\n\n" + body + "\n"
+        text = text.rstrip("\n") + "\n\n" + section + "\n\n" + body + "\n"
     path.write_text(text)
+
+
+# ---- real shapes ------------------------------------------------------------------------------------
+
+REAL_SECTION = "## Credit audit at real shapes (`benchmarks/credit_cost.py --only real`)"
+REAL_END = "<!-- the block above is written by benchmarks/credit_cost.py --only real --write; the text below is not -->"
+#: The real-shape policies: transformers configs built from random weights (nothing downloaded).
+REAL_SHAPES = {
+    "qwen2": dict(vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True),
+    "llama": dict(vocab=32000, hidden=512, layers=4, intermediate=1376, heads=8, kv_heads=8, tied=False),
+}
+#: (policy, m, T) rows run by default; the issue's other combinations are listed with why they are not run.
+REAL_ROWS = (("llama", 8, 128), ("qwen2", 8, 128), ("llama", 32, 128), ("llama", 8, 512))
+REAL_GRID = tuple((k, m, t) for k in ("qwen2", "llama") for m in (8, 32) for t in (128, 512))
+REAL_MODES = ("step", "ride_shares", "sep_shares", "sep_all", "trainer", "vmap", "opacus")
+REAL_LABELS = {
+    "ride_shares": "ride-along `shares` (extra over a step)",
+    "sep_shares": "separate `shares`",
+    "sep_all": "separate, all readings",
+    "trainer": "`full_grad=\"trainer\"` (`shares`)",
+    "vmap": "torch.func vmap(grad)",
+    "opacus": "Opacus",
+}
+
+
+def make_real_model(kind: str, T: int, seed: int = 0, **override: Any) -> nn.Module:
+    """A random-initialised transformers policy of a real shape (``override``: e.g. ``vocab=512`` for a smoke test)."""
+    if kind not in REAL_SHAPES:
+        raise ValueError(f"`kind` must be one of {sorted(REAL_SHAPES)}, got {kind!r}.")
+    bad = sorted(set(override) - set(REAL_SHAPES[kind]))
+    if bad:
+        raise ValueError(f"shape overrides must be among {sorted(REAL_SHAPES[kind])}, got {bad!r}.")
+    sh = {**REAL_SHAPES[kind], **override}
+    if not sh.get("qkv_bias", kind == "qwen2") == (kind == "qwen2"):
+        raise ValueError(f"`qkv_bias` follows the policy's family ({kind}: {kind == 'qwen2'}), got {sh['qkv_bias']!r}.")
+    common = dict(
+        vocab_size=sh["vocab"], hidden_size=sh["hidden"], intermediate_size=sh["intermediate"],
+        num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"], num_key_value_heads=sh["kv_heads"],
+        max_position_embeddings=max(T, 64), tie_word_embeddings=sh["tied"], bos_token_id=0, eos_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "qwen2":
+            from transformers import Qwen2Config, Qwen2ForCausalLM
+
+            cfg = Qwen2Config(**common, attention_dropout=0.0)
+            cfg._attn_implementation = "eager"
+            return Qwen2ForCausalLM(cfg)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**common)
+        cfg._attn_implementation = "eager"
+        return LlamaForCausalLM(cfg)
+
+
+def real_estimate(kind: str, m: int, T: int, **override: Any) -> dict:
+    """Peak bytes and a step's multiply-adds, estimated before building anything (to drop rows that do not fit)."""
+    from route_counts import n_params, route_counts
+
+    sh = {**REAL_SHAPES[kind], **override}
+    P = n_params(sh)
+    # parameters, .grad, Adam's two moments, a float64 copy for the drift reading; logits, their
+    # log-softmax and their gradient live at once in the step
+    peak = 4 * P * 4 + 8 * P * 2 + 3 * 4 * m * T * sh["vocab"]
+    per_row = 4 * m * P  # what the peers hold: every per-row gradient
+    return {"params": P, "peak_bytes": peak, "peer_bytes": per_row, "step_macs": route_counts(sh, m, T)["step"].macs}
+
+
+def measure_real(
+    kind: str, m: int, T: int, repeats: int, modes=REAL_MODES, *, seed: int = 0, memory: bool = True,
+    drift: bool = True, peer_budget: float = 3 * 2**30, profile: bool = False, **override: Any,
+) -> dict:
+    """One real-shape row: every mode timed in this process, interleaved; ratios of medians to the plain step."""
+    prompt = T // 8
+    policy = Policy(make_real_model(kind, T, seed, **override))
+    policy.train()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-5)
+    V = policy.model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (m, T), generator=g)  # [m, T]
+    ids[:, 3] = ids[:, 2]  # a token repeated within a row
+    ids[1:, 5] = ids[0, 5]  # and across rows
+    adv = torch.randn(m, generator=g)  # [m]
+    trained = torch.zeros(m, T, dtype=torch.bool)  # [m, T]
+    trained[:, prompt:] = True
+    batch = (ids, adv, trained)
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for _, p in named)
+    param_bytes = sum(p.numel() * p.element_size() for _, p in named)
+    z = trained.sum()
+    row: dict[str, Any] = {"kind": kind, "m": m, "T": T, "n_params": n_params, "param_bytes": param_bytes,
+                           "vocab": V, "tied": bool(policy.model.config.tie_word_embeddings),
+                           "layers": policy.model.config.num_hidden_layers, "skipped": {}}
+    modes = list(modes)
+    if 4 * m * n_params > peer_budget:
+        for k in ("vmap", "opacus"):
+            if k in modes:
+                modes.remove(k)
+                row["skipped"][k] = f"needs m × |θ| = {4 * m * n_params / 2**30:.1f} GiB of per-row gradients (budget {peer_budget / 2**30:.1f} GiB)"
+
+    def train_step():
+        opt.zero_grad()
+        policy.credit_terms(batch).terms.sum().backward()
+        opt.step()
+
+    def fwd_bwd():
+        policy.zero_grad(set_to_none=True)
+        policy.credit_terms(batch).terms.sum().backward()
+
+    def ride_step(readings="shares"):
+        ride = RideAlong(policy).start()
+        try:
+            opt.zero_grad()
+            loss = policy.credit_terms(batch).terms.sum()
+            ride.on_loss(loss, by_rollout, readings=readings)
+            loss.backward()
+            out = ride.report(by_rollout, partition_name="by_rollout", readings=readings)
+            opt.step()
+        finally:
+            ride.clear()
+        if not hasattr(out, "projected_share"):
+            raise RuntimeError(f"the ride-along audit fell back: {out}")
+        return out
+
+    def vmap_audit():
+        params = {n: p.detach() for n, p in named}
+
+        def row_loss(p, row_ids, a, tr):
+            logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
+            lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
+            return -(a * lp * tr[1:]).sum() / z
+
+        with torch.random.fork_rng(devices=[]):
+            per = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+        dots = torch.zeros(m, dtype=torch.float64)  # [m]
+        gram = torch.zeros(m, m, dtype=torch.float64)  # [m, m]
+        for n, _ in named:  # readings parameter by parameter: no second m × |θ| buffer
+            r = per.pop(n).reshape(m, -1)  # [m, n]
+            dots += (r @ r.sum(0)).double()
+            gram += (r @ r.T).double()
+        return dots, gram
+
+    opacus_named: list[torch.Tensor] = []
+    if "opacus" in modes:
+        try:
+            from opacus import GradSampleModule
+        except ImportError:
+            modes.remove("opacus")
+            row["skipped"]["opacus"] = "not installed (the `bench` extra)"
+        else:
+            om = make_real_model(kind, T, seed, **override)
+            om.load_state_dict(policy.model.state_dict())
+            om.train()
+            GradSampleModule(om)
+            opacus_policy = Policy(om)
+            opacus_named = [p for p in om.parameters() if p.requires_grad]
+
+    def opacus_audit():
+        for p in opacus_named:
+            p.grad_sample = None
+            p.grad = None
+        with torch.random.fork_rng(devices=[]):
+            opacus_policy.credit_terms(batch).terms.sum().backward()
+        dots = torch.zeros(m, dtype=torch.float64)  # [m]
+        gram = torch.zeros(m, m, dtype=torch.float64)  # [m, m]
+        for p in opacus_named:
+            r = p.grad_sample.reshape(m, -1)  # [m, n]
+            p.grad_sample = None
+            dots += (r @ r.sum(0)).double()
+            gram += (r @ r.T).double()
+        return dots, gram
+
+    audits: dict[str, Callable[[], Any]] = {
+        "sep_shares": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad"),
+        "sep_all": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", readings="all", reference_grads="grad"),
+        "trainer": lambda: disintegrate(
+            policy, batch, "by_rollout", engine="ghost", readings="shares", full_grad=[p.grad for _, p in named]
+        ),
+        "vmap": vmap_audit,
+        "opacus": opacus_audit,
+    }
+    audits = {k: v for k, v in audits.items() if k in modes}
+    ride = "ride_shares" in modes
+
+    def clock(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    train_step()  # warm-up (allocations, Adam state)
+    if ride:
+        ride_step()
+    fwd_bwd()
+    for fn in audits.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in ["step"] + (["ride_shares"] if ride else []) + list(audits)}
+    for _ in range(repeats):
+        times["step"].append(clock(train_step))
+        if ride:
+            times["ride_shares"].append(clock(ride_step))
+        fwd_bwd()  # .grad of this batch at the current weights, as at on_before_optimizer_step
+        for k, fn in audits.items():
+            times[k].append(clock(fn))
+    tr = statistics.median(times["step"])
+    row["step_s"] = tr
+    row["repeats"] = repeats
+    for k, ts in times.items():
+        if k != "step":
+            med = statistics.median(ts)
+            row[f"{k}_over_train"] = (med - tr) / tr if k == "ride_shares" else med / tr
+    if memory:
+        row["mem_step"] = peak_alloc_bytes(train_step)
+        if ride:
+            row["mem_ride_shares"] = peak_alloc_bytes(ride_step)
+        for k, fn in audits.items():
+            fwd_bwd()
+            row[f"mem_{k}"] = peak_alloc_bytes(fn)
+    fwd_bwd()
+    r32 = disintegrate(policy, batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad")
+    row["conservation_error"] = r32.conservation_error
+    row["grad_match"] = r32.grad_match
+    row["sum_shares_err"] = abs(math.fsum(r32.projected_share) - 1.0)
+    if drift:
+        r64 = disintegrate(policy, batch, "by_rollout", engine="ghost", readings="shares", dtype="float64")
+        row["drift"] = max(abs(a - b) for a, b in zip(r32.projected_share, r64.projected_share))
+        row["sum_shares_err_f64"] = abs(math.fsum(r64.projected_share) - 1.0)
+    if profile:
+        row["profile"] = {}
+        for k, fn in (("sep_shares", audits.get("sep_shares")), ("ride_shares", ride_step if ride else None)):
+            if fn is not None:
+                fwd_bwd()
+                row["profile"][k] = profile_top(fn, tr)
+    return row
+
+
+def profile_top(fn: Callable[[], Any], step_s: float, n: int = 6) -> list[tuple[str, float]]:
+    """The ``n`` operators with the most self CPU time inside ``fn()``, each as a fraction of a plain step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ev = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
+    return [(e.key, e.self_cpu_time_total / 1e6 / step_s) for e in ev]
+
+
+def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
+    reps = " / ".join(str(x) for x in sorted({r.get("repeats", repeats) for r in rows})) or str(repeats)
+    shapes = []
+    for kind, sh in REAL_SHAPES.items():
+        shapes.append(
+            f"`{kind}`: {'Qwen2ForCausalLM' if kind == 'qwen2' else 'LlamaForCausalLM'}, vocabulary {sh['vocab']:,} "
+            f"({'tied' if sh['tied'] else 'untied'} embedding / LM head), width {sh['hidden']}, {sh['layers']} layers, MLP "
+            f"{sh['intermediate']}, {sh['heads']} heads / {sh['kv_heads']} KV heads"
+        )
+    lines = [
+        "Policies (transformers configs, random weights, float32, eager attention, nothing downloaded): "
+        + "; ".join(shapes) + ".",
+        f"`by_rollout`, m rows of T positions (the first T/8 untrained); {reps} interleaved repeats in one",
+        "process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam (its wall time",
+        "on the machine as loaded during the run in the `step (s)` column). Separate",
+        "passes: audit time / step time (`engine=\"ghost\"`, `reference_grads=\"grad\"`); ride-along: (audited step −",
+        "plain step) / plain step. Peers make all readings (dots with g_full and the Gram) from per-row gradients.",
+        "Memory: peak bytes allocated inside the call and alive at once, minus the plain step's, in units of the",
+        "parameters' bytes. Drift: max |float32 share − float64 share| (one-pass engine both); Σ: |Σ float32 shares − 1|.",
+        "",
+        "| policy | params | m | T | step (s) | " + " | ".join(REAL_LABELS[k] for k in REAL_MODES[1:]) + " | f32 vs f64 drift | Σ shares − 1 | conservation_error |",
+        "|---|---:|---:|---:|---:|" + "---:|" * (len(REAL_MODES) - 1) + "---:|---:|---:|",
+    ]
+
+    def cell(r, k):
+        v = r.get(f"{k}_over_train")
+        if v is None:
+            return "not run" if k in r.get("skipped", {}) else "—"
+        text = f"+{v:.2f}" if k == "ride_shares" else f"{v:.2f}×"
+        mem = r.get(f"mem_{k}")
+        if mem is not None and "mem_step" in r:
+            text += f" ({(mem - r['mem_step']) / r['param_bytes']:+.1f})"
+        return text
+
+    for r in rows:
+        lines.append(
+            f"| {r['kind']} | {r['n_params'] / 1e6:.0f} M | {r['m']} | {r['T']} | {r['step_s']:.2f} | "
+            + " | ".join(cell(r, k) for k in REAL_MODES[1:])
+            + f" | {r.get('drift', float('nan')):.1e} | {r['sum_shares_err']:.1e} | {r['conservation_error']:.1e} |"
+        )
+    lines.append("")
+    lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
+    skipped = [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}." for r in rows for k, why in r.get("skipped", {}).items()]
+    if skipped or dropped:
+        lines += ["", "Not run:", ""] + [f"- {d}" for d in dropped] + skipped
+    return "\n".join(lines)
+
+
+def _span_text(sp: tuple[float, float]) -> str:
+    return f"{sp[0]:.2f}" if f"{sp[0]:.2f}" == f"{sp[1]:.2f}" else f"{sp[0]:.2f}–{sp[1]:.2f}"
+
+
+def real_verdict(rows: list[dict]) -> str:
+    """The issue's goals at real shapes, against the rows: met or not, with the numbers."""
+
+    def span(key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return (min(vals), max(vals)) if vals else None
+
+    lines = ["", "Against the goals at real shapes (this run):", ""]
+    for key, goal, label in (
+        ("ride_shares_over_train", 0.5, "riding on the step with `shares`: ≤ +0.5 of a step"),
+        ("sep_shares_over_train", 1.3, "separate pass `shares`: ≤ 1.3×"),
+        ("sep_all_over_train", 1.5, "separate pass, all readings: ≤ 1.5×"),
+    ):
+        sp = span(key)
+        if sp is None:
+            continue
+        met = "met" if sp[1] <= goal else ("met on some rows" if sp[0] <= goal else "not met")
+        lines.append(f"- {label}: {_span_text(sp)} — {met}.")
+    ahead = total = 0
+    for r in rows:
+        peers = [r[f"{k}_over_train"] for k in ("vmap", "opacus") if r.get(f"{k}_over_train") is not None]
+        if peers:
+            total += 1
+            ahead += r.get("sep_all_over_train", float("inf")) < min(peers)
+    lines.append(f"- ahead of torch.func and Opacus (separate pass, all readings, against the faster peer): {ahead} of {total} rows where a peer ran"
+                 f"{'' if total == len(rows) else f' (on the other {len(rows) - total} rows the peers need more memory than the budget)'}.")
+    extra = [((r[f"mem_{k}"] - r["mem_step"]) / r["param_bytes"], k) for r in rows for k in ("ride_shares", "sep_shares", "sep_all", "trainer")
+             if r.get(f"mem_{k}") is not None and "mem_step" in r]
+    if extra:
+        worst = max(extra)
+        lines.append(f"- extra peak memory ≤ one parameter-size over a plain step: worst {worst[0]:+.1f} ({worst[1]}) — {'met' if worst[0] <= 1.0 else 'not met'}.")
+    dr, ss = span("drift"), span("sum_shares_err")
+    if dr is not None:
+        lines.append(f"- float32 shares within 1e-7 of float64: max drift {dr[1]:.1e} — {'met' if dr[1] <= 1e-7 else 'not met'}.")
+    if ss is not None:
+        lines.append(f"- float32 shares sum to 1 within 1e-7: worst {ss[1]:.1e} — {'met' if ss[1] <= 1e-7 else 'not met'}.")
+    prof = [(r, r["profile"]) for r in rows if r.get("profile")]
+    if prof:
+        lines += ["", "Where the time goes (`torch.profiler`, one call each, self CPU time of the top operators as a",
+                  "fraction of the median plain step):", ""]
+        what = {"sep_shares": "the separate `shares` pass", "ride_shares": "the whole ride-along step (the step's own work included)"}
+        for r, p in prof:
+            for k, ops in p.items():
+                lines.append(f"- {r['kind']}, m = {r['m']}, T = {r['T']}, {what[k]}: "
+                             + ", ".join(f"`{name}` {frac:.2f}" for name, frac in ops) + ".")
+    return "\n".join(lines)
+
+
+def paper_block() -> str:
+    """The 7B shape on paper: multiply-adds and bytes per route, from :mod:`route_counts`."""
+    from route_counts import SHAPES, counts_table
+
+    return "\n".join([
+        "", "### On paper: Qwen2.5-7B's shape (`benchmarks/route_counts.py`)", "",
+        counts_table("Qwen2.5-7B shape", SHAPES["qwen2.5-7b"], 8, 4096, bytes_per_element=2),
+        "", "The benchmark's Qwen2 row, counted the same way (float32):", "",
+        counts_table("qwen2 (this benchmark)", SHAPES["qwen2-bench"], 8, 128, bytes_per_element=4),
+    ])
+
+
+def run_real(args) -> str:
+    wanted = [tuple(x) for x in args.real_rows]
+    dropped, rows = [], []
+    if args.rows_from is not None:
+        # re-render rows measured earlier (the JSON lines this script prints), e.g. after a run cut short
+        for line in args.rows_from.read_text().splitlines():
+            if line.startswith("{") and '"kind"' in line and '"step_s"' in line:
+                rows.append(json.loads(line))
+        done = {(r["kind"], r["m"], r["T"]) for r in rows}
+        for kind, m, T in wanted:
+            if (kind, m, T) not in done:
+                dropped.append(f"{kind}, m = {m}, T = {T}: not finished in the run these rows come from")
+        wanted = [w for w in wanted if w in done]
+    for kind, m, T in REAL_GRID:
+        if (kind, m, T) in wanted or any(d.startswith(f"{kind}, m = {m}, T = {T}:") for d in dropped):
+            continue
+        est = real_estimate(kind, m, T)
+        why = "over the ~8 GiB this machine allows one process" if est["peak_bytes"] > 8 * 2**30 else "too long for one thread here"
+        dropped.append(
+            f"{kind}, m = {m}, T = {T}: {why} — about {est['peak_bytes'] / 2**30:.1f} GiB at peak (estimated) and "
+            f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {len(REAL_MODES) + 6} step-sized passes per repeat"
+        )
+    for kind, m, T in ([] if args.rows_from is not None else wanted):
+        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=not args.quick,
+                           drift=not args.quick, profile=args.profile and not args.quick,
+                           peer_budget=args.peer_budget_gib * 2**30)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items()}), flush=True)
+    return real_table(rows, args.repeats if not args.quick else 1, dropped) + "\n" + real_verdict(rows) + "\n" + paper_block()
+
+
+def _real_row(text: str) -> tuple[str, int, int]:
+    try:
+        kind, m, T = text.split(":")
+        if kind not in REAL_SHAPES:
+            raise ValueError
+        return kind, int(m), int(T)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a real row must be POLICY:m:T with POLICY one of {sorted(REAL_SHAPES)}, got {text!r}; e.g. llama:8:128."
+        ) from None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["all", "toy", "real"], default="all",
+                    help="run the toy rows, the real-shape rows, or both (default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one repeat, toys at m = 8 only, real rows llama:8:128 only, no memory/drift/profile (a smoke run)")
     ap.add_argument("--parts", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--policies", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--real-rows", type=_real_row, nargs="+", default=list(REAL_ROWS), metavar="POLICY:m:T",
+                    help="real-shape rows to run (default: %(default)s)")
+    ap.add_argument("--real-repeats", type=int, default=3)
+    ap.add_argument("--peer-budget-gib", type=float, default=3.0,
+                    help="skip torch.func / Opacus on a real row whose m × |θ| per-row gradients exceed this")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile the separate `shares` pass and the ride-along step on each real row")
+    ap.add_argument("--rows-from", type=Path, default=None, metavar="LOG",
+                    help="render the real-shape block from the JSON rows an earlier run printed, instead of measuring")
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
         "--route", default="auto", choices=["auto", "direct", "ghost"],
         help="how the ghost engines read Linear/Conv1D weights: per layer by cost (auto), per-row products, or the ghost identities",
     )
-    ap.add_argument("--write", type=Path, default=None, help="markdown file whose credit-audit section is replaced")
+    ap.add_argument("--write", type=Path, default=None, help="markdown file whose generated blocks are replaced")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.parts, args.repeats, args.no_episode = [8], 1, True
+        if args.real_rows == list(REAL_ROWS):
+            args.real_rows = [("llama", 8, 128)]
     torch.set_num_threads(1)
-    rows = []
-    for kind in args.policies:
-        for m in args.parts:
-            rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts), route=args.route))
-            print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
-    body = table(rows, args.repeats) + "\n" + verdict(rows)
-    if not args.no_episode:
-        episodes = [measure_episode(args.repeats, kind) for kind in args.policies]
-        body += "\n" + episode_table(episodes)
-    print(body)
-    if args.write is not None:
-        write_section(args.write, body)
-        print(f"wrote {args.write}")
+    if args.only in ("all", "toy"):
+        rows = []
+        for kind in args.policies:
+            for m in args.parts:
+                rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts), route=args.route))
+                print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+        body = table(rows, args.repeats) + "\n" + verdict(rows)
+        if not args.no_episode:
+            episodes = [measure_episode(args.repeats, kind) for kind in args.policies]
+            body += "\n" + episode_table(episodes)
+        print(body)
+        if args.write is not None:
+            write_section(args.write, body)
+            print(f"wrote the toy rows to {args.write}")
+    if args.only in ("all", "real"):
+        args.repeats = args.real_repeats
+        body = run_real(args)
+        print(body)
+        if args.write is not None:
+            write_section(args.write, body, REAL_SECTION, REAL_END)
+            print(f"wrote the real-shape rows to {args.write}")
     return 0
 
 

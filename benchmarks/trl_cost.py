@@ -1,9 +1,12 @@
 """What the TRL adapter costs: a GRPOTrainer run with ``LensTRLCallback`` against the same run without it.
 
 ``python benchmarks/trl_cost.py --steps 8 --repeats 3``: the tiny Qwen2 of ``lens_callbacks/examples/trl_grpo.py``
-(fp32, CPU, accumulation 2, 8 rollouts a step, every step audited by rollout). Runs alternate plain /
-audited so the shared machine's load falls on both; the ratio of the medians of ``trainer.train()``
-wall time is printed.
+(fp32, CPU, 8 rollouts a step, every step audited by rollout, conservation on), at gradient
+accumulation 1 (one micro-batch of 8) and 2 (two of 4), full fine-tuning and a LoRA adapter (r = 4 on
+q/v). Three runs per setting, interleaved so the shared machine's load falls on all: plain, audited
+riding along TRL's backward where the adapter can (``ride_along=True``, the default), and audited by the
+separate pass (``ride_along=False``). Ratios of the medians of ``trainer.train()`` wall time; the
+reason a setting did not ride is printed.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import time
 import torch
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--lora", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--accumulation", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tuning", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
 
     from trl import GRPOTrainer
@@ -34,33 +38,44 @@ def main() -> None:
 
     policy = save_policy(tempfile.mkdtemp() + "/policy")
 
-    def run(audit: bool) -> float:
+    def run(mode: str, accum: int, tuning: str) -> tuple[float, object]:
         peft_config = None
-        if args.lora:
+        if tuning == "lora":
             from peft import LoraConfig
 
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        trainer = (AuditedGRPO if audit else GRPOTrainer)(
+        cb = LensTRLCallback(ride_along=mode == "ride") if mode != "plain" else None
+        trainer = (GRPOTrainer if cb is None else AuditedGRPO)(
             model=policy,
             reward_funcs=digit_reward,
-            args=grpo_config(tempfile.mkdtemp(), max_steps=args.steps, scale_rewards="none", reward_weights=[1000.0]),
+            args=grpo_config(tempfile.mkdtemp(), max_steps=args.steps, scale_rewards="none", reward_weights=[1000.0],
+                             gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum),
             train_dataset=prompt_dataset(),
             processing_class=tiny_tokenizer(),
             peft_config=peft_config,
-            callbacks=[LensTRLCallback()] if audit else [],
+            callbacks=[] if cb is None else [cb],
         )
         t = time.perf_counter()
         trainer.train()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, cb
 
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for audit in (False, True):
-            times[audit].append(run(audit))
-    plain, audited = statistics.median(times[False]), statistics.median(times[True])
-    print(f"train() over {args.steps} steps: plain {plain:.3f} s, audited {audited:.3f} s (medians of {args.repeats})")
-    print(f"ratio audited / plain: {audited / plain:.2f}")
+    print("| tuning | accumulation | audited / plain, riding along where it can | audited / plain, separate pass | rode along? |")
+    print("|---|---:|---:|---:|---|")
+    for tuning in args.tuning:
+        for accum in args.accumulation:
+            times: dict[str, list[float]] = {"plain": [], "ride": [], "separate": []}
+            reason = None
+            for _ in range(args.repeats):
+                for mode in times:
+                    t, cb = run(mode, accum, tuning)
+                    times[mode].append(t)
+                    if mode == "ride":
+                        reason = cb.ride_reason
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rode = "yes" if reason is None else f"no: {reason}"
+            print(f"| {tuning} | {accum} | {med['ride'] / med['plain']:.2f} | {med['separate'] / med['plain']:.2f} | {rode} |", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

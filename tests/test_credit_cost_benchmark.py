@@ -48,3 +48,73 @@ def test_measure_and_section_writer(tmp_path):
     bench.write_section(doc, bench.table([row], 1))
     text = doc.read_text()
     assert "old" not in text and "## Other\n\nkept" in text and "| gpt2 | 8 | " in text
+
+
+TINY = dict(vocab=4096, hidden=64, layers=1, intermediate=96, heads=4, kv_heads=2)
+
+
+def _module(name):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_route_counts_parameter_count_is_the_built_models(kind):
+    pytest.importorskip("transformers")
+    bench, counts = _bench(), _module("route_counts")
+    model = bench.make_real_model(kind, 32, **TINY)
+    shape = {**bench.REAL_SHAPES[kind], **TINY}
+    assert counts.n_params(shape) == sum(p.numel() for p in model.parameters())
+    assert model.config.tie_word_embeddings == (kind == "qwen2")
+    c = counts.route_counts(shape, 8, 128)
+    # a step is forward + backward; riding along adds at least the per-row products of every weight
+    assert c["step"].macs > c["separate"].macs - c["ride"].macs - 1 and c["ride"].macs > 0
+    assert counts.route_counts(shape, 8, 128, readings="all")["ride"].macs >= c["ride"].macs
+    with pytest.raises(ValueError, match="readings"):
+        counts.route_counts(shape, 8, 128, readings="projected")
+
+
+def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_path):
+    pytest.importorskip("transformers")
+    bench = _bench()
+    torch.set_num_threads(1)
+    row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "ride_shares", "sep_shares", "trainer", "vmap"),
+                             memory=False, drift=True, **TINY)
+    assert row["tied"] and row["vocab"] == 4096 and row["step_s"] > 0
+    assert row["ride_shares_over_train"] > -1.0 and row["sep_shares_over_train"] > 0 and row["vmap_over_train"] > 0
+    assert row["conservation_error"] < 1e-5 and row["sum_shares_err_f64"] < 1e-12 and row["drift"] < 1e-3
+    text = bench.real_table([row], 1, ["llama, m = 32, T = 512: dropped"]) + bench.real_verdict([row])
+    assert "| qwen2 |" in text and "dropped" in text and "riding on the step" in text
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\n" + bench.SECTION + "\n\ntoy\n\n" + bench.GENERATED_END + "\n\nkept\n\n"
+                   + bench.REAL_SECTION + "\n\nold\n\n" + bench.REAL_END + "\n\nanalysis\n\n## Other\n")
+    bench.write_section(doc, text, bench.REAL_SECTION, bench.REAL_END)
+    out = doc.read_text()
+    assert "old" not in out and "toy" in out and "kept" in out and "analysis\n\n## Other" in out and "| qwen2 |" in out
+    with pytest.raises(ValueError, match="overrides"):
+        bench.make_real_model("llama", 32, width=3)
+
+
+def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu():
+    pytest.importorskip("transformers")
+    gpu = _module("credit_cost_gpu")
+    args = gpu.parse_args([])
+    assert (args.vocab, args.hidden, args.layers, args.intermediate, args.parts, args.tokens, args.dtype) == (
+        151936, 896, 24, 4864, 64, 512, "bfloat16")
+    args = gpu.parse_args(["--device", "cpu", "--dtype", "float32", "--parts", "2", "--tokens", "12", "--vocab", "256",
+                           "--hidden", "32", "--layers", "1", "--intermediate", "48", "--heads", "4", "--kv-heads", "2"])
+    policy, batch, opt = gpu.build(args)
+    assert batch[0].shape == (2, 12) and policy.model.config.tie_word_embeddings
+    fns = gpu.modes(policy, batch, opt)
+    assert set(fns) == set(gpu.MODES)
+    fns["ride_shares"]()  # raises if the ride-along audit falls back
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--hidden", "30", "--heads", "4"])

@@ -24,6 +24,12 @@ accumulation count included, plus the KL and entropy-bonus terms at the position
 Summed over the step's micro-batches, the terms' gradient is the gradient the optimizer receives before
 clipping.
 
+Where it is exact (one process, gradient accumulation 1, every trained parameter in a layer the one-pass
+engine's hooks cover — a LoRA run, since TRL's fused LM head reads ``lm_head.weight`` outside any layer),
+the audit rides on TRL's own forward and backward: the mixin runs TRL's forward inside the hooks, TRL's
+loss is taken and backpropagated on that forward's outputs unchanged, and the per-rollout readings are
+reduced inside TRL's backward; the adapter's terms are held, every step, to send the same gradient into
+the forward's outputs as TRL's loss. Elsewhere, and as the fallback of any step that cannot ride,
 :class:`LensTRLCallback` runs :func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step``
 (``grad_match`` against ``.grad`` with the clip coefficient divided out) and the step-conservation
 check at ``on_optimizer_step`` (the update held against the clip coefficient times ``Σ_S g_S``), and
@@ -97,6 +103,8 @@ from ..credit import disintegrate, exact_optimizer_precondition, step_conservati
 from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
+from ..credit.engines.ghost import RideAlong  # noqa: E402
+from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
 from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
 
@@ -211,6 +219,9 @@ class LensGRPOMixin:
         self._lens_rewards_per_func: Optional[torch.Tensor] = None
         self._lens_clip: Optional[tuple[int, torch.Tensor, float]] = None
         self._lens_in_loss = False
+        self._lens_ride: Optional[_Ride] = None
+        self._lens_ride_result: Optional[tuple[int, Union[CreditReport, str]]] = None
+        self._lens_given_forward: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, LensTRLCallback):
                 cb.bind(self)
@@ -263,14 +274,185 @@ class LensGRPOMixin:
         step = int(self.state.global_step)
         if self._lens_micro_step != step:
             self._lens_micro, self._lens_micro_step = [], step
-        self._lens_micro.append(
-            MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
-        )
+        mb = MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
+        self._lens_micro.append(mb)
+        self._lens_ride, self._lens_ride_result = None, None
+        cb, reason = self._lens_ride_decision()
+        if cb is not None:
+            try:
+                self._lens_ride = self._lens_ride_prepare(cb, mb)
+            except Exception as e:  # nothing of the step has run yet: train as without the audit
+                reason = f"riding along could not be prepared: {type(e).__name__}: {e}"
+        if reason is not None:
+            self._lens_ride_result = (step, reason)
         self._lens_in_loss = True
         try:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            if self._lens_ride is None:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return self._lens_ride_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._lens_in_loss = False
+
+    def training_step(self, model, inputs, num_items_in_batch=None):  # type: ignore[no-untyped-def]
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._lens_ride_finish()
+
+    # --- riding on TRL's own forward and backward ----------------------------------------------------
+
+    def _lens_ride_decision(self) -> tuple[Optional["LensTRLCallback"], Optional[str]]:
+        """The callback whose audit rides on this micro-batch's backward, or the reason it cannot (None: no audit)."""
+        cbs = [c for c in self.callback_handler.callbacks if isinstance(c, LensTRLCallback) and c.trainer is self]
+        if not cbs:
+            return None, None
+        cb = cbs[0]
+        step = int(self.state.global_step)
+        if step % cb.every_n_steps != 0 or self.lens_setup_refusal() is not None:
+            return None, None
+        if not cb.ride_along:
+            return None, "ride_along=False"
+        if cb._ride_structural is not None:
+            return None, cb._ride_structural  # found at an earlier step; the model's layers have not changed
+        accum = int(self.current_gradient_accumulation_steps)
+        if accum != 1:
+            return None, (
+                f"gradient accumulation {accum}: a part of an earlier micro-batch must be dotted with the whole step's "
+                "gradient, which exists only after the last backward, so the separate pass reads the step"
+            )
+        if int(self.accelerator.num_processes) > 1:
+            return None, f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes"
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.requires_grad:
+            # known before the forward: spares the first step a capture that could not be read
+            return None, (
+                "the LM head is trained and TRL's fused LM head computes the log-probabilities from `lm_head.weight` "
+                "without calling the layer, so the hooks cannot see its per-rollout pieces (a run whose LM head is "
+                "frozen, e.g. a LoRA adapter, rides along)"
+            )
+        if cb.engine not in (None, "auto", "ghost"):
+            return None, f"engine={cb.engine!r} asks for the separate pass"
+        if self.args.bf16 or self.args.fp16:
+            return None, "mixed precision: the separate pass reads in the callback's dtype, the training step in its autocast dtypes"
+        dtypes = {p.dtype for p in self.model.parameters() if p.requires_grad}
+        want = {"float32": torch.float32, "float64": torch.float64}.get(cb.dtype)
+        if want is not None and dtypes != {want}:
+            return None, f"the trained parameters are {sorted(str(d) for d in dtypes)} and the audit's dtype is {cb.dtype!r}"
+        return cb, None
+
+    def _lens_ride_prepare(self, cb: "LensTRLCallback", mb: MicroBatch) -> "_Ride":
+        spec = resolve_partition(cb.partition)
+        forward = self._get_per_token_logps_and_entropies  # what TRL's loss calls (its profiling included)
+        ride = _Ride(cb=cb, mb=mb, step=int(self.state.global_step), forward=forward,
+                     partition_fn=lambda t: apply_partition(spec, t), keep_grads=cb.conservation)
+        ride.rider = RideAlong(_RideModule(self.model, lambda args, kwargs: self._lens_ride_terms(ride, args, kwargs)))
+        return ride
+
+    def _lens_ride_terms(self, ride: "_Ride", args: tuple, kwargs: dict) -> CreditTerms:
+        """TRL's forward, captured by the rider's hooks, and the micro-batch's terms over copies of its outputs.
+
+        TRL's loss is taken, and backpropagated, on the forward's own outputs: the training step is TRL's alone.
+        The terms are a function of detached copies of those outputs; after the backward, their gradient there
+        is held against the one TRL's loss sent into the forward (recorded by hooks that return nothing).
+        """
+        logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
+        ride.returned = (logps, entropies, aux)
+        outs = [x for x in (logps, entropies) if x is not None and x.requires_grad]
+        mine = tuple(x.detach().requires_grad_(True) for x in outs)
+        for i, x in enumerate(outs):
+            x.register_hook(lambda g, i=i: ride.trl_grads.__setitem__(i, g.detach()))
+        given = dict(zip([id(x) for x in outs], mine))
+        self._lens_given_forward = (given.get(id(logps), logps.detach()),
+                                    None if entropies is None else given.get(id(entropies), entropies.detach()))
+        try:
+            terms, trained, tokens = self._lens_micro_terms(ride.mb)  # [B, T] each
+        finally:
+            self._lens_given_forward = None
+        ride.mine, ride.terms = mine, terms
+        inputs = ride.mb.inputs
+        return CreditTerms(terms, trained, inputs["lens_rollout"].long(), inputs["lens_group"].long(),
+                           rewards=inputs.get("lens_reward"), tokens=tokens)
+
+    def _lens_ride_loss(self, model, inputs, return_outputs, num_items_in_batch):  # type: ignore[no-untyped-def]
+        ride = self._lens_ride
+        assert ride is not None
+        rider = ride.rider.start()
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if ride.returned is not None:  # a second forward in one loss is outside the contract: plain, and noted
+                ride.extra_forwards += 1
+                return ride.forward(*args, **kwargs)
+            try:
+                rider.module.credit_terms(args, kwargs)
+            except Exception as e:  # the adapter's terms failed: TRL's forward still runs, plainly
+                ride.error = f"{type(e).__name__}: {e}"
+            return ride.returned if ride.returned is not None else ride.forward(*args, **kwargs)
+
+        self._get_per_token_logps_and_entropies = forward  # TRL's loss calls it once per micro-batch
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        finally:
+            del self._get_per_token_logps_and_entropies
+        if isinstance(loss, torch.Tensor):
+            try:
+                rider.on_loss(loss, ride.partition_fn, readings=ride.readings, keep_grads=ride.keep_grads)
+            except Exception as e:  # never raised into the training step
+                ride.error = ride.error or f"{type(e).__name__}: {e}"
+        return loss
+
+    def _lens_ride_finish(self) -> None:
+        ride, self._lens_ride = self._lens_ride, None
+        if ride is None:
+            return
+        rider = ride.rider
+        result: Union[CreditReport, str]
+        try:
+            result = self._lens_ride_read(ride)
+        except Exception as e:
+            result = f"the ride-along reading failed: {type(e).__name__}: {e}"
+        finally:
+            rider.clear()
+        if isinstance(result, str) and "outside the layers the hooks cover" in result:
+            ride.cb._ride_structural = result  # the same on every step: later steps take the separate pass at once
+        self._lens_ride_result = (ride.step, result)
+
+    def _lens_ride_read(self, ride: "_Ride") -> Union[CreditReport, str]:
+        if ride.error is not None:
+            return f"the adapter's terms could not be formed in the training forward: {ride.error}"
+        if ride.extra_forwards or ride.terms is None:
+            return f"TRL's loss ran its forward {1 + ride.extra_forwards if ride.terms is not None else 0} times; riding along needs one"
+        if len(ride.trl_grads) != len(ride.mine):
+            return "the training backward did not reach the forward's outputs"
+        # The terms' gradient at the forward's outputs (this fires the rider's check that it is one on every term) ...
+        mine = torch.autograd.grad(ride.terms.sum(), ride.mine, allow_unused=True)
+        num = den = 0.0
+        for i, g in enumerate(mine):
+            trl = ride.trl_grads[i].double()
+            g = torch.zeros_like(trl) if g is None else g.double()
+            num += float(torch.sum((g - trl) ** 2))
+            den += float(torch.sum(trl**2))
+        gap = math.sqrt(num / den) if den > 0 else math.sqrt(num)
+        # ... against the gradient TRL's loss sent there: equal, the per-row pieces the hooks saw are the terms' parts.
+        if not gap <= _tolerance(ride.terms.dtype):
+            return (
+                f"the adapter's terms' gradient differs from TRL's loss gradient by {gap:.3e} (relative) at the "
+                "log-probabilities: the re-derived terms are not the loss TRL trained on"
+            )
+        ride.gap = gap
+        out = ride.rider.report(ride.partition_fn, partition_name=_partition_name(ride.cb.partition),
+                                readings=ride.readings, keep_grads=ride.keep_grads)
+        if isinstance(out, str) and "outside the layers the hooks cover" in out:
+            out = out.rstrip(".") + (
+                " (TRL's fused LM head computes the log-probabilities from `lm_head.weight` without calling the "
+                "layer; a run whose LM head is frozen, e.g. a LoRA adapter, rides along)"
+            )
+        return out
+
+    def lens_ride_result(self) -> Optional[Union[CreditReport, str]]:
+        """This step's reading from riding along, the reason it did not ride, or None (no audit this step)."""
+        r = self._lens_ride_result
+        return r[1] if r is not None and r[0] == int(self.state.global_step) else None
 
     def get_high_entropy_mask(self, entropies, mask, threshold):  # type: ignore[no-untyped-def]
         out = super().get_high_entropy_mask(entropies, mask, threshold)
@@ -431,12 +613,15 @@ class LensGRPOMixin:
         logits_to_keep = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [B, T]
 
-        # TRL's own forward, without its profiling wrapper (an audit is not a training forward).
-        fn = type(self)._get_per_token_logps_and_entropies
-        fn = getattr(fn, "__wrapped__", fn)
-        per_token_logps, entropies, _ = fn(
-            self, self.model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, compute_aux_loss=False
-        )  # [B, T], [B, T]
+        if self._lens_given_forward is not None:
+            per_token_logps, entropies = self._lens_given_forward  # [B, T], [B, T]: the training forward's, riding along
+        else:
+            # TRL's own forward, without its profiling wrapper (an audit is not a training forward).
+            fn = type(self)._get_per_token_logps_and_entropies
+            fn = getattr(fn, "__wrapped__", fn)
+            per_token_logps, entropies, _ = fn(
+                self, self.model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, compute_aux_loss=False
+            )  # [B, T], [B, T]
 
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:
@@ -541,6 +726,51 @@ class LensGRPOMixin:
         return terms, mask.bool(), completion_ids
 
 
+def _partition_name(spec: Any) -> str:
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative gap allowed between two roundings of one gradient in ``dtype``."""
+    return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 1e-2)
+
+
+class _RideModule(torch.nn.Module):
+    """What :class:`RideAlong` sees: the policy's layers and parameters under their own names, and ``credit_terms``."""
+
+    def __init__(self, model: torch.nn.Module, terms: Any) -> None:
+        super().__init__()
+        self.model = model
+        self._terms = terms
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # the policy's names, no "model." prefix
+        return self.model.named_parameters(*args, **kwargs)
+
+    def credit_terms(self, *args: Any) -> CreditTerms:
+        return self._terms(*args)
+
+
+@dataclass
+class _Ride:
+    """One micro-batch's audit riding on TRL's forward and backward."""
+
+    cb: Any
+    mb: MicroBatch
+    step: int
+    forward: Any
+    partition_fn: Any
+    keep_grads: bool
+    readings: str = "all"
+    rider: Any = None
+    returned: Optional[tuple] = None
+    terms: Optional[torch.Tensor] = None
+    mine: tuple = ()
+    trl_grads: dict = field(default_factory=dict)
+    extra_forwards: int = 0
+    error: Optional[str] = None
+    gap: Optional[float] = None
+
+
 def _unwrap_optimizer(optimizer: Any) -> Any:
     # accelerate's AcceleratedOptimizer holds the torch optimizer as `.optimizer`
     # (it subclasses torch.optim.Optimizer itself, so unwrap on the attribute, not on the type).
@@ -637,6 +867,12 @@ class LensTRLCallback(TrainerCallback):
         max_parts: log per-part shares for the first this-many parts (None: all; the Lightning callback's
             ``max_logged_parts`` default is the same 16). The report keeps every part.
         prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
+        ride_along: read the credit from TRL's own forward and backward (the one-pass engine's hooks on the
+            training step, :class:`~lens_callbacks.credit.engines.ghost.RideAlong`) where that is exact: one
+            process, no gradient accumulation, no mixed precision, every trained parameter in a layer the hooks
+            cover (TRL's fused LM head is not one: a trained LM head, full fine-tuning, falls back), and the
+            adapter's terms sending the same gradient into the forward as TRL's loss (checked every step). Any
+            other step takes the separate pass; ``ride_reason`` says why, and ``credit/ride_along`` logs 1 or 0.
     """
 
     def __init__(
@@ -651,6 +887,7 @@ class LensTRLCallback(TrainerCallback):
         max_parts: Optional[int] = 16,
         prefix: str = "credit/",
         conservation_prefix: str = "conservation/",
+        ride_along: bool = True,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step.")
@@ -670,6 +907,11 @@ class LensTRLCallback(TrainerCallback):
         self.max_parts = max_parts
         self.prefix = prefix
         self.conservation_prefix = conservation_prefix
+        self.ride_along = bool(ride_along)
+        #: Why the last audited step did not ride on TRL's backward (None: it did).
+        self.ride_reason: Optional[str] = None
+        self._ride_reasons_logged: set[str] = set()
+        self._ride_structural: Optional[str] = None
         self.trainer: Any = None
         self.last_report: Union[CreditReport, Refusal, None] = None
         self.last_conservation: Union[ConservationReading, Refusal, None] = None
@@ -838,6 +1080,18 @@ class LensTRLCallback(TrainerCallback):
         self.last_clip_coef = float(coef)
         if self._log is not None:
             self._log.values[f"{self.prefix}clip_coef"] = self.last_clip_coef
+        ride = tr.lens_ride_result()
+        if isinstance(ride, CreditReport) and not distributed:
+            self.ride_reason = None
+            if self._log is not None:
+                self._log.values[f"{self.prefix}ride_along"] = 1.0
+            return ride, None
+        self.ride_reason = ride if isinstance(ride, str) else "no ride-along reading was made this step"
+        if self._log is not None:
+            self._log.values[f"{self.prefix}ride_along"] = 0.0
+        if self.ride_along and self.ride_reason not in self._ride_reasons_logged and _is_main(tr):
+            self._ride_reasons_logged.add(self.ride_reason)
+            log.info("LensTRLCallback: the audit takes a separate pass: %s", self.ride_reason)
         model = tr.model
         # .grad with the clip divided out: one rounding in the gradient's dtype, no copy when nothing was clipped.
         # Under DDP it is the rank average the optimizer applies, the same on every rank.

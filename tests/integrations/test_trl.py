@@ -356,3 +356,89 @@ def test_a_moe_policy_with_an_aux_loss_is_refused_and_trains_on(tmp_path):
     assert refusal.numbers["router_aux_loss_coef"] == 0.01
     (_, reading), = cb.conservation_history  # held against .grad, which carries the aux loss
     assert isinstance(reading, ConservationReading) and reading.source == "grad"
+
+
+# --- riding on TRL's own forward and backward ---------------------------------------------------------
+
+
+def _same_readings(a, b, tol=1e-6):
+    assert a.part_names == b.part_names and a.n_trained == b.n_trained
+    for x, y in ((a.projected_share, b.projected_share), (a.norm_share, b.norm_share), (a.part_norm, b.part_norm)):
+        assert max(abs(u - v) / max(1.0, abs(v)) for u, v in zip(x, y)) <= tol, (x, y)
+    assert abs(a.cancellation - b.cancellation) <= tol * b.cancellation
+    assert abs(a.full_grad_norm - b.full_grad_norm) <= tol * b.full_grad_norm
+    assert a.conservation_error <= 1e-6 and b.conservation_error <= 1e-6
+    ga, gb = torch.tensor(a.gram, dtype=torch.float64), torch.tensor(b.gram, dtype=torch.float64)
+    assert torch.allclose(ga, gb, rtol=tol, atol=tol * float(gb.abs().max()))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "luspo"])  # dapo rides in the bit-identity test below
+def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, loss_type):
+    # accumulation 1, LoRA (the fused LM head is frozen), beta 0.1, entropy bonus, clipping, SGD.
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=1, per_device_train_batch_size=8, **HARD, **extra)
+    runs = {}
+    for ride in (True, False):
+        cb = LensTRLCallback(ride_along=ride)
+        torch.manual_seed(7)
+        runs[ride] = (cb, _train(policy_dir, tmp_path / str(ride), callbacks=[cb], **kw))
+    (rode, tr), (sep, _) = runs[True], runs[False]
+    assert rode.ride_reason is None and sep.ride_reason == "ride_along=False"
+    assert len(rode.history) == 2 == len(sep.history)
+    for (_, a), (_, b) in zip(rode.history, sep.history):
+        assert isinstance(a, CreditReport) and isinstance(b, CreditReport)
+        assert a.engine == "ghost+training_step" and b.engine.startswith("ghost")
+        assert a.n_parts == 8
+        _same_readings(a, b)
+    # step conservation holds the update against the ride-along parts' sum
+    for (_, x), (_, y) in zip(rode.conservation_history, sep.conservation_history):
+        assert isinstance(x, ConservationReading) and x.source == "credit_parts"
+        assert x.relative_error <= 1e-6 and abs(x.relative_error - y.relative_error) <= 1e-6
+    logged = [h["credit/ride_along"] for h in tr.state.log_history if "credit/ride_along" in h]
+    assert logged == [1.0, 1.0]
+
+
+def test_accumulation_two_and_full_fine_tuning_take_the_separate_pass_with_the_reason(policy_dir, tmp_path):
+    kw = dict(loss_type="grpo", max_steps=1, **HARD)
+    acc2 = LensTRLCallback()
+    _train(policy_dir, tmp_path / "acc2", callbacks=[acc2], **kw)  # accumulation 2, LoRA
+    full = LensTRLCallback()
+    _train(policy_dir, tmp_path / "full", callbacks=[full], lora=False, gradient_accumulation_steps=1,
+           per_device_train_batch_size=8, **kw)
+    for cb, why in ((acc2, "gradient accumulation 2"), (full, "fused LM head")):
+        (_, report), = cb.history
+        assert isinstance(report, CreditReport) and report.engine == "ghost", report
+        assert report.grad_match <= 1e-6
+        assert why in cb.ride_reason, cb.ride_reason
+
+
+def test_training_riding_along_is_bit_identical_to_training_without_the_adapter(policy_dir, tmp_path):
+    kw = dict(loss_type="dapo", max_steps=3, gradient_accumulation_steps=1, per_device_train_batch_size=8, **HARD)
+    torch.manual_seed(123)
+    plain = _train(policy_dir, tmp_path / "plain", cls=GRPOTrainer, **kw)
+    rng_plain = torch.get_rng_state()
+    torch.manual_seed(123)
+    cb = LensTRLCallback()
+    audited = _train(policy_dir, tmp_path / "audited", callbacks=[cb], **kw)
+    rng_audited = torch.get_rng_state()
+    assert cb.ride_reason is None and all(r.engine == "ghost+training_step" for _, r in cb.history)
+    a = dict(plain.model.named_parameters())
+    b = dict(audited.model.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert torch.equal(rng_plain, rng_audited)
+    losses = lambda tr: [h["loss"] for h in tr.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(plain) == losses(audited) and len(losses(plain)) == 3
+
+
+def test_a_wrong_normaliser_stops_the_ride_and_grad_match_catches_it(policy_dir, tmp_path):
+    # grpo's per-row token mean read with luspo's per-row sum: the terms' gradient at the log-probabilities
+    # is not the one TRL's loss sent there, so the step is read by the separate pass, where grad_match shows it.
+    cls = type("WrongNormaliser", (AuditedGRPO,), {"lens_loss_type": "luspo"})
+    cb = LensTRLCallback(conservation=False)
+    _train(policy_dir, tmp_path, cls=cls, callbacks=[cb], loss_type="grpo", max_steps=1, gradient_accumulation_steps=1,
+           per_device_train_batch_size=8, **HARD)
+    (_, report), = cb.history
+    assert "differs from TRL's loss gradient" in cb.ride_reason, cb.ride_reason
+    assert report.engine == "ghost" and report.grad_match > 0.1
