@@ -23,7 +23,7 @@ MiB = 1 << 20
 MANIFEST = {
     "schema": "lens_callbacks.record/1",
     "trajectory_schema": "lens_callbacks.trajectory/1",
-    "module": "examples.grpo_tools.module.GRPOToolsModule",
+    "module": "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule",
     "batch_builder": None,
     "init_args": {"dropout": 0.0, "dtype": "float32", "group_size": 2, "lr": 0.05, "max_new_tokens": 6, "max_tool_calls": 2,
                   "momentum": 0.0, "n_embd": 32, "n_head": 2, "n_layer": 2, "optimizer": "sgd", "padding_side": "right",
@@ -173,11 +173,11 @@ trainer:
   accelerator: cpu
   logger: false
 model:
-  class_path: examples.grpo_tools.module.GRPOToolsModule
+  class_path: lens_callbacks.examples.grpo_tools.module.GRPOToolsModule
   init_args:
     n_layer: 2
 data:
-  class_path: examples.grpo_tools.module.ToolsAdditionDataModule
+  class_path: lens_callbacks.examples.grpo_tools.module.ToolsAdditionDataModule
 """
 
 

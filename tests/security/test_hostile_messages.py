@@ -76,7 +76,7 @@ def test_a_trusted_but_wrong_batch_builder_names_the_field(heavy, record, tmp_pa
     pytest.importorskip("transformers")
     rec = _copy(record, tmp_path)
     m = json.loads((rec / "record.json").read_text())
-    m["batch_builder"] = "examples.grpo_tools.single_turn.grpo_rollout_batch"
+    m["batch_builder"] = "lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch"
     (rec / "record.json").write_text(json.dumps(m))
     r = heavy.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60)
     F.refused(r, "messages", "record.json", "`batch_builder`", "step_000000.jsonl")
