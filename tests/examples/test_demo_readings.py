@@ -159,6 +159,7 @@ def test_demo_policy_learns_the_sums_not_one_answer(demo):
 
     # The trained policy's greedy answer to every prompt of the task: more than one answer (no collapse
     # onto the most frequent sum), and right on more prompts than any single answer could be.
+    import torch
     import yaml
 
     from lens_callbacks.examples.grpo import GRPOModule
@@ -166,8 +167,6 @@ def test_demo_policy_learns_the_sums_not_one_answer(demo):
     (ckpt,) = sorted((run.run_dir / "checkpoints").glob("*.ckpt"))
     module = GRPOModule.load_from_checkpoint(ckpt, map_location="cpu")
     m = yaml.safe_load((ROOT / "cli_configs" / "grpo_credit.yaml").read_text())["data"]["init_args"]["max_operand"]
-    import torch
-
     pairs = torch.cartesian_prod(torch.arange(m + 1), torch.arange(m + 1))  # [(m+1)², 2]
     answers = module.greedy_answers(pairs)
     sums = [str(a + b) for a, b in pairs.tolist()]
