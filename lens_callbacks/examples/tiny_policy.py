@@ -39,12 +39,14 @@ def tiny_gpt2(
     pad_id: int,
     seed: int,
     dtype: str,
+    init_std: float = 0.02,
 ) -> torch.nn.Module:
     """A ``GPT2LMHeadModel`` whose initial weights depend on ``seed`` only.
 
     The weights are drawn from the CPU generator seeded with ``seed`` inside ``fork_rng``, so the
     global random stream (CPU and CUDA) is the same before and after. Attention is the eager (math)
     implementation, which behaves the same in float32 and float64, with dropout, and under forward AD.
+    ``init_std`` is GPT-2's ``initializer_range`` (the std of the initial weights; 0.02 is GPT-2's own).
     """
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -60,6 +62,7 @@ def tiny_gpt2(
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
+        initializer_range=init_std,
     )
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):

@@ -172,11 +172,21 @@ def test_optimizer_choice(opt, cls):
 @pytest.mark.parametrize(
     "kw,needle",
     [({"optimizer": "rmsprop"}, "'rmsprop'"), ({"dtype": "bfloat16"}, "'bfloat16'"), ({"group_size": 1}, "`group_size`"),
-     ({"temperature": 0.0}, "`temperature`"), ({"n_embd": 30, "n_head": 4}, "n_embd=30")],
+     ({"temperature": 0.0}, "`temperature`"), ({"n_embd": 30, "n_head": 4}, "n_embd=30"),
+     ({"init_std": 0.0}, "`init_std`.*0.0"), ({"init_std": "wide"}, "`init_std`.*'wide'")],
 )
 def test_module_errors_name_the_bad_value(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         GRPOModule(**{**SMALL, **kw})
+
+
+def test_init_std_is_the_spread_of_the_initial_weights():
+    # GPT-2 draws its embeddings from N(0, initializer_range²): the sample std of the token embedding
+    # (15 × n_embd values) follows the option, and the default stays GPT-2's own 0.02.
+    for std in (0.02, 0.1):
+        kw = {} if std == 0.02 else {"init_std": std}
+        wte = GRPOModule(**SMALL, **kw).policy.transformer.wte.weight.detach().double()  # [V, D]
+        assert wte.std().item() == pytest.approx(std, rel=0.15), (std, wte.std().item())
 
 
 def test_datamodule_is_seeded_and_checks_its_arguments():

@@ -112,6 +112,9 @@ class GRPOModule(LightningModule):
         lr, momentum, weight_decay: optimizer settings (``momentum`` is used by SGD only).
         seed: seeds the policy's initial weights (the global RNG is left alone).
         dtype: ``"float32"`` or ``"float64"`` policy weights.
+        init_std: std of the initial weights (GPT-2's ``initializer_range``; 0.02 is GPT-2's own). A wider
+            start (0.1, the demo's) gives a policy whose outputs already depend on the prompt, so GRPO
+            can learn per-prompt answers before the shared bias toward one answer takes over.
     """
 
     def __init__(
@@ -129,9 +132,12 @@ class GRPOModule(LightningModule):
         weight_decay: float = 0.0,
         seed: int = 0,
         dtype: str = "float32",
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         check_policy_args(optimizer, dtype, n_embd, n_head)
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not init_std > 0:
+            raise ValueError(f"`init_std` must be a float > 0 (0.02 is GPT-2's own), got {init_std!r}.")
         if not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"`group_size` must be an int >= 2 (a group needs a baseline), got {group_size!r}.")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -147,7 +153,7 @@ class GRPOModule(LightningModule):
         self.unk_id = self.tokenizer.convert_tokens_to_ids(UNK)
         self.policy = tiny_gpt2(
             vocab_size=len(self.tokenizer), n_positions=16, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-            dropout=dropout, eos_id=self.eos_id, pad_id=self.pad_id, seed=seed, dtype=dtype,
+            dropout=dropout, eos_id=self.eos_id, pad_id=self.pad_id, seed=seed, dtype=dtype, init_std=float(init_std),
         )
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
