@@ -102,7 +102,7 @@ class ArmsRecorder(Callback):
                     "note": f"not counted: {type(strategy).__name__} has no byte counter "
                             "(lens_callbacks.callbacks.PowerSGDStrategy counts it)"}
         mine = torch.tensor([float(counter.bytes_total)], dtype=torch.float64)
-        per_rank = [int(b) for b in strategy_collectives(trainer).gather(mine).reshape(-1).tolist()]
+        per_rank = [int(b) for b in strategy_collectives(trainer).all_gather(mine).reshape(-1).tolist()]
         return {**info, "bytes": sum(per_rank), "per_rank": per_rank, "per_step": self.grad_comm_steps,
                 "note": "", **strategy.grad_comm_info()}
 
