@@ -75,6 +75,38 @@ def _preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def detached_state(
+    module: nn.Module,
+    target: Optional[torch.dtype],
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+    requires_grad: bool = True,
+) -> tuple[list[str], list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Detached (cast to ``target`` when given) copies of the module's parameters and floating buffers.
+
+    Returns ``(names, leaves, state)``: the trainable parameters' names and their fresh leaves, and the
+    state for :func:`torch.func.functional_call` on a :class:`_TermsCall` (keys ``"inner." + name``).
+    ``params`` (name → tensor) stands in for the live value of the parameters it names.
+    """
+    names: list[str] = []
+    leaves: list[torch.Tensor] = []
+    state: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        q = (params[name] if params is not None and name in params else p).detach()
+        if target is not None and q.is_floating_point() and q.dtype != target:
+            q = q.to(target)
+        if p.requires_grad:
+            # A fresh leaf over the same storage (or the cast copy): gradients land here, never in p.grad.
+            q = q.detach().requires_grad_(requires_grad)
+            names.append(name)
+            leaves.append(q)
+        state["inner." + name] = q
+    if target is not None:
+        for name, b in module.named_buffers():
+            if b.is_floating_point() and b.dtype != target:
+                state["inner." + name] = b.to(target)
+    return names, leaves, state
+
+
 def evaluate_terms(
     module: nn.Module,
     batch: Any,
@@ -96,27 +128,11 @@ def evaluate_terms(
             f"got {type(module).__name__} without it; or pass `terms_fn`."
         )
     target = resolve_dtype(dtype)
-    names: list[str] = []
-    leaves: list[torch.Tensor] = []
-    state: dict[str, torch.Tensor] = {}
     if params is not None:
         unknown = sorted(set(params) - {n for n, _ in module.named_parameters()})
         if unknown:
             raise ValueError(f"`params` must name parameters of the module, got unknown names {unknown[:5]!r}.")
-    for name, p in module.named_parameters():
-        q = (params[name] if params is not None and name in params else p).detach()
-        if target is not None and q.is_floating_point() and q.dtype != target:
-            q = q.to(target)
-        if p.requires_grad:
-            # A fresh leaf over the same storage (or the cast copy): gradients land here, never in p.grad.
-            q = q.detach().requires_grad_(True)
-            names.append(name)
-            leaves.append(q)
-        state["inner." + name] = q
-    if target is not None:
-        for name, b in module.named_buffers():
-            if b.is_floating_point() and b.dtype != target:
-                state["inner." + name] = b.to(target)
+    names, leaves, state = detached_state(module, target, params)
     used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
     wrapper = _TermsCall(module, fn)
     with torch.enable_grad():

@@ -47,6 +47,7 @@ from ...refusal import Refusal
 from .conservation import UNIT_ROUNDOFF
 from .derived import coarsening
 from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
+from ..primitives import detached_state
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from .step_readings import RecordingPartition
 from ..inputs.terms import CreditTerms
@@ -309,21 +310,7 @@ def probe_value_and_grad(
     every evaluation draws the same random numbers (the same dropout masks), so a value before and after a
     step differ by the parameters only.
     """
-    target = resolve_dtype(dtype)
-    leaves: list[torch.Tensor] = []
-    state: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters():
-        q = (params[name] if params is not None and name in params else p).detach()
-        if target is not None and q.is_floating_point() and q.dtype != target:
-            q = q.to(target)
-        if p.requires_grad:
-            q = q.detach().requires_grad_(grad)
-            leaves.append(q)
-        state["inner." + name] = q
-    if target is not None:
-        for name, b in module.named_buffers():
-            if b.is_floating_point() and b.dtype != target:
-                state["inner." + name] = b.to(target)
+    _, leaves, state = detached_state(module, resolve_dtype(dtype), params, requires_grad=grad)
     with _seeded(module, seed), torch.set_grad_enabled(grad):
         with forward_context() if forward_context is not None else contextlib.nullcontext():
             out = torch.func.functional_call(_TermsCall(module, probe), state, (batch,), strict=False)
