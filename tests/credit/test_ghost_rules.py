@@ -103,12 +103,13 @@ def test_the_batch_repeats_tokens_within_and_across_rows_and_pads():
     assert bool((tokens == 0).any())  # padding ids
 
 
+@pytest.mark.parametrize("route", ["auto", "direct", "ghost"])
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
 @pytest.mark.parametrize("readings", ["all", "shares"])
-def test_embedding_and_head_equal_the_reference(tie, partition, readings):
+def test_embedding_and_head_equal_the_reference(tie, partition, readings, route):
     module, batch = VocabPolicy(tie=tie), vocab_batch()
-    ref, got = both(module, batch, partition, readings)
+    ref, got = both(module, batch, partition, readings, route=route)
     assert_same(ref, got)
     cov = dict(got.coverage)
     assert "fallback" not in cov, cov
@@ -116,10 +117,12 @@ def test_embedding_and_head_equal_the_reference(tie, partition, readings):
     assert cov[key] >= V * 8
 
 
+@pytest.mark.parametrize("route", ["direct", "ghost"])
 @pytest.mark.parametrize("readings", ["projected", "all"])
-def test_small_memory_budget_blocks_the_row_pairs(readings):
+def test_small_memory_budget_blocks_the_row_pairs(readings, route):
+    # a budget of 64 elements: the direct route reads the tied head one vocabulary row at a time
     module, batch = VocabPolicy(tie=True), vocab_batch()
-    ref, got = both(module, batch, "by_group", readings, memory_budget=64)
+    ref, got = both(module, batch, "by_group", readings, memory_budget=64, route=route)
     for a, b in zip(ref.projected_share, got.projected_share):
         assert abs(a - b) <= TOL
     if readings == "all":

@@ -49,7 +49,7 @@ from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, ev
 from ..report import CreditGrads, CreditReport, share_readings
 from ..inputs.terms import CreditTerms, validate_terms
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, ghost_eligible, ghost_param, sparse_only
+from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, sparse_only
 from .rules import Rule, find_rule
 from .reductions import diff_sq64, dots64, gram64, row_sq64, sq64
 
@@ -746,16 +746,22 @@ class _Reducer:
         half = max(1, self.budget // 2)
         chunks = _chunks(self.rows_per_part, p.numel(), half)
         route = choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route, diag=acc.sq is not None)
-        if route == "ghost":
+        target = None if self.onto is None else self.onto[i]
+        if route == "ghost" or ghost_eligible(us, p):
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])
-            total, diff = ghost_param(us, g, self.sel_dst[0], self.sel_dst[1], self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p, keep_total=self.keep_sum,
-                                      target=None if self.onto is None else self.onto[i])
+            sel, dst = self.sel_dst
+            if route == "ghost":
+                total, diff = ghost_param(us, g, sel, dst, self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
+                                          keep_total=self.keep_sum, target=target)
+            else:  # the direct route on an Lᵀ R weight: every part's pieces, a block of the weight's rows at a time
+                total, diff = direct_param(us, g, sel, dst, self.m, self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
+                                           keep_total=self.keep_sum, target=target)
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
-            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum, None if self.onto is None else self.onto[i])
+            self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum, target)
         key = "+".join(sorted({u.rule for u in us}))
         self.coverage[key] = self.coverage.get(key, 0) + p.numel()
         self.done.add(i)

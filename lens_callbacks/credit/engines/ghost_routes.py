@@ -4,8 +4,10 @@ A weight ``W`` of a ``Linear`` (or transformers' ``Conv1D``) gets from row ``k``
 ``g_k = L_kᵀ R_k`` with ``L_k`` ``[n, d_L]`` and ``R_k`` ``[n, d_R]`` (``Linear``: ``L = B``, the output
 gradient, ``R = A``, the input; ``Conv1D``: ``L = A``, ``R = B``). Two exact ways to read it:
 
-- **direct**: form every ``g_k`` (a batched product, ``r·n·d_L·d_R`` multiply-adds and a ``[c, d_L, d_R]``
-  chunk of pieces), then ``<g_S, G>``, ``Σ_S g_S`` and the Gram ``<g_S, g_S'>`` from them (``m²·d_L·d_R``);
+- **direct**: form every part's ``g_S`` a block of ``W``'s rows at a time (a batched product over the
+  block, ``r·n·d_L·d_R`` multiply-adds in all; a block holds at most ``2²¹`` elements and at most ``W``'s
+  own size), and read ``<g_S, G>``, ``Σ_S g_S − g_full`` and the norms or the Gram (``m²·d_L·d_R``) from
+  the block while it is in cache; no ``[m, d_L, d_R]`` buffer exists and no piece is formed twice;
 - **ghost**: never form a per-row piece:
 
   - ``<g_k, G> = Σ_t L_kt · (G R_kt)`` (one product ``R G ᵀ`` over all rows, ``r·n·d_L·d_R``),
@@ -16,19 +18,17 @@ gradient, ``R = A``, the input; ``Conv1D``: ``L = A``, ``R = B``). Two exact way
     one row.
 
 The ghost Gram wins when rows are short against the layer's width (``n² (d_L + d_R) < d_L d_R``
-roughly); the direct route wins on long rows, and its pieces must be recomputed for every pair of chunks
-when they do not fit in one chunk of the memory budget. :func:`choose_route` compares the two counts
-per parameter, including that recomputation; for projected shares alone (no Gram) the direct route is
-cheaper by count unless its pieces would not fit in one chunk, where the ghost route is taken because it
-holds no ``d_L × d_R`` piece per row at all (its temporaries are activation-sized).
+roughly); the direct route wins on long rows, where it costs one product where the ghost route costs two
+(its dots and its ``Σ_S g_S``). :func:`choose_route` compares the two counts per parameter.
 
 An ``nn.Embedding`` weight ``E`` ``[V, d]`` gets from row ``k`` the piece ``Σ_t e_{id_kt} ⊗ G_kt``: the
 same shape with a one-hot left factor, held as the token ids themselves. Its readings need no ``[V, d]``
 piece per row: ``<g_k, W> = Σ_t G_kt · W[id_kt]`` (a gather), ``Σ_k g_k`` is one ``index_add`` and the
 row pairs' left Gram is token equality, ``[id_kt = id_ls]``, so ``‖g_k‖² = Σ_{t,s: id_t = id_s} G_t·G_s``.
-A tied embedding / LM head (one parameter, both uses) is read the same way with the exact cross term:
-the left Gram of an embedding use against a head use is a gather of the head's output gradient,
-``B_ls[id_kt]``. An embedding is always read so (the dense route would build ``[c, V, d]`` pieces).
+A tied embedding / LM head (one parameter, both uses) is read either way: on the ghost route with the
+exact cross term (the left Gram of an embedding use against a head use is a gather of the head's output
+gradient, ``B_ls[id_kt]``), on the direct route by adding each block's tokens into the head's block of
+pieces (``index_add``). An embedding alone is always read by the ghost route (a gather per token).
 
 Every dot and squared norm is accumulated in float64 (products in the pieces' dtype).
 """
@@ -39,18 +39,23 @@ from typing import Optional, Sequence
 
 import torch
 
-from .reductions import diff_sq64, sq64
+from .reductions import diff_sq64, row_sq64, sq64
 from .rules import Factors, rule_of
 
 ROUTES = ("auto", "direct", "ghost")
 
-# Multiply-adds one element moved through memory (written, zeroed or read) is worth on a CPU core: the
-# direct route's per-row pieces are written and read several times, the ghost route's temporaries are
-# activation-sized.
+# Multiply-adds one element moved through memory (written, zeroed or read) is worth on a CPU core: a
+# parameter-sized sum out of cache (MOVE_COST), a block of pieces still in cache (BLOCK_MOVE_COST).
 MOVE_COST = 8.0
+BLOCK_MOVE_COST = 2.0
 
 # Elements of one block of a ghost dot's products (float32 products, float64 sums).
 _DOT_BLOCK = 1 << 22
+
+# Elements of one block of every part's pieces on the direct route (a few MB: formed, reduced and
+# dropped while they are still in cache).
+_PIECE_BLOCK = 1 << 21
+_SMALL_BLOCK = 1 << 18  # a small weight's pieces are formed whole, whatever its size against the block
 
 
 def _positions(u) -> int:
@@ -68,42 +73,55 @@ def ghost_eligible(uses: Sequence, param: torch.Tensor) -> bool:
     return bool(uses) and all(factored(u, param) for u in uses)
 
 
+def _index_use(u, param: torch.Tensor) -> bool:
+    """Whether ``u``'s factors of ``param`` are token ids (an embedding use)."""
+    return rule_of(u).factors_only and rule_of(u).has_factors(u, param)
+
+
 def sparse_only(uses: Sequence, param: torch.Tensor) -> bool:
     """``param`` has a use whose rule reads it only by factors (an embedding: no ``[c, V, d]`` pieces)."""
-    return any(rule_of(u).factors_only and rule_of(u).has_factors(u, param) for u in uses)
+    return any(_index_use(u, param) for u in uses)
 
 
 def route_costs(
     uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, diag: bool = False
 ) -> tuple[float, float]:
-    """Cost of the (direct, ghost) routes for one parameter: multiply-adds plus ``MOVE_COST`` per element
-    the route moves through memory beyond the activations.
+    """Cost of the (direct, ghost) routes for one parameter: multiply-adds plus a cost per element the
+    route moves through memory beyond the activations.
+
+    The direct route forms every part's pieces a block of the weight's rows at a time (see
+    :func:`direct_param`): each piece is written once and read while in cache (``BLOCK_MOVE_COST`` per
+    element), and no piece is formed twice, whatever the Gram or the memory budget.
 
     Args:
         uses: the parameter's captured uses (all eligible).
         param: the weight, ``[d_L, d_R]``.
         rows: rows that belong to some part.
         m: number of parts.
-        n_chunks: chunks of parts the direct route needs under the memory budget.
+        n_chunks: unused (the direct route's blocks hold every part); kept for callers.
         gram: whether the Gram is wanted (``readings="all"``).
         diag: whether each part's squared norm alone is wanted (``readings="shares"``).
     """
     dL, dR = param.shape
     P = dL * dR
-    ns = [_positions(u) for u in uses if u.b is not None]
-    prod = float(sum(rows * n * P for n in ns))
-    # With the Gram, chunk i's pieces are built once and then once more for every later chunk j.
-    redo = (n_chunks + 1) / 2 if gram and n_chunks > 1 else 1.0
-    direct = prod * redo + 2.0 * m * P + (float(m) * m * P if gram else 0.0) + (float(m) * P if diag else 0.0)
-    # pieces written (and zeroed when rows share a part), read for the dots, the sum, and the norms
-    moved = float(len(ns)) * rows * P * redo + (m * P if rows != m else 0.0) + 2.0 * m * P + (m * P if gram or diag else 0.0)
-    direct += MOVE_COST * moved
+    live = [u for u in uses if u.b is not None]
+    dense = [_positions(u) for u in live if not _index_use(u, param)]
+    index = [_positions(u) for u in live if _index_use(u, param)]
+    prod = float(sum(rows * n * P for n in dense))  # the per-row products of the dense uses
+    scatter = float(sum(rows * n * dR for n in index))  # a token-id use: one d_R-row per token
+    reads = 2.0 * m * P + (float(m) * m * P if gram else 0.0) + (float(m) * P if diag else 0.0)
+    direct = prod + scatter + reads
+    written = float(len(dense)) * rows * P + (m * P if rows != m or index or not dense else 0.0)
+    direct += BLOCK_MOVE_COST * (written + 2.0 * m * P + (m * P if gram or diag else 0.0))
     pairs = 0.0
+    ns = dense + index
+    width = [dL + dR + 1] * len(dense) + [dR + 1] * len(index)  # a token-id left Gram is an equality test
     if gram or (diag and rows != m):  # several rows to a part: every row pair is formed, then summed per part
-        pairs = float(sum(rows * rows * a * b * (dL + dR + 1) for a in ns for b in ns))
+        pairs = float(sum(rows * rows * a * b * min(wa, wb) for a, wa in zip(ns, width) for b, wb in zip(ns, width)))
     elif diag:  # one row to a part: the pairs of a row with itself
-        pairs = float(sum(rows * a * b * (dL + dR + 1) for a in ns for b in ns))
-    ghost = 2.0 * prod + pairs + MOVE_COST * 2.0 * P  # Σ_S g_S written and read once
+        pairs = float(sum(rows * a * b * min(wa, wb) for a, wa in zip(ns, width) for b, wb in zip(ns, width)))
+    # the dots (one product per dense use, a gather per token-id use) and Σ_S g_S (the same again)
+    ghost = 2.0 * (prod + scatter) + pairs + MOVE_COST * 2.0 * P  # Σ_S g_S written and read once
     return direct, ghost
 
 
@@ -111,15 +129,13 @@ def choose_route(
     uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, route: str, diag: bool = False
 ) -> str:
     """``"direct"`` or ``"ghost"`` for this parameter (``route`` forces one where the ghost identities apply;
-    a parameter with an embedding use is always read by the ghost route)."""
+    a parameter whose every use is an embedding's is always read by the ghost route: a gather per token)."""
     if not ghost_eligible(uses, param):
         return "direct"
-    if sparse_only(uses, param):
+    if all(_index_use(u, param) for u in uses):
         return "ghost"
     if route in ("direct", "ghost"):
         return route
-    if not gram and not diag and n_chunks > 1:
-        return "ghost"  # the pieces do not fit one chunk: read the layer without forming any
     direct, ghost = route_costs(uses, param, rows, m, n_chunks, gram, diag)
     return "ghost" if ghost < direct else "direct"
 
@@ -200,6 +216,119 @@ def _left_pairs_rowwise(u: Factors, v: Factors, k0: int, k1: int) -> torch.Tenso
         ids = v.L[k0:k1]  # [kb, n_v]
         return torch.gather(u.L[k0:k1], 2, ids[:, None, :].expand(-1, u.L.shape[1], -1))
     return torch.bmm(u.L[k0:k1], v.L[k0:k1].transpose(1, 2))
+
+
+_COLS = 1 << 10
+
+
+def _col_blocks(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``[m, N]`` block as ``[nb, m, 2¹⁰]`` column blocks (a view of the contiguous block) and its ``[m, N mod 2¹⁰]`` tail."""
+    m, N = P.shape
+    nb = N // _COLS
+    P = P.contiguous()
+    return P[:, : nb * _COLS].view(m, nb, _COLS).transpose(0, 1), P[:, nb * _COLS :]
+
+
+def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``P w`` (``[m]``) and ``P Pᵀ`` (``[m, m]``, or its diagonal with ``diag``; None with neither) of a
+    ``[m, N]`` block, float64: float32 products over ``2¹⁰`` columns at a time, summed in float64.
+
+    Matrix products read the block without writing a temporary of its size; a float32 product over the
+    whole block would drift by ~1e-7 (a head's rows nearly cancel against ``g_full``: ``p − e_y``). With
+    ``diag`` and many parts the squares are summed elementwise instead (the Gram would cost ``m×`` the work).
+    """
+    if P.dtype == torch.float64:
+        G = P @ P.T if gram or diag else None
+        return P @ w.reshape(-1), (G.diagonal().clone() if diag and G is not None else G)
+    m = P.shape[0]
+    body, tail = _col_blocks(P)  # [nb, m, cols], [m, tail]
+    wb, wt = _col_blocks(w.reshape(1, -1).to(P.dtype))  # [nb, 1, cols], [1, tail]
+    dots = torch.bmm(body, wb.transpose(1, 2)).double().sum(0)[:, 0] + (tail @ wt.T).double()[:, 0]  # [m]
+    if not gram and not diag:
+        return dots, None
+    if diag and m > 16:
+        return dots, row_sq64(P)
+    G = torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m, m]
+    return dots, (G.diagonal().clone() if diag and not gram else G)
+
+
+def direct_param(
+    uses: Sequence,
+    g_full: torch.Tensor,
+    sel: torch.Tensor,
+    dst: torch.Tensor,
+    m: int,
+    B: int,
+    dots: torch.Tensor,
+    gram: Optional[torch.Tensor],
+    budget: int,
+    sq: Optional[torch.Tensor] = None,
+    target: Optional[torch.Tensor] = None,
+    param: Optional[torch.Tensor] = None,
+    keep_total: bool = True,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """One ``Lᵀ R`` weight read by the direct route, a block of the weight's rows at a time.
+
+    Every part's piece of rows ``lo:hi`` (``[m, hi-lo, d_R]``: a batched product per dense use, an
+    ``index_add`` of the tokens in ``lo:hi`` per token-id use) is formed, reduced (dots, norms or Gram,
+    its share of ``Σ_S g_S − g_full``) while it is small enough to stay in cache, and dropped: no
+    ``[m, d_L, d_R]`` buffer, and no piece built twice for the Gram, whatever ``m``. Same arguments and
+    return as :func:`ghost_param` (``m``: the number of parts).
+    """
+    param = uses[0].weight if param is None else param
+    facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
+    r = int(sel.numel())
+    if r == 0 or not facs:
+        return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
+    dL, dR = param.shape
+    dtype = facs[0].R.dtype
+    W = g_full if target is None else target
+    in_order = r == m and bool((dst == torch.arange(m, device=dst.device)).all())
+    # at most the weight's own size in pieces (a vocabulary's [m, V, d] never exists) and a few MB
+    cap = min(max(1, budget), _PIECE_BLOCK, max(dL * dR, _SMALL_BLOCK))
+    vb = max(1, cap // max(1, m * dR))  # weight rows per block
+    starts = list(range(0, dL, vb))
+    dense = [f for f in facs if not f.index]
+    tokens = []  # per token-id use: ids sorted, their values and parts, and where each block's ids begin
+    for f in facs:
+        if f.index:
+            ids = f.L.reshape(-1)  # [r·n]
+            order = torch.argsort(ids, stable=True)
+            ids_s = ids[order]
+            part = dst.repeat_interleave(f.L.shape[1])[order]  # [r·n]
+            edges = torch.searchsorted(ids_s, torch.tensor(starts + [dL], device=ids.device)).tolist()
+            tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(dtype), part, edges))
+    total = torch.empty(g_full.shape, dtype=dtype, device=g_full.device) if keep_total else None
+    diff = torch.zeros((), dtype=torch.float64, device=g_full.device)
+    for j, lo in enumerate(starts):
+        hi = min(dL, lo + vb)
+        P: Optional[torch.Tensor] = None
+        for f in dense:
+            prod = torch.bmm(f.L[:, :, lo:hi].transpose(1, 2), f.R.to(f.L.dtype))  # [r, hi-lo, d_R]
+            if in_order:
+                P = prod if P is None else P.add_(prod)
+            else:
+                if P is None:
+                    P = torch.zeros((m, hi - lo, dR), dtype=prod.dtype, device=prod.device)
+                P.index_add_(0, dst, prod)
+        if P is None:
+            P = torch.zeros((m, hi - lo, dR), dtype=dtype, device=g_full.device)
+        for ids_s, vals, part, edges in tokens:
+            a, b = edges[j], edges[j + 1]
+            if b > a:  # the tokens of this block, each into its part's row of the piece
+                P.view(-1, dR).index_add_(0, part[a:b] * (hi - lo) + (ids_s[a:b] - lo), vals[a:b].to(P.dtype))
+        P2 = P.view(m, -1)  # [m, (hi-lo)·d_R]
+        d, G = _fine_products(P2, W[lo:hi], gram is not None, gram is None and sq is not None)
+        dots += d
+        if gram is not None:
+            gram += G
+        elif sq is not None:
+            sq += G
+        s = P2.sum(0) if m == 1 else torch.ones(m, dtype=P2.dtype, device=P2.device) @ P2  # [(hi-lo)·d_R]
+        diff += diff_sq64(s, g_full[lo:hi])
+        if total is not None:
+            total[lo:hi] = s.view(hi - lo, dR)
+    return (None if total is None else total.to(g_full.dtype)), diff
 
 
 def ghost_param(
