@@ -258,6 +258,38 @@ def _scalar(v: Any) -> Any:
     return v
 
 
+def trainer_preconditions(
+    purpose: str, gradient_clip_val: Optional[float], accumulate_grad_batches: int, step_skipped: bool, remedy: str
+) -> Optional[Refusal]:
+    """The trainer's settings a reading of the applied update needs (``purpose``: e.g. "for probe credit"):
+    no clipping, no accumulation, a step that was taken; the first one broken as a :class:`Refusal`, else None."""
+    if gradient_clip_val is not None and gradient_clip_val != 0:
+        return Refusal(
+            "gradient_clip_val",
+            f"`gradient_clip_val` must be None or 0 {purpose}, got {gradient_clip_val!r}: "
+            "clipping rescales the gradient after it is read.",
+            numbers={"gradient_clip_val": gradient_clip_val},
+            remedy=remedy,
+        )
+    if accumulate_grad_batches != 1:
+        return Refusal(
+            "accumulate_grad_batches",
+            f"`accumulate_grad_batches` must be 1 {purpose}, got {accumulate_grad_batches!r}: "
+            "the step applies gradients of batches the reading did not see.",
+            numbers={"accumulate_grad_batches": accumulate_grad_batches},
+            remedy=remedy,
+        )
+    if step_skipped:
+        return Refusal(
+            "step_skipped",
+            "the optimizer step was skipped (the GradScaler found inf/NaN gradients), so there is no update "
+            "to read.",
+            numbers={"step_skipped": 1},
+            remedy="nothing to do: the next step that is taken is read as usual.",
+        )
+    return None
+
+
 def exact_optimizer_precondition(
     optimizer: Any,
     *,
@@ -318,30 +350,9 @@ def exact_optimizer_precondition(
                     numbers={"param_group": i, key: value},
                     remedy=_REMEDY,
                 )
-    if gradient_clip_val is not None and gradient_clip_val != 0:
-        return Refusal(
-            "gradient_clip_val",
-            f"`gradient_clip_val` must be None or 0 for the step to conserve, got {gradient_clip_val!r}: "
-            "clipping rescales the gradient after it is read.",
-            numbers={"gradient_clip_val": gradient_clip_val},
-            remedy=_REMEDY,
-        )
-    if accumulate_grad_batches != 1:
-        return Refusal(
-            "accumulate_grad_batches",
-            f"`accumulate_grad_batches` must be 1 for the step to conserve, got {accumulate_grad_batches!r}: "
-            "the step applies gradients of batches the reading did not see.",
-            numbers={"accumulate_grad_batches": accumulate_grad_batches},
-            remedy=_REMEDY,
-        )
-    if step_skipped:
-        return Refusal(
-            "step_skipped",
-            "the optimizer step was skipped (the GradScaler found inf/NaN gradients), so there is no update "
-            "to read.",
-            numbers={"step_skipped": 1},
-            remedy="nothing to do: the next step that is taken is read as usual.",
-        )
+    refused = trainer_preconditions("for the step to conserve", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY)
+    if refused is not None:
+        return refused
     lrs = [_scalar(g["lr"]) for g in optimizer.param_groups]
     return True, f"torch.optim.SGD, {len(lrs)} param group(s), lr {lrs}, no clipping, no accumulation"
 

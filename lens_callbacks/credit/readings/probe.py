@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ...refusal import Refusal
-from .conservation import UNIT_ROUNDOFF
+from .conservation import UNIT_ROUNDOFF, trainer_preconditions
 from .derived import coarsening
 from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
 from ..primitives import detached_state
@@ -163,25 +163,9 @@ def optimizer_update_map(
             numbers={"optimizer": name},
             remedy=_REMEDY,
         )
-    if gradient_clip_val is not None and gradient_clip_val != 0:
-        return Refusal(
-            "gradient_clip_val",
-            f"`gradient_clip_val` must be None or 0 for probe credit, got {gradient_clip_val!r}: clipping rescales "
-            "the gradient after it is read.",
-            numbers={"gradient_clip_val": gradient_clip_val},
-            remedy=_REMEDY,
-        )
-    if accumulate_grad_batches != 1:
-        return Refusal(
-            "accumulate_grad_batches",
-            f"`accumulate_grad_batches` must be 1 for probe credit, got {accumulate_grad_batches!r}: the step applies "
-            "gradients of batches the reading did not see.",
-            numbers={"accumulate_grad_batches": accumulate_grad_batches},
-            remedy=_REMEDY,
-        )
-    if step_skipped:
-        return Refusal("step_skipped", "the optimizer step was skipped, so there is no update to read.",
-                       numbers={"step_skipped": 1}, remedy="nothing to do: the next step taken is read as usual.")
+    refused = trainer_preconditions("for probe credit", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY)
+    if refused is not None:
+        return refused
     grads = [p.grad for p in params] if grads is None else list(grads)
     if len(grads) != len(params):
         raise ValueError(f"`grads` must hold one entry per parameter ({len(params)}), got {len(grads)}.")
