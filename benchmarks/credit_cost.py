@@ -155,6 +155,19 @@ def make_batch(m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, adv, trained
 
 
+def vmap_row_grads(policy: "Policy", named, ids: torch.Tensor, adv: torch.Tensor, trained: torch.Tensor, z) -> dict[str, torch.Tensor]:
+    """The peer torch.func offers: every row's gradient by ``vmap(grad)`` of the row's own loss, name → ``[m, *shape]``."""
+    params = {n: p.detach() for n, p in named}
+
+    def row_loss(p, row_ids, a, tr):
+        logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
+        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
+        return -(a * lp * tr[1:]).sum() / z
+
+    with torch.random.fork_rng(devices=[]):
+        return torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+
+
 def readings_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dots with g_full and the Gram from an ``[m, |θ|]`` matrix of per-row gradients (what the peers give)."""
     g_full = rows.sum(0)  # [|θ|]
@@ -199,15 +212,7 @@ def measure(
         return out
 
     def vmap_audit():
-        params = {n: p.detach() for n, p in named}
-
-        def row_loss(p, row_ids, a, tr):
-            logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
-            lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
-            return -(a * lp * tr[1:]).sum() / z
-
-        with torch.random.fork_rng(devices=[]):
-            per = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+        per = vmap_row_grads(policy, named, ids, adv, trained, z)
         rows = torch.cat([per[n].reshape(m, -1) for n, _ in named], dim=1)  # [m, |θ|]
         return readings_from_rows(rows)
 
@@ -608,15 +613,7 @@ def measure_real(
         return out
 
     def vmap_audit():
-        params = {n: p.detach() for n, p in named}
-
-        def row_loss(p, row_ids, a, tr):
-            logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
-            lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
-            return -(a * lp * tr[1:]).sum() / z
-
-        with torch.random.fork_rng(devices=[]):
-            per = torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+        per = vmap_row_grads(policy, named, ids, adv, trained, z)
         dots = torch.zeros(m, dtype=torch.float64)  # [m]
         gram = torch.zeros(m, m, dtype=torch.float64)  # [m, m]
         for n, _ in named:  # readings parameter by parameter: no second m × |θ| buffer
