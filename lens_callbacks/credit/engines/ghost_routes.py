@@ -56,6 +56,7 @@ _DOT_BLOCK = 1 << 22
 # dropped while they are still in cache).
 _PIECE_BLOCK = 1 << 21
 _SMALL_BLOCK = 1 << 18  # a small weight's pieces are formed whole, whatever its size against the block
+_MIN_ROWS = 128  # weight rows per block below which the per-part products lose their rate
 
 
 def _positions(u) -> int:
@@ -284,9 +285,10 @@ def direct_param(
     dtype = facs[0].R.dtype
     W = g_full if target is None else target
     in_order = r == m and bool((dst == torch.arange(m, device=dst.device)).all())
-    # at most the weight's own size in pieces (a vocabulary's [m, V, d] never exists) and a few MB
-    cap = min(max(1, budget), _PIECE_BLOCK, max(dL * dR, _SMALL_BLOCK))
-    vb = max(1, cap // max(1, m * dR))  # weight rows per block
+    # at most the weight's own size in pieces (a vocabulary's [m, V, d] never exists) and a few MB, but
+    # not so few rows that the batched product runs thin; never more than the memory budget
+    cap = min(_PIECE_BLOCK, max(dL * dR, _SMALL_BLOCK))
+    vb = min(max(_MIN_ROWS, cap // max(1, m * dR)), max(1, budget // max(1, m * dR)))  # weight rows per block
     starts = list(range(0, dL, vb))
     dense = [f for f in facs if not f.index]
     tokens = []  # per token-id use: ids sorted, their values and parts, and where each block's ids begin
