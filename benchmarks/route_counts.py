@@ -62,9 +62,15 @@ def n_params(shape: dict) -> int:
 def _linear_reduce(d_in: int, d_out: int, m: int, T: int, s: int, gram: bool) -> tuple[str, Cost]:
     """The cheaper exact route for one weight's per-row readings: per-row pieces or the ghost identities."""
     N = m * T
-    # direct: B_kᵀA_k per row (the weight-gradient products again, per row), then dot, row norm, parts' sum
-    direct = Cost(N * d_in * d_out + 2 * m * d_in * d_out + (m * m * d_in * d_out if gram else 0),
-                  s * (2 * m * d_in * d_out + 2 * d_in * d_out))
+    # direct: B_kᵀA_k per row (the weight-gradient products again, per row), then dot, row norm, parts' sum,
+    # a block of the weight's output rows at a time (lens_callbacks.credit.engines.ghost_routes.direct_param):
+    # the blocks stay in cache; what moves is B once, A once per block, g_full once and the sum's difference
+    P = d_in * d_out
+    cap = min(max(1 << 21, min(4 * N * d_in, P)), max(P, 1 << 18))  # as direct_param sizes its blocks
+    vb = max(128, cap // max(1, m * d_in))
+    blocks = -(-d_out // vb)
+    direct = Cost(N * d_in * d_out + 2 * m * d_in * d_out + (m * m * d_in * d_out if gram else m * d_in * d_out),
+                  s * (N * d_out + blocks * N * d_in + 2 * d_in * d_out))
     # ghost: <g_k, G> = Σ (B_k G) ∘ A_k (one product the size of the forward); ‖g_k‖² by the row Grams
     pairs = m * m if gram else m
     ghost = Cost(N * d_in * d_out + pairs * T * T * (d_in + d_out + 1),

@@ -285,12 +285,16 @@ def direct_param(
     dtype = facs[0].R.dtype
     W = g_full if target is None else target
     in_order = r == m and bool((dst == torch.arange(m, device=dst.device)).all())
-    # at most the weight's own size in pieces (a vocabulary's [m, V, d] never exists) and a few MB, but
-    # not so few rows that the batched product runs thin; never more than the memory budget
-    cap = min(_PIECE_BLOCK, max(dL * dR, _SMALL_BLOCK))
+    dense = [f for f in facs if not f.index]
+    # A few MB (in cache) while the right factors are small; when they are large (long rows) a block
+    # grows to 4× their size, so that reading them once per block costs at most a quarter of the pieces'
+    # own elements; at most the weight's own size (a vocabulary's [m, V, d] never exists), at least 128
+    # weight rows (thinner products lose their rate), and never more than the memory budget.
+    right = max((f.R.numel() for f in dense), default=0)
+    cap = max(_PIECE_BLOCK, min(4 * right, dL * dR))
+    cap = min(cap, max(dL * dR, _SMALL_BLOCK))
     vb = min(max(_MIN_ROWS, cap // max(1, m * dR)), max(1, budget // max(1, m * dR)))  # weight rows per block
     starts = list(range(0, dL, vb))
-    dense = [f for f in facs if not f.index]
     tokens = []  # per token-id use: ids sorted, their values and parts, and where each block's ids begin
     for f in facs:
         if f.index:
