@@ -266,15 +266,25 @@ def test_a_norm_input_changed_in_place_is_refused_and_auto_falls_back():
     assert got.engine == "reference" and got.conservation_error < 1e-12
 
 
+@pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("readings", ["shares", "all"])
 @pytest.mark.parametrize("budget", [None, 40])
-def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget):
-    # 20 parts: each part's squared norm is summed elementwise (above 16 parts the Gram would cost m× the
-    # work); a 40-element budget cuts every weight into blocks of one row (two uses of `sq` in each block)
+def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, monkeypatch):
+    # 20 parts; small weights are read whole (pieces batched with other small parameters) unless the
+    # threshold is lowered, when every weight is read a block of its rows at a time; a 40-element budget
+    # cuts every weight into blocks of one row (two uses of `sq` in each block)
+    from lens_callbacks.credit.engines import ghost
+
+    if not whole:
+        monkeypatch.setattr(ghost, "_WHOLE", 0)
+    blocked = []
+    real = ghost.direct_param
+    monkeypatch.setattr(ghost, "direct_param", lambda *a, **k: blocked.append(1) or real(*a, **k))
     module, batch = TwiceLinear(), layer_batch(B=20, V=11)
     ref = reference(module, batch, "by_rollout")
     got = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", readings=readings, route="direct", memory_budget=budget)
     assert_same_readings(ref, got, tol=TOL)
+    assert (len(blocked) == 0) == whole  # sq, wide and head read in blocks only below the lowered threshold
     got32 = disintegrate_ghost(module.float(), batch, "by_rollout", dtype="float32", readings=readings, route="direct",
                                memory_budget=budget)
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got32.projected_share)) < 1e-5

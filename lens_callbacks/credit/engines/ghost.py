@@ -325,6 +325,8 @@ def _part_sum(P: torch.Tensor) -> torch.Tensor:
 # small kernels on its own, which at m = 8 is most of what a small layer costs).
 _SMALL = 1 << 15
 _BATCH = 1 << 18
+# A weight whose every part's pieces hold at most this many elements is read whole by the direct route.
+_WHOLE = 1 << 20
 
 
 class _Accum:
@@ -747,7 +749,11 @@ class _Reducer:
         chunks = _chunks(self.rows_per_part, p.numel(), half)
         route = choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route, diag=acc.sq is not None)
         target = None if self.onto is None else self.onto[i]
-        if route == "ghost" or ghost_eligible(us, p):
+        # A small weight's pieces are formed whole and reduced in a batch with other small parameters
+        # (the per-block reads cost a dozen kernels each, most of a toy layer's time); a larger one (or a
+        # tied embedding) is read a block of its rows at a time.
+        blocked = ghost_eligible(us, p) and (sparse_only(us, p) or p.numel() * self.m > _WHOLE)
+        if route == "ghost" or blocked:
             if self.sel_dst is None:
                 sel_all = (self.rp >= 0).nonzero().squeeze(1)  # [r] rows in some part
                 self.sel_dst = (sel_all, self.rp[sel_all])

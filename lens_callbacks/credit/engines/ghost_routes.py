@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .reductions import diff_sq64, row_sq64, sq64
+from .reductions import diff_sq64, sq64
 from .rules import Factors, rule_of
 
 ROUTES = ("auto", "direct", "ghost")
@@ -232,11 +232,11 @@ def _col_blocks(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``P w`` (``[m]``) and ``P Pᵀ`` (``[m, m]``, or its diagonal with ``diag``; None with neither) of a
-    ``[m, N]`` block, float64: float32 products over ``2¹⁰`` columns at a time, summed in float64.
+    ``[m, N]`` block, float64: float32 products (norms with ``diag``) over ``2¹⁰`` columns at a time,
+    summed in float64.
 
-    Matrix products read the block without writing a temporary of its size; a float32 product over the
-    whole block would drift by ~1e-7 (a head's rows nearly cancel against ``g_full``: ``p − e_y``). With
-    ``diag`` and many parts the squares are summed elementwise instead (the Gram would cost ``m×`` the work).
+    Matrix products and norms read the block without writing a temporary of its size; a float32 product
+    over the whole block would drift by ~1e-7 (a head's rows nearly cancel against ``g_full``: ``p − e_y``).
     """
     if P.dtype == torch.float64:
         G = P @ P.T if gram or diag else None
@@ -247,8 +247,9 @@ def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> 
     dots = torch.bmm(body, wb.transpose(1, 2)).double().sum(0)[:, 0] + (tail @ wt.T).double()[:, 0]  # [m]
     if not gram and not diag:
         return dots, None
-    if diag and m > 16:
-        return dots, row_sq64(P)
+    if diag:  # each row's norm per column block (a reduction: no temporary of the block's size)
+        sq = torch.linalg.vector_norm(body, dim=2).double().pow(2).sum(0)  # [m]
+        return dots, sq + tail.double().pow(2).sum(1)
     G = torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m, m]
     return dots, (G.diagonal().clone() if diag and not gram else G)
 
