@@ -5,8 +5,8 @@ A weight ``W`` of a ``Linear`` (or transformers' ``Conv1D``) gets from row ``k``
 gradient, ``R = A``, the input; ``Conv1D``: ``L = A``, ``R = B``). Two exact ways to read it:
 
 - **direct**: form every part's ``g_S`` a block of ``W``'s rows at a time (a batched product over the
-  block, ``r·n·d_L·d_R`` multiply-adds in all; a block holds at most ``2²¹`` elements and at most ``W``'s
-  own size), and read ``<g_S, G>``, ``Σ_S g_S − g_full`` and the norms or the Gram (``m²·d_L·d_R``) from
+  block, ``r·n·d_L·d_R`` multiply-adds in all; a block holds a few MB, more on long rows, and at most
+  ``W``'s own size), and read ``<g_S, G>``, ``Σ_S g_S − g_full`` and the norms or the Gram (``m²·d_L·d_R``) from
   the block while it is in cache; no ``[m, d_L, d_R]`` buffer exists and no piece is formed twice;
 - **ghost**: never form a per-row piece:
 
@@ -250,8 +250,7 @@ def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> 
     if diag:  # each row's norm per column block (a reduction: no temporary of the block's size)
         sq = torch.linalg.vector_norm(body, dim=2).double().pow(2).sum(0)  # [m]
         return dots, sq + tail.double().pow(2).sum(1)
-    G = torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m, m]
-    return dots, (G.diagonal().clone() if diag and not gram else G)
+    return dots, torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m], [m, m]
 
 
 def direct_param(
