@@ -102,10 +102,35 @@ def read_config_yaml(path: PathLike, limits: Optional[ReadLimits] = None) -> Any
         if node is None:
             return None
         expanded_nodes(node, MAX_CONFIG_NODES, shown)
-        return loader.construct_document(node)
+        doc = loader.construct_document(node)
     except yaml.YAMLError as err:
         raise _yaml_error(shown, err) from None
     except RecursionError:
         raise ValueError(f"{shown}: the config nests too deeply; refused.") from None
     finally:
         loader.dispose()
+    _check_keys(doc, shown)
+    return doc
+
+
+def _check_keys(doc: Any, path: str) -> None:
+    """Every mapping key is a string (an option name): a ``null`` or number key would reach the
+    commands as a key no option has, and break what sorts or prints the config."""
+    seen: set[int] = set()
+    stack = [doc]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or not isinstance(obj, (dict, list)):
+            continue
+        seen.add(id(obj))  # aliases share objects: each is walked once
+        if isinstance(obj, dict):
+            bad = next((k for k in obj if not isinstance(k, str)), _NO_KEY)
+            if bad is not _NO_KEY:
+                raise ValueError(f"{path}: every key of the config must be an option name (a string), got a "
+                                 f"{type(bad).__name__} key; quote it or remove it.")
+            stack.extend(obj.values())
+        else:
+            stack.extend(obj)
+
+
+_NO_KEY = object()

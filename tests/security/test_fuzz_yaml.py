@@ -99,3 +99,18 @@ def test_alias_bomb_cost_scales_linearly(families_worker, tmp_path_factory):
         return _arms(families_worker, cfg, tmp)
 
     F.assert_scales("broken YAML", run, [100, 200, 400] + ([800] if F.LONG else []), tiny=1)
+
+
+def test_a_key_that_is_not_an_option_name_is_one_line(tmp_path):
+    # what the long-mode fuzz found: a flipped byte turned a key into `null` beside string keys, and
+    # `anchor-arms` crashed sorting them (exit 71); the reader now refuses it by name
+    from lens_callbacks.io.config import read_config_yaml
+
+    for text in ("a: 1\n~: 2\n", "trainer:\n  max_steps: 3\n  3: x\n"):
+        f = tmp_path / "c.yaml"
+        f.write_text(text)
+        with pytest.raises(ValueError) as err:
+            read_config_yaml(f)
+        assert "\n" not in str(err.value) and "must be an option name" in str(err.value)
+    (tmp_path / "ok.yaml").write_text("a: &x {b: 1}\nc: *x\n")
+    assert read_config_yaml(tmp_path / "ok.yaml") == {"a": {"b": 1}, "c": {"b": 1}}
