@@ -174,18 +174,13 @@ def readings_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows @ g_full, rows @ rows.T  # [m], [m, m]
 
 
-def measure(
-    m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int = 0, memory: bool = True, route: str = "auto"
-) -> dict:
-    policy = Policy(make_model(kind, seed))
-    policy.train()
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
-    batch = make_batch(m, seed)
-    ids, adv, trained = batch
-    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    n_params = sum(p.numel() for _, p in named)
-    param_bytes = sum(p.numel() * p.element_size() for _, p in named)
-    z = trained.sum()
+def make_steps(policy: "Policy", opt: torch.optim.Optimizer, batch, readings: str = "all", route: str = "auto"):
+    """The three steps every row times: ``(train_step, fwd_bwd, ride_step)``.
+
+    ``train_step`` is the plain step (forward, backward, Adam); ``fwd_bwd`` leaves this batch's ``.grad``
+    at the current weights, as at ``on_before_optimizer_step``; ``ride_step(readings)`` is the plain step
+    with the audit riding on its backward (it raises if the audit fell back, so a fallback is never timed
+    as a ride)."""
 
     def train_step():
         opt.zero_grad()
@@ -196,7 +191,7 @@ def measure(
         policy.zero_grad(set_to_none=True)
         policy.credit_terms(batch).terms.sum().backward()
 
-    def ride_step(readings="all"):
+    def ride_step(readings: str = readings):
         ride = RideAlong(policy).start()
         try:
             opt.zero_grad()
@@ -210,6 +205,31 @@ def measure(
         if not hasattr(out, "projected_share"):
             raise RuntimeError(f"the ride-along audit fell back: {out}")
         return out
+
+    return train_step, fwd_bwd, ride_step
+
+
+def clock(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(
+    m: int, repeats: int, kind: str = "gpt2", engines=ENGINES, seed: int = 0, memory: bool = True, route: str = "auto"
+) -> dict:
+    policy = Policy(make_model(kind, seed))
+    policy.train()
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    batch = make_batch(m, seed)
+    ids, adv, trained = batch
+    named = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for _, p in named)
+    param_bytes = sum(p.numel() * p.element_size() for _, p in named)
+    z = trained.sum()
+
+    train_step, fwd_bwd, ride_step = make_steps(policy, opt, batch, readings="all", route=route)
 
     def vmap_audit():
         per = vmap_row_grads(policy, named, ids, adv, trained, z)
@@ -260,11 +280,6 @@ def measure(
             audits[k] = lambda r=r: disintegrate_ghost(
                 policy, batch, "by_rollout", reference_grads="grad", readings=r, route=route, memory_budget=n_params
             )
-
-    def clock(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
     train_step(), fwd_bwd()  # warm-up (allocations, Adam state)
     for fn in audits.values():
@@ -588,29 +603,7 @@ def measure_real(
                 modes.remove(k)
                 row["skipped"][k] = f"needs m × |θ| = {4 * m * n_params / 2**30:.1f} GiB of per-row gradients (budget {peer_budget / 2**30:.1f} GiB)"
 
-    def train_step():
-        opt.zero_grad()
-        policy.credit_terms(batch).terms.sum().backward()
-        opt.step()
-
-    def fwd_bwd():
-        policy.zero_grad(set_to_none=True)
-        policy.credit_terms(batch).terms.sum().backward()
-
-    def ride_step(readings="shares"):
-        ride = RideAlong(policy).start()
-        try:
-            opt.zero_grad()
-            loss = policy.credit_terms(batch).terms.sum()
-            ride.on_loss(loss, by_rollout, readings=readings)
-            loss.backward()
-            out = ride.report(by_rollout, partition_name="by_rollout", readings=readings)
-            opt.step()
-        finally:
-            ride.clear()
-        if not hasattr(out, "projected_share"):
-            raise RuntimeError(f"the ride-along audit fell back: {out}")
-        return out
+    train_step, fwd_bwd, ride_step = make_steps(policy, opt, batch, readings="shares")
 
     def vmap_audit():
         per = vmap_row_grads(policy, named, ids, adv, trained, z)
@@ -663,11 +656,6 @@ def measure_real(
     }
     audits = {k: v for k, v in audits.items() if k in modes}
     ride = "ride_shares" in modes
-
-    def clock(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
     train_step()  # warm-up (allocations, Adam state)
     if ride:

@@ -746,8 +746,7 @@ class _Reducer:
             return acc_p
 
         half = max(1, self.budget // 2)
-        chunks = _chunks(self.rows_per_part, p.numel(), half)
-        route = choose_route(us, p, self.n_rows, self.m, len(chunks), acc.gram is not None, self.route, diag=acc.sq is not None)
+        route = choose_route(us, p, self.n_rows, self.m, acc.gram is not None, self.route, diag=acc.sq is not None)
         target = None if self.onto is None else self.onto[i]
         # A small weight's pieces are formed whole and reduced in a batch with other small parameters
         # (the per-block reads cost a dozen kernels each, most of a toy layer's time); a larger one (or a
@@ -767,6 +766,7 @@ class _Reducer:
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
+            chunks = _chunks(self.rows_per_part, p.numel(), half)
             self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum, target)
         key = "+".join(sorted({u.rule for u in us}))
         self.coverage[key] = self.coverage.get(key, 0) + p.numel()

@@ -85,7 +85,7 @@ def sparse_only(uses: Sequence, param: torch.Tensor) -> bool:
 
 
 def route_costs(
-    uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, diag: bool = False
+    uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, diag: bool = False
 ) -> tuple[float, float]:
     """Cost of the (direct, ghost) routes for one parameter: multiply-adds plus a cost per element the
     route moves through memory beyond the activations.
@@ -99,7 +99,6 @@ def route_costs(
         param: the weight, ``[d_L, d_R]``.
         rows: rows that belong to some part.
         m: number of parts.
-        n_chunks: unused (the direct route's blocks hold every part); kept for callers.
         gram: whether the Gram is wanted (``readings="all"``).
         diag: whether each part's squared norm alone is wanted (``readings="shares"``).
     """
@@ -127,7 +126,7 @@ def route_costs(
 
 
 def choose_route(
-    uses: Sequence, param: torch.Tensor, rows: int, m: int, n_chunks: int, gram: bool, route: str, diag: bool = False
+    uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, route: str, diag: bool = False
 ) -> str:
     """``"direct"`` or ``"ghost"`` for this parameter (``route`` forces one where the ghost identities apply;
     a parameter whose every use is an embedding's is always read by the ghost route: a gather per token)."""
@@ -137,7 +136,7 @@ def choose_route(
         return "ghost"
     if route in ("direct", "ghost"):
         return route
-    direct, ghost = route_costs(uses, param, rows, m, n_chunks, gram, diag)
+    direct, ghost = route_costs(uses, param, rows, m, gram, diag)
     return "ghost" if ghost < direct else "direct"
 
 
