@@ -47,7 +47,7 @@ from torch import nn
 from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
 from ..report import CreditGrads, CreditReport, share_readings
-from ..inputs.terms import CreditTerms, validate_terms
+from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, sparse_only
 from .rules import Rule, find_rule
@@ -1015,20 +1015,11 @@ class RideAlong:
         """
         self.stop()
         plan, self._plan = self._plan, None
-        if self.calls != 1 or self.terms is None:
-            return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
-        if self.loss is None or self.edges is None:
-            return "no backward of the training loss was seen in this step (manual optimization, or no loss)."
+        broken = self._contract()
+        if broken is not None:
+            return broken
         t = self.terms
-        total = t.terms.detach().sum()
-        tol = _tolerance(t.terms.dtype)
-        if self.terms_grad_ones is not True or not bool(
-            torch.isclose(self.loss.to(total.dtype), total, rtol=tol, atol=tol * float(t.terms.detach().abs().sum()))
-        ):
-            return (
-                f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
-                "every term, so the captured gradients are not the terms' gradients."
-            )
+        assert t is not None and self.loss is not None
         if isinstance(plan, str):
             return plan
         if plan is not None and plan["args"] != (readings, keep_grads):
@@ -1039,11 +1030,7 @@ class RideAlong:
         if isinstance(lay, str):
             return lay
         part, names, leaves, by_leaf = lay["part"], lay["names"], lay["leaves"], lay["by_leaf"]
-        g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
-        if keep_grads:
-            g_full = [g.clone() for g in g_full]  # kept past the step: `.grad` may be zeroed in place later
-        sq_each = torch.stack([_sq_t(g) for g in g_full]) if g_full else torch.zeros(0, dtype=torch.float64)  # [n_leaves]
-        full_sq = float(sq_each.sum())
+        g_full, sq_each, full_sq = _grads_now(leaves, keep_grads)
         if plan is not None and plan["error"] is not None:
             return f"the reduction inside the training backward failed: {plan['error']}"
         if plan is not None:
@@ -1063,16 +1050,160 @@ class RideAlong:
                 self.cap.uses, by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
                 None, route=route,
             )
-        full = math.sqrt(full_sq)
-        err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
-        if not err <= 10 * tol:
-            return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
-        used = str(t.terms.dtype).replace("torch.", "")
-        return build_report(
-            reduced, names, part.names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
-            loss=float(self.loss), partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads,
-            full_sq=full_sq,
+        return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads)
+
+    def _contract(self) -> Optional[str]:
+        """What breaks the contract of riding along (``credit_terms`` once, a backward of ``terms.sum()`` with
+        gradient one on every term), or None."""
+        if self.calls != 1 or self.terms is None:
+            return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
+        if self.loss is None or self.edges is None:
+            return "no backward of the training loss was seen in this step (manual optimization, or no loss)."
+        t = self.terms
+        total = t.terms.detach().sum()
+        tol = _tolerance(t.terms.dtype)
+        if self.terms_grad_ones is not True or not bool(
+            torch.isclose(self.loss.to(total.dtype), total, rtol=tol, atol=tol * float(t.terms.detach().abs().sum()))
+        ):
+            return (
+                f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
+                "every term, so the captured gradients are not the terms' gradients."
+            )
+        return None
+
+
+def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], torch.Tensor, float]:
+    """``(g_full, ‖g‖² per parameter, ‖g_full‖²)`` from ``.grad`` (cloned when kept past the step: ``.grad`` may
+    be zeroed in place later)."""
+    g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
+    if keep:
+        g_full = [g.clone() for g in g_full]
+    sq_each = torch.stack([_sq_t(g) for g in g_full]) if g_full else torch.zeros(0, dtype=torch.float64)  # [n_leaves]
+    return g_full, sq_each, float(sq_each.sum())
+
+
+def _ride_report(
+    reduced: tuple, full_sq: float, t: CreditTerms, loss: float, names: Sequence[str], part_names: Sequence[str],
+    readings: str, partition_name: str, keep_grads: bool,
+) -> Union[CreditReport, str]:
+    """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``."""
+    full = math.sqrt(full_sq)
+    err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
+    if not err <= 10 * _tolerance(t.terms.dtype):
+        return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
+    used = str(t.terms.dtype).replace("torch.", "")
+    return build_report(
+        reduced, names, part_names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
+        loss=loss, partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads, full_sq=full_sq,
+    )
+
+
+def _merge_uses(groups: Sequence[Sequence[_Use]], batches: Sequence[int]) -> Union[list[_Use], str]:
+    """Each micro-batch's captured uses as the uses of one batch, their rows stacked in order.
+
+    Rows do not interact, so a row's piece of a parameter is a function of that row's input and output
+    gradient alone, wherever the row was computed: the stacked uses give every row's piece exactly. The
+    micro-batches' own tensors are let go as they are stacked."""
+    n = len(groups[0])
+    if any(len(g) != n for g in groups):
+        return (
+            f"the micro-batches' forwards called the covered layers {[len(g) for g in groups]} times; "
+            "reading them as one batch needs the same layers in each."
         )
+    out: list[_Use] = []
+    for j in range(n):
+        us = [g[j] for g in groups]
+        u0 = us[0]
+        name = type(u0.module).__name__
+        if any(u.module is not u0.module or u.weight is not u0.weight or u.bias is not u0.bias for u in us):
+            return "the micro-batches' forwards called the covered layers in different orders."
+        if any(u.a is None or u.a._version != u.version for u in us):
+            return f"the input of {name} was modified in place after the layer read it."
+        if any(u.a.shape[0] != B for u, B in zip(us, batches)) or len({tuple(u.a.shape[1:]) for u in us}) != 1:
+            return f"{name} saw inputs of shapes {[list(u.a.shape) for u in us]} in the micro-batches; stacking their rows needs the same shape past the batch."
+        bs = [u.b for u in us]
+        like = next((b for b in bs if b is not None), None)
+        if like is not None and len({tuple(b.shape[1:]) for b in bs if b is not None}) != 1:
+            return f"{name}'s output gradients have shapes {[None if b is None else list(b.shape) for b in bs]} in the micro-batches."
+        merged = _Use(u0.handler, u0.module, u0.weight, u0.bias, torch.cat([u.a for u in us]))  # [ΣB, ...]
+        if like is not None:  # a micro-batch whose backward never reached the layer adds zero rows
+            merged.b = torch.cat([b if b is not None else like.new_zeros((B,) + tuple(like.shape[1:])) for b, B in zip(bs, batches)])
+        if all(u.xhat is not None for u in us):
+            merged.xhat = torch.cat([u.xhat for u in us])
+        merged.capture = u0.capture
+        merged.sealed = True
+        for u in us:
+            u.a = u.b = u.xhat = None
+        out.append(merged)
+    return out
+
+
+def report_accumulated(
+    riders: Sequence[RideAlong],
+    partition_fn: Callable[[CreditTerms], Partition],
+    *,
+    partition_name: str = "",
+    readings: str = "all",
+    memory_budget: Optional[int] = None,
+    keep_grads: bool = False,
+    route: str = "auto",
+) -> Union[CreditReport, str]:
+    """One optimizer step's credit over its accumulated micro-batches, each captured riding on its own
+    forward and backward, or the reason it cannot be read.
+
+    With gradient accumulation a part of an early micro-batch must be dotted with the whole step's
+    gradient, which exists only after the last backward. So each micro-batch's :class:`RideAlong` only
+    captures (``on_loss`` given no partition: nothing is reduced in its backward) and its layers' inputs
+    and output gradients are kept; call this after the last backward, before anything clips or zeroes
+    ``.grad``. The micro-batches' rows are stacked as one batch (rows do not interact) and reduced once
+    against ``.grad``, the gradient the optimizer receives: every reading of one batch, a part's rows may
+    lie in several micro-batches, and the conservation error holds the parts' sum against ``.grad``.
+
+    Memory: every micro-batch's captured tensors are held to the step's end (for a LoRA adapter, its
+    layers' inputs and output gradients only) and stacked once.
+    """
+    if not riders:
+        raise ValueError("`riders` must hold one RideAlong per micro-batch, got none.")
+    module = riders[0].module
+    if any(r.module is not module for r in riders):
+        raise ValueError("`riders` must all ride on the same module; got riders of different modules.")
+    for k, r in enumerate(riders):
+        r.stop()
+        plan, r._plan = r._plan, None
+        if plan is not None:
+            raise ValueError(
+                f"`riders[{k}]` was given a partition at on_loss, so it reduced against its own backward's gradient; "
+                "call on_loss(loss) without a partition on every micro-batch of an accumulated step."
+            )
+        broken = r._contract()
+        if broken is not None:
+            return f"micro-batch {k}: {broken}"
+    terms = [validate_terms(r.terms) for r in riders]
+    if len({int(t.terms.shape[1]) for t in terms}) != 1:
+        return f"the micro-batches have {[int(t.terms.shape[1]) for t in terms]} positions per row; stacking their rows needs one length."
+    t = cat_terms(terms)
+    part = partition_fn(t.detached())
+    part.check_covers(t.trained)
+    rp = row_parts(Partition(part.ids.to(t.terms.device), part.names))
+    if rp is None:
+        return "the partition puts positions of one row in different parts; riding along needs whole rows."
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    names, leaves = [n for n, _ in named], [p for _, p in named]
+    batches = [int(x.terms.shape[0]) for x in terms]
+    for k, r in enumerate(riders):
+        by = plan_uses(r.cap.uses, leaves, batches[k], r.edges or {})
+        missing = [names[i] for i in range(len(leaves)) if i not in by]
+        if missing:
+            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+    uses = _merge_uses([r.cap.uses for r in riders], batches)
+    if isinstance(uses, str):
+        return uses
+    by_leaf = plan_uses(uses, leaves, sum(batches), riders[0].edges or {})
+    g_full, _, full_sq = _grads_now(leaves, keep_grads)
+    reduced = reduce_pieces(uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
+                            route=route)
+    loss = math.fsum(float(r.loss) for r in riders)  # type: ignore[arg-type]
+    return _ride_report(reduced, full_sq, t, loss, names, part.names, readings, partition_name, keep_grads)
 
 
 def _tolerance(dtype: torch.dtype) -> float:

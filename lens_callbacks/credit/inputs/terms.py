@@ -12,11 +12,11 @@ terms whose sum is the loss it backpropagates.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["CreditTerms", "CreditSource", "is_credit_source", "CreditTermsError", "validate_terms"]
+__all__ = ["CreditTerms", "CreditSource", "is_credit_source", "CreditTermsError", "validate_terms", "cat_terms"]
 
 
 class CreditTermsError(ValueError):
@@ -206,6 +206,51 @@ def validate_terms(terms: Any) -> CreditTerms:
         )
     terms.validate()
     return terms
+
+
+def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
+    """The terms of several micro-batches of one step as one batch: rows stacked in order, positions padded
+    to the longest (padding is untrained, its terms zero, its segment ``-1``).
+
+    An optional field is kept when every micro-batch has it; the name tuples (``segment_names``,
+    ``source_names``) must then be the same in all. Each part must already be valid (:func:`validate_terms`).
+    """
+    if not parts:
+        raise ValueError("`parts` must hold at least one CreditTerms, got none.")
+    if len(parts) == 1:
+        return parts[0]
+    T = max(int(p.terms.shape[1]) for p in parts)
+
+    def pad(x: torch.Tensor, value: Any) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    def rows(name: str, value: Any = None) -> Optional[torch.Tensor]:
+        xs = [getattr(p, name) for p in parts]
+        if any(x is None for x in xs):
+            return None
+        return torch.cat([x if value is None else pad(x, value) for x in xs])
+
+    def names(name: str) -> Optional[tuple[str, ...]]:
+        ns = {getattr(p, name) for p in parts}
+        if len(ns) > 1:
+            raise ValueError(f"`{name}` must be the same in every micro-batch, got {sorted(map(str, ns))!r}.")
+        return ns.pop()
+
+    texts = [p.text for p in parts]
+    return CreditTerms(
+        terms=rows("terms", 0.0),  # [B, T]
+        trained=rows("trained", False),  # [B, T]
+        rollout=rows("rollout"),  # [B]
+        group=rows("group"),  # [B]
+        segment=rows("segment", -1),
+        segment_names=names("segment_names"),
+        rewards=rows("rewards"),
+        tokens=rows("tokens", 0),
+        advantages=rows("advantages"),
+        source=rows("source"),
+        source_names=names("source_names"),
+        text=None if any(t is None for t in texts) else tuple(x for t in texts for x in t),
+    )
 
 
 def _odd_one_out(ct: CreditTerms, terms_shape: tuple, trained_shape: tuple) -> str:
