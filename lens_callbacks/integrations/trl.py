@@ -103,7 +103,7 @@ from ..credit import disintegrate, exact_optimizer_precondition, step_conservati
 from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
-from ..credit.engines.ghost import RideAlong  # noqa: E402
+from ..credit.engines.ghost import RideAlong, report_accumulated  # noqa: E402
 from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
 from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
@@ -221,6 +221,7 @@ class LensGRPOMixin:
         self._lens_in_loss = False
         self._lens_ride: Optional[_Ride] = None
         self._lens_ride_result: Optional[tuple[int, Union[CreditReport, str]]] = None
+        self._lens_rides: list[_Ride] = []  # the step's earlier micro-batches, captured, read after the last backward
         self._lens_given_forward: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         for cb in self.callback_handler.callbacks:
             if isinstance(cb, LensTRLCallback):
@@ -276,7 +277,10 @@ class LensGRPOMixin:
             self._lens_micro, self._lens_micro_step = [], step
         mb = MicroBatch(dict(inputs), int(self.current_gradient_accumulation_steps), self._lens_applied_entropy_coef())
         self._lens_micro.append(mb)
-        self._lens_ride, self._lens_ride_result = None, None
+        if len(self._lens_micro) == 1:  # a new step: what an earlier one left (an interrupted step) goes
+            self._lens_drop_rides()
+            self._lens_ride_result = None
+        self._lens_ride = None
         cb, reason = self._lens_ride_decision()
         if cb is not None:
             try:
@@ -284,6 +288,7 @@ class LensGRPOMixin:
             except Exception as e:  # nothing of the step has run yet: train as without the audit
                 reason = f"riding along could not be prepared: {type(e).__name__}: {e}"
         if reason is not None:
+            self._lens_drop_rides()
             self._lens_ride_result = (step, reason)
         self._lens_in_loss = True
         try:
@@ -314,12 +319,11 @@ class LensGRPOMixin:
             return None, "ride_along=False"
         if cb._ride_structural is not None:
             return None, cb._ride_structural  # found at an earlier step; the model's layers have not changed
-        accum = int(self.current_gradient_accumulation_steps)
-        if accum != 1:
-            return None, (
-                f"gradient accumulation {accum}: a part of an earlier micro-batch must be dotted with the whole step's "
-                "gradient, which exists only after the last backward, so the separate pass reads the step"
-            )
+        done = self._lens_ride_result
+        if done is not None and done[0] == step:
+            return None, done[1] if isinstance(done[1], str) else "an earlier micro-batch of this step did not ride"
+        if len(self._lens_rides) != len(self._lens_micro) - 1:
+            return None, "a micro-batch of this step was trained before the audit began riding along"
         if int(self.accelerator.num_processes) > 1:
             return None, f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes"
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
@@ -396,7 +400,10 @@ class LensGRPOMixin:
             del self._get_per_token_logps_and_entropies
         if isinstance(loss, torch.Tensor):
             try:
-                rider.on_loss(loss, ride.partition_fn, readings=ride.readings, keep_grads=ride.keep_grads)
+                if ride.mb.accumulation == 1:  # reduced inside this backward, against its gradient
+                    rider.on_loss(loss, ride.partition_fn, readings=ride.readings, keep_grads=ride.keep_grads)
+                else:  # only captured: read with the step's other micro-batches after the last backward
+                    rider.on_loss(loss)
             except Exception as e:  # never raised into the training step
                 ride.error = ride.error or f"{type(e).__name__}: {e}"
         return loss
@@ -406,18 +413,49 @@ class LensGRPOMixin:
         if ride is None:
             return
         rider = ride.rider
-        result: Union[CreditReport, str]
+        result: Optional[Union[CreditReport, str]] = None
+        kept = False
         try:
-            result = self._lens_ride_read(ride)
+            if ride.mb.accumulation == 1:
+                result = self._lens_ride_read(ride)
+            else:
+                rider.stop()  # its hooks off before the next micro-batch's forward; its captures kept
+                result = self._lens_ride_check(ride)
+                if result is None:
+                    self._lens_rides.append(ride)
+                    kept = True
+                    if len(self._lens_rides) == ride.mb.accumulation:  # the last backward: .grad is the step's
+                        result = self._lens_ride_read_accumulated()
         except Exception as e:
             result = f"the ride-along reading failed: {type(e).__name__}: {e}"
         finally:
-            rider.clear()
+            if not kept:
+                rider.clear()
+        if result is None:
+            return  # captured; read after the step's last micro-batch
+        self._lens_drop_rides()
         if isinstance(result, str) and "outside the layers the hooks cover" in result:
             ride.cb._ride_structural = result  # the same on every step: later steps take the separate pass at once
         self._lens_ride_result = (ride.step, result)
 
-    def _lens_ride_read(self, ride: "_Ride") -> Union[CreditReport, str]:
+    def _lens_drop_rides(self) -> None:
+        """Let the kept micro-batches' captures go."""
+        rides, self._lens_rides = self._lens_rides, []
+        for r in rides:
+            r.rider.clear()
+
+    def _lens_ride_read_accumulated(self) -> Union[CreditReport, str]:
+        """The step read once from every micro-batch's captures, against the accumulated (not yet clipped) ``.grad``."""
+        rides = self._lens_rides
+        first = rides[0]
+        return report_accumulated(
+            [r.rider for r in rides], first.partition_fn, partition_name=_partition_name(first.cb.partition),
+            readings=first.readings, keep_grads=first.keep_grads,
+        )
+
+    def _lens_ride_check(self, ride: "_Ride") -> Optional[str]:
+        """Why this micro-batch's capture is not the terms' (None when it is): the adapter's terms sent the
+        same gradient into the forward's outputs as TRL's loss."""
         if ride.error is not None:
             return f"the adapter's terms could not be formed in the training forward: {ride.error}"
         if ride.extra_forwards or ride.terms is None:
@@ -440,6 +478,12 @@ class LensGRPOMixin:
                 "log-probabilities: the re-derived terms are not the loss TRL trained on"
             )
         ride.gap = gap
+        return None
+
+    def _lens_ride_read(self, ride: "_Ride") -> Union[CreditReport, str]:
+        broken = self._lens_ride_check(ride)
+        if broken is not None:
+            return broken
         out = ride.rider.report(ride.partition_fn, partition_name=_partition_name(ride.cb.partition),
                                 readings=ride.readings, keep_grads=ride.keep_grads)
         if isinstance(out, str) and "outside the layers the hooks cover" in out:

@@ -60,12 +60,24 @@ def _train(policy_dir, tmp_path, *, cls=AuditedGRPO, callbacks=None, lora=True, 
     return trainer
 
 
+def _exact(cb, report, ride):
+    """Riding along, the adapter's terms sent TRL's own gradient into the forward's outputs (else the step
+    would have fallen back, with the reason); by the separate pass, ``grad_match`` holds them against ``.grad``."""
+    if ride:
+        assert report.engine == "ghost+training_step" and cb.ride_reason is None, cb.ride_reason
+        assert report.grad_match is None
+    else:
+        assert report.engine.startswith("ghost") and report.engine != "ghost+training_step"
+        assert report.grad_match <= 1e-6, report.grad_match
+
+
+@pytest.mark.parametrize("ride", [False, True], ids=["separate", "ride"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_every_loss_type_matches_the_trainers_grad_and_its_step(policy_dir, tmp_path, loss_type):
+def test_every_loss_type_matches_the_trainers_grad_and_its_step(policy_dir, tmp_path, loss_type, ride):
     # accumulation 2, num_iterations 2, beta 0.1, entropy_coef 0.01, max_grad_norm 0.5, LoRA, gradient
     # checkpointing (TRL's default), SGD: all in grpo_config's defaults or here.
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
-    cb = LensTRLCallback()
+    cb = LensTRLCallback(ride_along=ride)
     trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type=loss_type, max_steps=4, **HARD, **extra)
     args = trainer.args
     assert (args.gradient_accumulation_steps, args.num_iterations, args.max_grad_norm) == (2, 2, 0.5)
@@ -75,7 +87,7 @@ def test_every_loss_type_matches_the_trainers_grad_and_its_step(policy_dir, tmp_
         assert isinstance(report, CreditReport), report.render()
         # 2 micro-batches of 4 rows: one part per rollout, run-wide ids.
         assert report.n_parts == 8, report.part_names
-        assert report.grad_match <= 1e-6, (loss_type, step, report.grad_match)
+        _exact(cb, report, ride)
         assert report.conservation_error <= 1e-6, (loss_type, step, report.conservation_error)
         assert abs(report.share_sum - 1.0) <= 1e-6, (loss_type, step, report.share_sum)
         assert isinstance(reading, ConservationReading), reading.render()
@@ -87,9 +99,10 @@ def test_every_loss_type_matches_the_trainers_grad_and_its_step(policy_dir, tmp_
     assert set(cb.history[0][1].part_names).isdisjoint(cb.history[2][1].part_names)
     # Clipping bit: .grad was rescaled before the callback saw it.
     assert cb.last_clip_coef is not None and cb.last_clip_coef < 0.5
-    logged = [h for h in trainer.state.log_history if "credit/grad_match" in h]
+    logged = [h for h in trainer.state.log_history if "credit/share_sum" in h]
     assert len(logged) == 4 and all("conservation/error" in h for h in logged)
     assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    assert [h["credit/ride_along"] for h in logged] == [float(ride)] * 4
 
 
 def test_training_is_bit_identical_with_and_without_the_adapter(policy_dir, tmp_path):
@@ -128,7 +141,7 @@ class IgnoresClipping(AuditedGRPO):
 
 @pytest.mark.parametrize("wrong", ["luspo_normaliser", "no_accumulation_scaling", "clip_ignored"])
 def test_a_wrong_normaliser_is_caught_by_grad_match(policy_dir, tmp_path, wrong):
-    cb = LensTRLCallback(conservation=False)
+    cb = LensTRLCallback(conservation=False, ride_along=False)
     if wrong == "luspo_normaliser":
         # grpo takes each row's token mean; luspo's per-row sum is a wrong normaliser for it.
         cls = type("WrongNormaliser", (AuditedGRPO,), {"lens_loss_type": "luspo"})
@@ -148,7 +161,7 @@ def test_readings_reach_tensorboard_and_adam_is_refused_by_conservation(policy_d
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cb = LensTRLCallback()
+    cb = LensTRLCallback(ride_along=False)  # the separate pass: grad_match reaches TensorBoard too
     trainer = _train(
         policy_dir, tmp_path, callbacks=[cb], max_steps=2, optim="adamw_torch", learning_rate=1e-3,
         report_to=["tensorboard"], **HARD,
@@ -251,10 +264,11 @@ def test_bf16_audit_repeats_the_training_arithmetic_and_reads_at_the_bf16_floor(
     assert 1e-5 < report.conservation_error < 2.0**-8, report.conservation_error
 
 
-def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path):
+@pytest.mark.parametrize("ride", [False, True], ids=["separate", "ride"])
+def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path, ride):
     # high-entropy token mask, off-policy sequence mask, two-sided delta clip, bias-corrected KL and
     # adaptive entropy control (its coefficient moves after each step's last micro-batch).
-    cb = LensTRLCallback()
+    cb = LensTRLCallback(ride_along=ride)
     trainer = _train(
         policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=4, top_entropy_quantile=0.5,
         off_policy_mask_threshold=1e-4, delta=1.05, use_bias_correction_kl=True, use_adaptive_entropy=True,
@@ -263,17 +277,21 @@ def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path):
     assert trainer.entropy_coef > trainer.args.entropy_coef  # the controller did move it
     for (step, report), (_, reading) in zip(cb.history, cb.conservation_history):
         assert isinstance(report, CreditReport), report.render()
-        assert report.grad_match <= 1e-6, (step, report.grad_match)
+        _exact(cb, report, ride)
         assert report.conservation_error <= 1e-6 and abs(report.share_sum - 1) <= 1e-6
         assert isinstance(reading, ConservationReading) and reading.relative_error <= 1e-6, reading
 
 
-def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path):
-    # steps_per_generation = accumulation: each step trains one whole shuffled generation batch.
-    cb = LensTRLCallback(partition="by_group")
+@pytest.mark.parametrize("ride", [False, True], ids=["separate", "ride"])
+def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path, ride):
+    # steps_per_generation = accumulation: each step trains one whole shuffled generation batch, so a group's
+    # rows lie in both micro-batches (riding along, the step is read once after the second backward).
+    cb = LensTRLCallback(partition="by_group", ride_along=ride)
     trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, num_iterations=1, **HARD)
     (_, report), = cb.history
-    assert isinstance(report, CreditReport) and report.grad_match <= 1e-6
+    assert isinstance(report, CreditReport)
+    _exact(cb, report, ride)
+    assert report.conservation_error <= 1e-6 and abs(report.share_sum - 1) <= 1e-6
     assert report.n_parts == 2, report.part_names  # 8 rows = 2 prompts x 4 generations
     micro = trainer._lens_micro
     assert len(micro) == 2
@@ -281,6 +299,7 @@ def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path):
     completions = torch.cat([mb.inputs["completion_ids"] for mb in micro])
     prompts = torch.cat([mb.inputs["prompt_ids"] for mb in micro])
     assert sorted(rows["lens_rollout"].tolist()) == list(range(8))
+    assert set(micro[0].inputs["lens_group"].tolist()) & set(micro[1].inputs["lens_group"].tolist())  # a group in both
     tok = tiny_tokenizer()
     texts = tok.batch_decode(completions, skip_special_tokens=True)
     # the reward each row carries is the reward function on that row's own completion
@@ -323,12 +342,12 @@ def test_engine_is_passed_only_to_a_disintegrate_that_takes_it(policy_dir, tmp_p
 
     if "engine" not in inspect.signature(real).parameters:
         # a disintegrate without engines: the reference engine runs and the request is noted once
-        cb_old = LensTRLCallback(engine="ghost", conservation=False)
+        cb_old = LensTRLCallback(engine="ghost", conservation=False, ride_along=False)
         _train(policy_dir, tmp_path / "a", callbacks=[cb_old], max_steps=1, **HARD)
         assert isinstance(cb_old.history[0][1], CreditReport)
         assert any("engine='ghost' ignored" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(adapter, "disintegrate", with_engine)
-    cb_new = LensTRLCallback(engine="auto", conservation=False)
+    cb_new = LensTRLCallback(engine="auto", conservation=False, ride_along=False)
     _train(policy_dir, tmp_path / "b", callbacks=[cb_new], max_steps=1, **HARD)
     assert seen == ["auto"] and cb_new.history[0][1].grad_match <= 1e-6
 
@@ -372,11 +391,13 @@ def _same_readings(a, b, tol=1e-6):
     assert torch.allclose(ga, gb, rtol=tol, atol=tol * float(gb.abs().max()))
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "luspo"])  # dapo rides in the bit-identity test below
-def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, loss_type):
-    # accumulation 1, LoRA (the fused LM head is frozen), beta 0.1, entropy bonus, clipping, SGD.
+@pytest.mark.parametrize(("loss_type", "accum"), [("grpo", 1), ("luspo", 1), ("grpo", 2)])  # dapo: the bit-identity test
+def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, loss_type, accum):
+    # LoRA (the fused LM head is frozen), beta 0.1, entropy bonus, clipping, SGD; at accumulation 2 each
+    # micro-batch is captured on its own backward and the step is read once after the last one.
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
-    kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=1, per_device_train_batch_size=8, **HARD, **extra)
+    kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum,
+              **HARD, **extra)
     runs = {}
     for ride in (True, False):
         cb = LensTRLCallback(ride_along=ride)
@@ -398,22 +419,41 @@ def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, l
     assert logged == [1.0, 1.0]
 
 
-def test_accumulation_two_and_full_fine_tuning_take_the_separate_pass_with_the_reason(policy_dir, tmp_path):
-    kw = dict(loss_type="grpo", max_steps=1, **HARD)
-    acc2 = LensTRLCallback()
-    _train(policy_dir, tmp_path / "acc2", callbacks=[acc2], **kw)  # accumulation 2, LoRA
+@pytest.mark.parametrize("accum", [1, 2])
+def test_full_fine_tuning_takes_the_separate_pass_with_the_reason(policy_dir, tmp_path, accum):
     full = LensTRLCallback()
-    _train(policy_dir, tmp_path / "full", callbacks=[full], lora=False, gradient_accumulation_steps=1,
-           per_device_train_batch_size=8, **kw)
-    for cb, why in ((acc2, "gradient accumulation 2"), (full, "fused LM head")):
-        (_, report), = cb.history
-        assert isinstance(report, CreditReport) and report.engine == "ghost", report
-        assert report.grad_match <= 1e-6
-        assert why in cb.ride_reason, cb.ride_reason
+    _train(policy_dir, tmp_path / "full", callbacks=[full], lora=False, gradient_accumulation_steps=accum,
+           per_device_train_batch_size=8 // accum, loss_type="grpo", max_steps=1, **HARD)
+    (_, report), = full.history
+    assert isinstance(report, CreditReport) and report.engine == "ghost", report
+    assert report.grad_match <= 1e-6
+    assert "fused LM head" in full.ride_reason, full.ride_reason
 
 
-def test_training_riding_along_is_bit_identical_to_training_without_the_adapter(policy_dir, tmp_path):
-    kw = dict(loss_type="dapo", max_steps=3, gradient_accumulation_steps=1, per_device_train_batch_size=8, **HARD)
+def test_a_micro_batch_that_cannot_ride_sends_the_whole_step_to_the_separate_pass(policy_dir, tmp_path, monkeypatch):
+    # The second micro-batch's terms fail in the training forward: nothing of the first is read alone.
+    calls = []
+    real = AuditedGRPO._lens_micro_terms
+
+    def second_fails(self, mb):
+        calls.append(len(self._lens_micro))
+        if self._lens_given_forward is not None and len(self._lens_micro) == 2:
+            raise RuntimeError("no terms for this micro-batch")
+        return real(self, mb)
+
+    monkeypatch.setattr(AuditedGRPO, "_lens_micro_terms", second_fails)
+    cb = LensTRLCallback()
+    tr = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, gradient_accumulation_steps=2,
+                per_device_train_batch_size=4, **HARD)
+    (_, report), = cb.history
+    assert isinstance(report, CreditReport) and report.engine == "ghost" and report.grad_match <= 1e-6
+    assert "no terms for this micro-batch" in cb.ride_reason, cb.ride_reason
+    assert tr._lens_rides == []  # the first micro-batch's captures were let go
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_training_riding_along_is_bit_identical_to_training_without_the_adapter(policy_dir, tmp_path, accum):
+    kw = dict(loss_type="dapo", max_steps=3, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, **HARD)
     torch.manual_seed(123)
     plain = _train(policy_dir, tmp_path / "plain", cls=GRPOTrainer, **kw)
     rng_plain = torch.get_rng_state()

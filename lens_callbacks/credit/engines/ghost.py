@@ -1165,8 +1165,9 @@ def report_accumulated(
     if not riders:
         raise ValueError("`riders` must hold one RideAlong per micro-batch, got none.")
     module = riders[0].module
-    if any(r.module is not module for r in riders):
-        raise ValueError("`riders` must all ride on the same module; got riders of different modules.")
+    trained = [id(p) for p in module.parameters() if p.requires_grad]
+    if any([id(p) for p in r.module.parameters() if p.requires_grad] != trained for r in riders):
+        raise ValueError("`riders` must all ride on the same module's parameters; got riders of different modules.")
     for k, r in enumerate(riders):
         r.stop()
         plan, r._plan = r._plan, None
