@@ -7,6 +7,11 @@ q/v). Three runs per setting, interleaved so the shared machine's load falls on 
 riding along TRL's backward where the adapter can (``ride_along=True``, the default), and audited by the
 separate pass (``ride_along=False``). Ratios of the medians of ``trainer.train()`` wall time; the
 reason a setting did not ride is printed.
+
+``--shape qwen2 --completion 128``: the same runs on a Qwen2-shaped policy (vocabulary 151,936, tied
+embedding / LM head, width 896, 2 layers, MLP 4864, 14 heads / 2 KV heads — ``credit_cost.py``'s real
+Qwen2 row) with 128-token completions; the tokenizer is still the tiny one (ids past it decode to nothing,
+so the reward reads the tiny vocabulary's symbols).
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ import time
 
 import torch
 
+#: The policies: the example's tiny Qwen2, and credit_cost.py's Qwen2-shaped real row.
+SHAPES = {
+    "tiny": {},
+    "qwen2": dict(vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tie=True),
+}
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,6 +36,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--accumulation", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tuning", nargs="+", default=["lora", "full"], choices=["lora", "full"])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the policy (default: the example's tiny Qwen2)")
+    p.add_argument("--completion", type=int, default=4, help="max_completion_length (tokens per completion)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -36,7 +49,7 @@ def main(argv=None) -> int:
     class AuditedGRPO(LensGRPOMixin, GRPOTrainer):
         pass
 
-    policy = save_policy(tempfile.mkdtemp() + "/policy")
+    policy = save_policy(tempfile.mkdtemp() + "/policy", **SHAPES[args.shape], positions=max(64, args.completion + 32))
 
     def run(mode: str, accum: int, tuning: str) -> tuple[float, object]:
         peft_config = None
@@ -49,6 +62,7 @@ def main(argv=None) -> int:
             model=policy,
             reward_funcs=digit_reward,
             args=grpo_config(tempfile.mkdtemp(), max_steps=args.steps, scale_rewards="none", reward_weights=[1000.0],
+                             max_completion_length=args.completion,
                              gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum),
             train_dataset=prompt_dataset(),
             processing_class=tiny_tokenizer(),
@@ -59,6 +73,7 @@ def main(argv=None) -> int:
         trainer.train()
         return time.perf_counter() - t, cb
 
+    print(f"policy: {args.shape} {SHAPES[args.shape] or ''}, completions of up to {args.completion} tokens")
     print("| tuning | accumulation | audited / plain, riding along where it can | audited / plain, separate pass | rode along? |")
     print("|---|---:|---:|---:|---|")
     for tuning in args.tuning:

@@ -42,25 +42,29 @@ def tiny_tokenizer():
     )
 
 
-def tiny_qwen2(tokenizer: Any, *, seed: int = 0, hidden: int = 32, layers: int = 2, heads: int = 4) -> torch.nn.Module:
+def tiny_qwen2(
+    tokenizer: Any, *, seed: int = 0, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: Optional[int] = None,
+    intermediate: Optional[int] = None, vocab: Optional[int] = None, tie: bool = False, positions: int = 64,
+) -> torch.nn.Module:
     """A ``Qwen2ForCausalLM`` whose initial weights depend on ``seed`` only (the global RNG is left as it was).
 
-    Eager attention: the same arithmetic in float32 and float64 and under ``functional_call``.
+    Eager attention: the same arithmetic in float32 and float64 and under ``functional_call``. ``vocab``
+    wider than the tokenizer gives a real policy's LM head (ids past the tokenizer decode to nothing).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) if vocab is None else vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=2 * hidden if intermediate is None else intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        max_position_embeddings=64,
+        num_key_value_heads=heads // 2 if kv_heads is None else kv_heads,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie,
         attn_implementation="eager",
     )
     with torch.random.fork_rng(devices=[]):

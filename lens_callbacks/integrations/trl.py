@@ -24,12 +24,14 @@ accumulation count included, plus the KL and entropy-bonus terms at the position
 Summed over the step's micro-batches, the terms' gradient is the gradient the optimizer receives before
 clipping.
 
-Where it is exact (one process, gradient accumulation 1, every trained parameter in a layer the one-pass
-engine's hooks cover — a LoRA run, since TRL's fused LM head reads ``lm_head.weight`` outside any layer),
-the audit rides on TRL's own forward and backward: the mixin runs TRL's forward inside the hooks, TRL's
-loss is taken and backpropagated on that forward's outputs unchanged, and the per-rollout readings are
-reduced inside TRL's backward; the adapter's terms are held, every step, to send the same gradient into
-the forward's outputs as TRL's loss. Elsewhere, and as the fallback of any step that cannot ride,
+Where it is exact (one process, every trained parameter in a layer the one-pass engine's hooks cover —
+a LoRA run, since TRL's fused LM head reads ``lm_head.weight`` outside any layer), the audit rides on
+TRL's own forward and backward: the mixin runs TRL's forward inside the hooks, TRL's loss is taken and
+backpropagated on that forward's outputs unchanged, and the per-rollout readings are reduced inside TRL's
+backward (with gradient accumulation: every micro-batch captured on its own backward and the step read
+once after the last one, against the accumulated ``.grad``, by
+:func:`~lens_callbacks.credit.engines.ghost.report_accumulated`); the adapter's terms are held, every
+micro-batch, to send the same gradient into the forward's outputs as TRL's loss. Elsewhere, and as the fallback of any step that cannot ride,
 :class:`LensTRLCallback` runs :func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step``
 (``grad_match`` against ``.grad`` with the clip coefficient divided out) and the step-conservation
 check at ``on_optimizer_step`` (the update held against the clip coefficient times ``Σ_S g_S``), and
@@ -913,10 +915,12 @@ class LensTRLCallback(TrainerCallback):
         prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
         ride_along: read the credit from TRL's own forward and backward (the one-pass engine's hooks on the
             training step, :class:`~lens_callbacks.credit.engines.ghost.RideAlong`) where that is exact: one
-            process, no gradient accumulation, no mixed precision, every trained parameter in a layer the hooks
-            cover (TRL's fused LM head is not one: a trained LM head, full fine-tuning, falls back), and the
-            adapter's terms sending the same gradient into the forward as TRL's loss (checked every step). Any
-            other step takes the separate pass; ``ride_reason`` says why, and ``credit/ride_along`` logs 1 or 0.
+            process, no mixed precision, every trained parameter in a layer the hooks cover (TRL's fused LM
+            head is not one: a trained LM head, full fine-tuning, falls back), and the adapter's terms sending
+            the same gradient into the forward as TRL's loss (checked every micro-batch). With gradient
+            accumulation the covered layers' captures of every micro-batch are kept to the step's end and read
+            once after the last backward. Any other step takes the separate pass; ``ride_reason`` says why, and
+            ``credit/ride_along`` logs 1 or 0.
     """
 
     def __init__(
