@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
 from lens_callbacks.credit.engines import check_engine
-from lens_callbacks.credit.engines.ghost import RideAlong
+from lens_callbacks.credit.engines.ghost import RideAlong, report_accumulated
 from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
 from lens_callbacks.credit.inputs.partition import (
     PARTITION_REMEDY,
@@ -123,9 +123,13 @@ class CreditAuditCallback(Callback):
         capture: ``"separate"`` (default: the audit re-runs ``credit_terms`` in its own pass) or
             ``"training_step"``: the one-pass engine's hooks ride on the training step's own forward
             and backward, ``g_full`` is the trainer's ``.grad``, and the audit adds only the per-layer
-            reductions. Where that cannot be checked (the loss is not ``terms.sum()``, gradient
-            accumulation, several processes, manual optimization, a parameter outside the covered
-            layers) the step is audited by the separate pass instead, and a warning says so once.
+            reductions. With ``accumulate_grad_batches = k`` every micro-batch is captured on its own
+            backward (of ``terms.sum() / k``, as Lightning scales it) and the step is read once, before the
+            optimizer step, against the accumulated ``.grad``: the readings describe the whole step, in
+            ``.grad``'s units (the covered layers' inputs and output gradients of the step's micro-batches
+            are held until then). Where that cannot be checked (the loss is not ``terms.sum()``, several
+            processes, manual optimization, a parameter outside the covered layers) the step is audited by
+            the separate pass instead, and a warning says so once.
         full_grad: ``"own"`` (default: the separate pass takes ``g_full`` by its own backward and reads
             ``grad_match`` against ``.grad``) or ``"trainer"``: ``g_full`` is the trainer's ``.grad`` of this
             batch, so the one-pass engine's backward forms no weight gradient (a separate pass about a
@@ -231,6 +235,8 @@ class CreditAuditCallback(Callback):
         self._full_grad_blocked: Optional[str] = None  # why .grad cannot be this batch's g_full (set in setup)
         self._full_grad_warned = False
         self._ride: Optional[RideAlong] = None
+        self._rides: list[RideAlong] = []  # the audited step's earlier micro-batches, captured (accumulation)
+        self._rides_step: Optional[int] = None
         self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
         self._ride_warned = False
         self.n_ride_along = 0
@@ -293,13 +299,14 @@ class CreditAuditCallback(Callback):
             pass
         elif trainer.world_size > 1:
             blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
-        elif trainer.accumulate_grad_batches > 1:
-            blocked = "gradient accumulation: `.grad` sums several micro-batches"
         elif not getattr(pl_module, "automatic_optimization", True):
             blocked = "manual optimization: the callback does not see the loss's backward"
         elif self._mergers:
             blocked = f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
         self._ride_blocked = blocked if self.capture == "training_step" else None
+        if blocked is None and trainer.accumulate_grad_batches > 1:
+            # riding along reads every micro-batch's captures at the step's end; a separate pass sees only the last
+            blocked = "gradient accumulation: `.grad` sums several micro-batches"
         self._full_grad_blocked = blocked if self.full_grad == "trainer" else None
         self._setup_distributed(trainer, pl_module)
 
@@ -317,18 +324,30 @@ class CreditAuditCallback(Callback):
         self._batch = batch
         self._close_stale_epoch(trainer)
         self._stop_ride()
+        if self._rides_step != trainer.global_step:
+            self._drop_rides()  # a step that ended without its optimizer step (or a new one)
         if self.capture == "training_step" and self._ride_blocked is None and trainer.global_step % self.every_n_steps == 0:
             self._ride = RideAlong(pl_module).start()
+            self._rides_step = trainer.global_step
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
-        if self._ride is not None:
+        if self._ride is None:
+            return
+        k = int(trainer.accumulate_grad_batches)
+        if k == 1:
             # With the partition known now, each parameter is reduced inside the training backward.
             self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads)
+        else:  # only captured: the step is read after its last micro-batch (Lightning divides the loss by k)
+            self._ride.on_loss(loss, scale=1.0 / k)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._update_before is not None:
             self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
+        if self._ride is not None and trainer.accumulate_grad_batches > 1:
+            self._ride.stop()  # its hooks off before the next micro-batch; its captures kept for the step's reading
+            self._rides.append(self._ride)
+            self._ride = None
         self._stop_ride()
         step, self._audited_step = self._audited_step, None
         if step is None or not self._mergers:
@@ -349,6 +368,7 @@ class CreditAuditCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_ride()
+        self._drop_rides()
 
     def _ride_partition(self) -> Any:
         return self._partition_fn if self._partition_fn is not None else resolve_partition(self.partition)
@@ -358,21 +378,30 @@ class CreditAuditCallback(Callback):
             self._ride.clear()
             self._ride = None
 
+    def _drop_rides(self) -> None:
+        rides, self._rides = self._rides, []
+        for r in rides:
+            r.clear()
+
     def _read(self, trainer: Trainer, pl_module: LightningModule) -> Union[CreditReport, Refusal]:
         """The ride-along reading when this step rode along and its contract held; else the separate pass."""
         why = self._ride_blocked if self.capture == "training_step" else None
         ride, self._ride = self._ride, None
+        earlier, self._rides = self._rides, []
         if ride is not None:
+            name = self.partition if isinstance(self.partition, str) else "custom"
             try:
-                got = ride.report(
-                    self._ride_partition(),
-                    partition_name=self.partition if isinstance(self.partition, str) else "custom",
-                    readings=self.reading_set, keep_grads=self.keep_grads,
-                )
+                if trainer.accumulate_grad_batches > 1:
+                    got = report_accumulated(earlier + [ride], self._ride_partition(), partition_name=name,
+                                             readings=self.reading_set, keep_grads=self.keep_grads)
+                else:
+                    got = ride.report(self._ride_partition(), partition_name=name, readings=self.reading_set,
+                                      keep_grads=self.keep_grads)
             except Exception as err:  # a user-data failure must not end the training run
                 got = f"{type(err).__name__}: {err}"
             finally:
-                ride.clear()
+                for r in earlier + [ride]:
+                    r.clear()
             if isinstance(got, CreditReport):
                 self.n_ride_along += 1
                 return got

@@ -103,11 +103,62 @@ def test_loss_not_terms_sum_falls_back_to_the_separate_pass_and_says_so_once():
     assert ride.last_report.engine == "ghost"  # the separate pass (auto: by_rollout → ghost)
 
 
-def test_accumulation_falls_back():
-    ride = CreditAuditCallback(capture="training_step", log_figure=False)
-    with pytest.warns(RuntimeWarning, match="accumulation"):
-        _fit([ride], steps=2, seed=0, accumulate_grad_batches=2)
-    assert ride.n_ride_along == 0
+class _Accumulated(pl.LightningModule):
+    """A vocabulary policy trained on fixed micro-batches whose rows carry step-unique rollout ids."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.credit.test_ride_accumulated import MicroPolicy
+
+        self.net = MicroPolicy(tie=True, dtype=torch.float64)
+
+    def credit_terms(self, batch):
+        return self.net.credit_terms(tuple(batch))  # the loader hands the micro-batch over as a list
+
+    def training_step(self, batch, batch_idx):
+        return self.credit_terms(batch).terms.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights stay: the reference reads the same step
+
+
+def _micro(unique=True):
+    from tests.credit.test_ride_accumulated import micro_batches
+
+    return [mb[:4] + ((mb[4] if unique else 0), 1) for mb in micro_batches(n=4)]  # 2 steps of 2 micro-batches
+
+
+def test_accumulation_rides_along_the_whole_step():
+    micro = _micro()
+    module = _Accumulated()
+    ride = CreditAuditCallback(capture="training_step", readings="shares", log_figure=False, log_table_every_n_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
+        pl.Trainer(
+            max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[ride], accumulate_grad_batches=2,
+        ).fit(module, torch.utils.data.DataLoader(micro, batch_size=None))
+    assert ride.n_audits == 2 and ride.n_ride_along == 2
+    got = ride.last_report
+    assert got.engine == "ghost+training_step" and got.n_parts == 8  # both micro-batches' rows, the whole step
+    from lens_callbacks.credit import disintegrate
+
+    ref = disintegrate(module.net, micro[2:], "by_rollout", dtype="float64", engine="reference")
+    for a, b in zip(ref.projected_share, got.projected_share):
+        assert a == pytest.approx(b, abs=1e-12)
+    for a, b in zip(ref.part_norm, got.part_norm):  # Lightning divides each micro-batch's loss by 2
+        assert a / 2 == pytest.approx(b, rel=1e-10)
+    assert got.conservation_error < 1e-13
+
+
+def test_accumulation_with_rollout_ids_repeated_across_micro_batches_falls_back_and_says_why():
+    ride = CreditAuditCallback(capture="training_step", log_figure=False, log_table_every_n_steps=0)
+    with pytest.warns(RuntimeWarning, match="rollout id 0 is in micro-batches 0 and 1"):
+        pl.Trainer(
+            max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[ride], accumulate_grad_batches=2,
+        ).fit(_Accumulated(), torch.utils.data.DataLoader(_micro(unique=False), batch_size=None))
+    assert ride.n_ride_along == 0 and ride.last_report.engine == "ghost"
 
 
 def test_engine_and_interference_reach_tensorboard(tmp_path):

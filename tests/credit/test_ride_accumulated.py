@@ -145,3 +145,49 @@ def test_cat_terms_pads_and_keeps_only_fields_every_part_has():
     t.validate()
     with pytest.raises(ValueError, match="segment_names"):
         cat_terms([t1, CreditTerms(t2.terms, t2.trained, t2.rollout, t2.group, segment=t2.segment, segment_names=("u",))])
+
+
+def test_a_rollout_id_in_two_micro_batches_is_a_reason_naming_the_fix():
+    module = MicroPolicy()
+    micro = [mb[:4] + (0, 2) for mb in micro_batches()]  # both micro-batches number their rows from 0
+    riders = []
+    for mb in micro:
+        r = RideAlong(module).start()
+        loss = module.credit_terms(mb).terms.sum()
+        r.on_loss(loss)
+        loss.backward()
+        r.stop()
+        riders.append(r)
+    out = report_accumulated(riders, by_rollout)
+    assert isinstance(out, str) and "rollout id 0 is in micro-batches 0 and 1" in out and "run-wide" in out, out
+
+
+def test_a_scaled_loss_rides_when_the_scale_is_declared():
+    # Lightning divides each micro-batch's loss by the accumulation count: declared, the readings are .grad's.
+    module, micro = MicroPolicy(tie=False), [mb[:5] + (1,) for mb in micro_batches()]
+    ref = disintegrate(module, micro, "by_rollout", dtype="float64", engine="reference")
+    riders = []
+    for mb in micro:
+        r = RideAlong(module).start()
+        loss = module.credit_terms(mb).terms.sum() / 2
+        r.on_loss(loss, scale=0.5)
+        loss.backward()
+        r.stop()
+        riders.append(r)
+    got = report_accumulated(riders, by_rollout)
+    assert not isinstance(got, str), got
+    for a, b in zip(ref.projected_share, got.projected_share):
+        assert abs(a - b) <= 1e-12
+    for a, b in zip(ref.part_norm, got.part_norm):
+        assert abs(a / 2 - b) <= 1e-12 * max(ref.part_norm)
+    # undeclared, the same loss is refused by name
+    riders = []
+    for mb in micro:
+        r = RideAlong(module).start()
+        loss = module.credit_terms(mb).terms.sum() / 2
+        r.on_loss(loss)
+        loss.backward()
+        r.stop()
+        riders.append(r)
+    out = report_accumulated(riders, by_rollout)
+    assert isinstance(out, str) and "micro-batch 0" in out and "is not `terms.sum()`" in out, out

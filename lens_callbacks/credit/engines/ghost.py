@@ -866,6 +866,7 @@ class RideAlong:
         self.calls = 0
         self.terms: Optional[CreditTerms] = None
         self.terms_grad_ones: Optional[bool] = None
+        self.scale = 1.0  # the loss is `scale · terms.sum()` (a trainer's division by the accumulation count)
         self.loss: Optional[torch.Tensor] = None
         self.edges: Optional[dict[int, int]] = None
         self._orig: Any = None
@@ -897,7 +898,7 @@ class RideAlong:
         return self
 
     def _terms_grad(self, g: torch.Tensor) -> None:
-        ones = bool(torch.all(g == 1))
+        ones = bool(torch.all(g == self.scale))
         self.terms_grad_ones = ones if self.terms_grad_ones is None else (self.terms_grad_ones and ones)
         return None
 
@@ -910,13 +911,17 @@ class RideAlong:
         memory_budget: Optional[int] = None,
         keep_grads: bool = False,
         route: str = "auto",
+        scale: float = 1.0,
     ) -> None:
         """Called with the loss before its backward: the graph's edges are counted while it exists.
 
         With ``partition_fn`` (and the other arguments ``report`` takes), each covered parameter is
-        reduced inside the coming backward. Nothing here raises: what cannot be prepared is reported by
+        reduced inside the coming backward. ``scale``: the loss is ``scale · terms.sum()`` (Lightning divides
+        the training step's loss by ``accumulate_grad_batches``); the readings are then of the gradient the
+        backward forms, ``.grad``'s units. Nothing here raises: what cannot be prepared is reported by
         ``report``.
         """
+        self.scale = float(scale)
         self.loss = loss.detach()
         leaves = [p for p in self.module.parameters() if p.requires_grad]
         self.edges = _leaf_edges(loss, leaves) if loss.requires_grad else {}
@@ -1053,20 +1058,22 @@ class RideAlong:
         return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads)
 
     def _contract(self) -> Optional[str]:
-        """What breaks the contract of riding along (``credit_terms`` once, a backward of ``terms.sum()`` with
-        gradient one on every term), or None."""
+        """What breaks the contract of riding along (``credit_terms`` once, a backward of ``scale · terms.sum()``
+        with gradient ``scale`` on every term), or None."""
         if self.calls != 1 or self.terms is None:
             return f"`credit_terms` ran {self.calls} times with grad enabled in the training step; riding along needs exactly one."
         if self.loss is None or self.edges is None:
             return "no backward of the training loss was seen in this step (manual optimization, or no loss)."
         t = self.terms
-        total = t.terms.detach().sum()
+        total = t.terms.detach().sum() * self.scale
         tol = _tolerance(t.terms.dtype)
         if self.terms_grad_ones is not True or not bool(
             torch.isclose(self.loss.to(total.dtype), total, rtol=tol, atol=tol * float(t.terms.detach().abs().sum()))
         ):
+            what = "`terms.sum()`" if self.scale == 1.0 else f"{self.scale:.6g} · `terms.sum()`"
+            grad = "one" if self.scale == 1.0 else f"{self.scale:.6g}"
             return (
-                f"the training loss ({float(self.loss):.6g}) is not `terms.sum()` ({float(total):.6g}) with gradient one on "
+                f"the training loss ({float(self.loss):.6g}) is not {what} ({float(total):.6g}) with gradient {grad} on "
                 "every term, so the captured gradients are not the terms' gradients."
             )
         return None
@@ -1182,6 +1189,14 @@ def report_accumulated(
     terms = [validate_terms(r.terms) for r in riders]
     if len({int(t.terms.shape[1]) for t in terms}) != 1:
         return f"the micro-batches have {[int(t.terms.shape[1]) for t in terms]} positions per row; stacking their rows needs one length."
+    seen: dict[int, int] = {}
+    for k, x in enumerate(terms):
+        for rid in x.rollout.tolist():
+            if seen.setdefault(int(rid), k) != k:
+                return (
+                    f"rollout id {rid} is in micro-batches {seen[int(rid)]} and {k}; `CreditTerms.rollout` must be unique "
+                    "within a step, so number the rollouts run-wide (e.g. add the micro-batch's first row index)."
+                )
     t = cat_terms(terms)
     part = partition_fn(t.detached())
     part.check_covers(t.trained)
