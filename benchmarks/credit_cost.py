@@ -842,10 +842,14 @@ def run_real(args) -> str:
         if (kind, m, T) in wanted or any(d.startswith(f"{kind}, m = {m}, T = {T}:") for d in dropped):
             continue
         est = real_estimate(kind, m, T)
-        why = "over the ~8 GiB this machine allows one process" if est["peak_bytes"] > 8 * 2**30 else "too long for one thread here"
+        passes = len(REAL_MODES) + 6
+        took = ""
+        if rows:  # the measured rows' rate (multiply-adds a second of a plain step) prices the missing one
+            rate = statistics.median(real_estimate(r["kind"], r["m"], r["T"])["step_macs"] / r["step_s"] for r in rows)
+            took = f" (≈ {passes * est['step_macs'] / rate / 60:.0f} min a repeat on one thread at the measured rows' rate)"
         dropped.append(
-            f"{kind}, m = {m}, T = {T}: {why} — about {est['peak_bytes'] / 2**30:.1f} GiB at peak (estimated) and "
-            f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {len(REAL_MODES) + 6} step-sized passes per repeat"
+            f"{kind}, m = {m}, T = {T}: not run — about {est['peak_bytes'] / 2**30:.1f} GiB at peak (estimated) and "
+            f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {passes} step-sized passes per repeat{took}"
         )
     for kind, m, T in ([] if args.rows_from is not None else wanted):
         row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=not args.quick,
