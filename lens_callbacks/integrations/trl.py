@@ -31,11 +31,11 @@ backpropagated on that forward's outputs unchanged, and the per-rollout readings
 backward (with gradient accumulation: every micro-batch captured on its own backward and the step read
 once after the last one, against the accumulated ``.grad``, by
 :func:`~lens_callbacks.credit.engines.ghost.report_accumulated`); the adapter's terms are held, every
-micro-batch, to send the same gradient into the forward's outputs as TRL's loss. Elsewhere, and as the fallback of any step that cannot ride,
-:class:`LensTRLCallback` runs :func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step``
-(``grad_match`` against ``.grad`` with the clip coefficient divided out) and the step-conservation
-check at ``on_optimizer_step`` (the update held against the clip coefficient times ``Σ_S g_S``), and
-logs both through ``Trainer.log`` — so every ``report_to`` integration, TensorBoard included, gets
+micro-batch, to send the same gradient into the forward's outputs as TRL's loss. Elsewhere, and as the
+fallback of any step that cannot ride, :class:`LensTRLCallback` runs
+:func:`lens_callbacks.credit.disintegrate` at ``on_pre_optimizer_step`` (``grad_match`` against ``.grad``
+with the clip coefficient divided out) and the step-conservation check at ``on_optimizer_step`` (the
+update held against the clip coefficient times ``Σ_S g_S``), and logs both through ``Trainer.log`` — so every ``report_to`` integration, TensorBoard included, gets
 them — under the names the Lightning callbacks use (``credit/...``, ``conservation/...``).
 
 Configurations the adapter cannot read exactly are refused by name (:class:`~lens_callbacks.refusal.
