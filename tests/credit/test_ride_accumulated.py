@@ -36,15 +36,23 @@ def micro_batches(n=2, B=4, dtype=torch.float64):
     return out
 
 
-def ride_accumulated(module, micro, partition, readings, **kw):
+def capture(module, micro, scale=1.0, declare=True, lose_first=False):
+    """One RideAlong per micro-batch, each only capturing its own backward of ``scale · terms.sum()``."""
     riders = []
-    for mb in micro:
+    for i, mb in enumerate(micro):
         r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum()
-        r.on_loss(loss)
+        loss = module.credit_terms(mb).terms.sum() * scale
+        r.on_loss(loss, **({"scale": scale} if declare and scale != 1.0 else {}))
         loss.backward()
         r.stop()
         riders.append(r)
+        if lose_first and i == 0:
+            module.zero_grad(set_to_none=True)  # the first micro-batch's gradient never reaches .grad
+    return riders
+
+
+def ride_accumulated(module, micro, partition, readings, **kw):
+    riders = capture(module, micro)
     try:
         return report_accumulated(riders, PARTITIONS[partition], partition_name=partition, readings=readings, **kw)
     finally:
@@ -77,17 +85,7 @@ def test_the_conservation_error_holds_the_parts_against_grad_not_against_themsel
         assert float((s - p.grad).abs().max()) <= 1e-12 * max(1.0, float(p.grad.abs().max()))
     # A micro-batch's backward that .grad never saw breaks the sum, and the reading says so.
     module.zero_grad(set_to_none=True)
-    riders = []
-    for i, mb in enumerate(micro):
-        r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum()
-        r.on_loss(loss)
-        loss.backward()
-        r.stop()
-        riders.append(r)
-        if i == 0:
-            module.zero_grad(set_to_none=True)  # the first micro-batch's gradient is lost
-    out = report_accumulated(riders, by_rollout, readings="shares")
+    out = report_accumulated(capture(module, micro, lose_first=True), by_rollout, readings="shares")
     assert isinstance(out, str) and "do not add up to `.grad`" in out, out
 
 
@@ -121,15 +119,7 @@ def test_micro_batches_of_different_lengths_are_a_reason_not_a_crash():
     a = micro_batches(n=1)[0]
     tokens, trained, adv, _ = vocab_batch(B=4, T=14, seed=3)
     b = (tokens, trained, adv, torch.arange(4), 4, 2)
-    riders = []
-    for mb in (a, b):
-        r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum()
-        r.on_loss(loss)
-        loss.backward()
-        r.stop()
-        riders.append(r)
-    out = report_accumulated(riders, by_rollout)
+    out = report_accumulated(capture(module, [a, b]), by_rollout)
     assert isinstance(out, str) and "positions per row" in out, out
 
 
@@ -150,15 +140,7 @@ def test_cat_terms_pads_and_keeps_only_fields_every_part_has():
 def test_a_rollout_id_in_two_micro_batches_is_a_reason_naming_the_fix():
     module = MicroPolicy()
     micro = [mb[:4] + (0, 2) for mb in micro_batches()]  # both micro-batches number their rows from 0
-    riders = []
-    for mb in micro:
-        r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum()
-        r.on_loss(loss)
-        loss.backward()
-        r.stop()
-        riders.append(r)
-    out = report_accumulated(riders, by_rollout)
+    out = report_accumulated(capture(module, micro), by_rollout)
     assert isinstance(out, str) and "rollout id 0 is in micro-batches 0 and 1" in out and "run-wide" in out, out
 
 
@@ -166,28 +148,12 @@ def test_a_scaled_loss_rides_when_the_scale_is_declared():
     # Lightning divides each micro-batch's loss by the accumulation count: declared, the readings are .grad's.
     module, micro = MicroPolicy(tie=False), [mb[:5] + (1,) for mb in micro_batches()]
     ref = disintegrate(module, micro, "by_rollout", dtype="float64", engine="reference")
-    riders = []
-    for mb in micro:
-        r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum() / 2
-        r.on_loss(loss, scale=0.5)
-        loss.backward()
-        r.stop()
-        riders.append(r)
-    got = report_accumulated(riders, by_rollout)
+    got = report_accumulated(capture(module, micro, scale=0.5), by_rollout)
     assert not isinstance(got, str), got
     for a, b in zip(ref.projected_share, got.projected_share):
         assert abs(a - b) <= 1e-12
     for a, b in zip(ref.part_norm, got.part_norm):
         assert abs(a / 2 - b) <= 1e-12 * max(ref.part_norm)
     # undeclared, the same loss is refused by name
-    riders = []
-    for mb in micro:
-        r = RideAlong(module).start()
-        loss = module.credit_terms(mb).terms.sum() / 2
-        r.on_loss(loss)
-        loss.backward()
-        r.stop()
-        riders.append(r)
-    out = report_accumulated(riders, by_rollout)
+    out = report_accumulated(capture(module, micro, scale=0.5, declare=False), by_rollout)
     assert isinstance(out, str) and "micro-batch 0" in out and "is not `terms.sum()`" in out, out
