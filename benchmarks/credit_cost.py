@@ -751,7 +751,7 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
         lines.append(
             f"| {r['kind']} | {r['n_params'] / 1e6:.0f} M | {r['m']} | {r['T']} | {r['step_s']:.2f} | "
             + " | ".join(cell(r, k) for k in REAL_MODES[1:])
-            + f" | {r.get('drift', float('nan')):.1e} | {r['sum_shares_err']:.1e} | {r['conservation_error']:.1e} |"
+            + f" | {'not run' if r.get('drift') is None else format(r['drift'], '.1e')} | {r['sum_shares_err']:.1e} | {r['conservation_error']:.1e} |"
         )
     lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
@@ -853,7 +853,7 @@ def run_real(args) -> str:
         )
     for kind, m, T in ([] if args.rows_from is not None else wanted):
         row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=not args.quick,
-                           drift=not args.quick, profile=args.profile and not args.quick,
+                           drift=args.drift and not args.quick, profile=args.profile and not args.quick,
                            peer_budget=args.peer_budget_gib * 2**30)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
@@ -891,6 +891,9 @@ def main(argv=None) -> int:
                     help="profile the separate `shares` pass and the ride-along step on each real row")
     ap.add_argument("--rows-from", type=Path, default=None, metavar="LOG",
                     help="render the real-shape block from the JSON rows an earlier run printed, instead of measuring")
+    ap.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True,
+                    help="real rows: read the float32 shares against a float64 pass (--no-drift where a float64 "
+                         "copy of the step does not fit: the Qwen2 shape at T = 512 needs more than 24 GiB)")
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
         "--route", default="auto", choices=["auto", "direct", "ghost"],
