@@ -678,6 +678,9 @@ def measure_real(
         if k != "step":
             med = statistics.median(ts)
             row[f"{k}_over_train"] = (med - tr) / tr if k == "ride_shares" else med / tr
+    # The timings now, before the memory and precision passes: a process killed in those (the Qwen2 shape
+    # at T = 512 was, twice, at 24 GiB) keeps them for --rows-from.
+    print(json.dumps({**row, "partial": "timings only: memory and precision passes not finished"}), flush=True)
     if memory:
         row["mem_step"] = peak_alloc_bytes(train_step)
         if ride:
@@ -751,7 +754,8 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
         lines.append(
             f"| {r['kind']} | {r['n_params'] / 1e6:.0f} M | {r['m']} | {r['T']} | {r['step_s']:.2f} | "
             + " | ".join(cell(r, k) for k in REAL_MODES[1:])
-            + f" | {'not run' if r.get('drift') is None else format(r['drift'], '.1e')} | {r['sum_shares_err']:.1e} | {r['conservation_error']:.1e} |"
+            + "".join(f" | {'not run' if r.get(k) is None else format(r[k], '.1e')}" for k in ("drift", "sum_shares_err", "conservation_error"))
+            + " |"
         )
     lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
@@ -830,9 +834,12 @@ def run_real(args) -> str:
     dropped, rows = [], []
     if args.rows_from is not None:
         # re-render rows measured earlier (the JSON lines this script prints), e.g. after a run cut short
+        latest: dict[tuple, dict] = {}
         for line in args.rows_from.read_text().splitlines():
             if line.startswith("{") and '"kind"' in line and '"step_s"' in line:
-                rows.append(json.loads(line))
+                r = json.loads(line)
+                latest[(r["kind"], r["m"], r["T"])] = r  # a row's full line follows its timings-only line
+        rows = list(latest.values())
         done = {(r["kind"], r["m"], r["T"]) for r in rows}
         for kind, m, T in wanted:
             if (kind, m, T) not in done:
