@@ -106,6 +106,7 @@ from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  #
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
 from ..credit.engines.ghost import RideAlong, report_accumulated  # noqa: E402
+from .trl_fused_head import FusedHeadCapture, fused_head_refusal  # noqa: E402
 from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
 from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
@@ -328,15 +329,12 @@ class LensGRPOMixin:
             return None, "a micro-batch of this step was trained before the audit began riding along"
         if int(self.accelerator.num_processes) > 1:
             return None, f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes"
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        weight = getattr(head, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        head = self._lens_trained_head()
+        if head is not None:
             # known before the forward: spares the first step a capture that could not be read
-            return None, (
-                "the LM head is trained and TRL's fused LM head computes the log-probabilities from `lm_head.weight` "
-                "without calling the layer, so the hooks cannot see its per-rollout pieces (a run whose LM head is "
-                "frozen, e.g. a LoRA adapter, rides along)"
-            )
+            refused = fused_head_refusal(head.weight.device)
+            if refused is not None:
+                return None, refused
         if cb.engine not in (None, "auto", "ghost"):
             return None, f"engine={cb.engine!r} asks for the separate pass"
         if self.args.bf16 or self.args.fp16:
@@ -346,6 +344,12 @@ class LensGRPOMixin:
         if want is not None and dtypes != {want}:
             return None, f"the trained parameters are {sorted(str(d) for d in dtypes)} and the audit's dtype is {cb.dtype!r}"
         return cb, None
+
+    def _lens_trained_head(self) -> Optional[torch.nn.Module]:
+        """The policy's LM head when its weight is trained (TRL's fused head then reads it outside the layer)."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        return head if isinstance(weight, torch.Tensor) and weight.requires_grad else None
 
     def _lens_ride_prepare(self, cb: "LensTRLCallback", mb: MicroBatch) -> "_Ride":
         spec = resolve_partition(cb.partition)
@@ -362,7 +366,13 @@ class LensGRPOMixin:
         The terms are a function of detached copies of those outputs; after the backward, their gradient there
         is held against the one TRL's loss sent into the forward (recorded by hooks that return nothing).
         """
-        logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
+        head = self._lens_trained_head()
+        if head is None:
+            logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
+        else:  # the fused head's use recorded beside the layers' (its logits gradient formed in TRL's backward)
+            ride.head = FusedHeadCapture(ride.rider.cap, head, int(ride.mb.inputs["completion_ids"].shape[0]))
+            with ride.head:
+                logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
         ride.returned = (logps, entropies, aux)
         outs = [x for x in (logps, entropies) if x is not None and x.requires_grad]
         mine = tuple(x.detach().requires_grad_(True) for x in outs)
@@ -460,6 +470,8 @@ class LensGRPOMixin:
         same gradient into the forward's outputs as TRL's loss."""
         if ride.error is not None:
             return f"the adapter's terms could not be formed in the training forward: {ride.error}"
+        if ride.head is not None and ride.head.error is not None:
+            return f"TRL's fused LM head could not be read: {ride.head.error}"
         if ride.extra_forwards or ride.terms is None:
             return f"TRL's loss ran its forward {1 + ride.extra_forwards if ride.terms is not None else 0} times; riding along needs one"
         if len(ride.trl_grads) != len(ride.mine):
@@ -486,14 +498,8 @@ class LensGRPOMixin:
         broken = self._lens_ride_check(ride)
         if broken is not None:
             return broken
-        out = ride.rider.report(ride.partition_fn, partition_name=_partition_name(ride.cb.partition),
-                                readings=ride.readings, keep_grads=ride.keep_grads)
-        if isinstance(out, str) and "outside the layers the hooks cover" in out:
-            out = out.rstrip(".") + (
-                " (TRL's fused LM head computes the log-probabilities from `lm_head.weight` without calling the "
-                "layer; a run whose LM head is frozen, e.g. a LoRA adapter, rides along)"
-            )
-        return out
+        return ride.rider.report(ride.partition_fn, partition_name=_partition_name(ride.cb.partition),
+                                 readings=ride.readings, keep_grads=ride.keep_grads)
 
     def lens_ride_result(self) -> Optional[Union[CreditReport, str]]:
         """This step's reading from riding along, the reason it did not ride, or None (no audit this step)."""
@@ -815,6 +821,7 @@ class _Ride:
     extra_forwards: int = 0
     error: Optional[str] = None
     gap: Optional[float] = None
+    head: Any = None  # the fused LM head's capture, when the head is trained
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

@@ -202,14 +202,27 @@ class RowCapture:
                 out = out.expand(self.batch, *out.shape[1:])
                 x = x.expand(self.batch, *x.shape[1:])
                 ret = out
-            use = _Use(rule, mod, w, b, x.detach())
-            rule.on_forward(use, mod, x, self)
-            out.register_hook(use.grad_hook)
-            use.edge = torch.autograd.graph.get_gradient_edge(out)
-            self.uses.append(use)
+            self.record(rule, mod, w, b, x, out)
             return ret
 
         return hook
+
+    def record(
+        self, rule: Rule, mod: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], x: torch.Tensor,
+        out: Optional[torch.Tensor] = None,
+    ) -> _Use:
+        """Record one use of ``mod``'s parameters read from input ``x`` (``[B, ...]``).
+
+        With ``out``, the gradient at ``out`` is this use's ``B``. Without it the caller supplies ``B``
+        through :meth:`_Use.grad_hook` (a layer computed outside its module, such as a fused head whose
+        output gradient is formed inside another function's backward) and sets ``use.edge``."""
+        use = _Use(rule, mod, weight, bias, x.detach())
+        rule.on_forward(use, mod, x, self)
+        if out is not None:
+            out.register_hook(use.grad_hook)
+            use.edge = torch.autograd.graph.get_gradient_edge(out)
+        self.uses.append(use)
+        return use
 
     def quiet(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` with this capture's hooks silent (a rule re-running a layer's own forward)."""
