@@ -24,8 +24,9 @@ accumulation count included, plus the KL and entropy-bonus terms at the position
 Summed over the step's micro-batches, the terms' gradient is the gradient the optimizer receives before
 clipping.
 
-Where it is exact (one process, every trained parameter in a layer the one-pass engine's hooks cover —
-a LoRA run, since TRL's fused LM head reads ``lm_head.weight`` outside any layer), the audit rides on
+Where it is exact (one process, no mixed precision, every trained parameter in a layer the one-pass
+engine's hooks cover — a trained LM head, which TRL's fused head reads outside the layer, is recorded by
+:class:`~lens_callbacks.integrations.trl_fused_head.FusedHeadCapture` off Triton devices), the audit rides on
 TRL's own forward and backward: the mixin runs TRL's forward inside the hooks, TRL's loss is taken and
 backpropagated on that forward's outputs unchanged, and the per-rollout readings are reduced inside TRL's
 backward (with gradient accumulation: every micro-batch captured on its own backward and the step read
@@ -922,8 +923,9 @@ class LensTRLCallback(TrainerCallback):
         prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
         ride_along: read the credit from TRL's own forward and backward (the one-pass engine's hooks on the
             training step, :class:`~lens_callbacks.credit.engines.ghost.RideAlong`) where that is exact: one
-            process, no mixed precision, every trained parameter in a layer the hooks cover (TRL's fused LM
-            head is not one: a trained LM head, full fine-tuning, falls back), and the adapter's terms sending
+            process, no mixed precision, every trained parameter in a layer the hooks cover (a trained LM head,
+            which TRL's fused head reads outside the layer, is recorded by the fused-head capture, except on a
+            Triton device, where TRL scores only the labelled positions), and the adapter's terms sending
             the same gradient into the forward as TRL's loss (checked every micro-batch). With gradient
             accumulation the covered layers' captures of every micro-batch are kept to the step's end and read
             once after the last backward. Any other step takes the separate pass; ``ride_reason`` says why, and

@@ -6,16 +6,16 @@ head never called as a layer. No module hook sees it, so a run that trains the h
 
 The head is still a ``Linear`` use: its weight gradient is ``Σ_t z'_t ⊗ h_t`` with ``h_t`` the hidden
 state the function reads and ``z'_t`` the gradient at the logits, which TRL's backward forms tile by tile
-and discards. :class:`FusedHeadCapture` replaces the function, for one training forward, by a wrapper that
-calls TRL's own function unchanged and records the use: the hidden states as the layer's input ``A``
-(``[B, n, d]``) and, from a pre-hook on the function's backward node, the logits gradient as ``B``
-(``[B, n, V]``), recomputed with TRL's own tile code from the output gradients that backward receives.
-The engine then reads the head as it reads any ``Linear`` (:class:`FusedHeadRule`): dots, norms, the
-cross term with a tied embedding's use, the parts' sum. Nothing returned to TRL changes: the wrapper
-returns the function's outputs and the pre-hook returns no new gradient.
+and discards. :class:`FusedHeadCapture` replaces the function, for one training forward, by a subclass
+whose forward is TRL's and whose backward is TRL's own backward, run with TRL's tile fold wrapped so each
+folded tile — the logits' gradient — is also copied out. It records the use: the hidden states as the
+layer's input ``A`` (``[B, n, d]``) and those tiles as ``B`` (``[B, n, V]``). The engine then reads the
+head as it reads any ``Linear`` (:class:`FusedHeadRule`): dots, norms, the cross term with a tied
+embedding's use, the parts' sum. Nothing TRL computes changes: the forward and the backward are TRL's
+code, and the wrapped fold returns what TRL's returns, after one copy of the tile.
 
-Cost: one more pass over the head's tiles in the backward (a ``[N, d] × [d, V]`` product and TRL's fold)
-and the ``[N, V]`` logits gradient held until the head's parameters are read.
+Cost: one copy of each tile in the backward, and the ``[N, V]`` logits gradient held until the head's
+parameters are read.
 
 Only the layout TRL uses off Triton devices is covered: every position scored, ``N = B · n``. On a
 Triton device TRL scores only the positions whose label is set (``hidden[mask]``), which loses the rows;
@@ -32,7 +32,7 @@ from torch import nn
 from ..credit.engines.ghost import RowCapture
 from ..credit.engines.rules.linear import LinearRule
 
-__all__ = ["FusedHeadRule", "FUSED_HEAD", "FusedHeadCapture", "fused_logits_grad", "fused_head_refusal"]
+__all__ = ["FusedHeadRule", "FUSED_HEAD", "FusedHeadCapture", "fused_head_refusal"]
 
 
 class FusedHeadRule(LinearRule):
@@ -69,35 +69,69 @@ def fused_head_refusal(device: torch.device) -> Optional[str]:
     return None
 
 
-@torch.no_grad()
-def fused_logits_grad(node: Any, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]) -> torch.Tensor:
-    """``[N, V]``: the gradient at the logits that TRL's backward forms, tile by tile, from ``node``'s saved
-    tensors and the output gradients it receives (None where no gradient reaches an output)."""
-    k = _kernel()
-    hidden, weight, bias, targets, log_z, entropy = node.saved_tensors
-    dtype, chunk, kernel_args = node.compute_dtype, int(node.chunk_size), node.kernel_args
-    N, V = int(hidden.shape[0]), int(weight.shape[0])
-    out = torch.empty((N, V), dtype=dtype, device=hidden.device)  # [N, V]
-    glp = grad_logprobs.float().contiguous() if grad_logprobs is not None else None  # [N]
-    gent = grad_entropy.float().contiguous() if grad_entropy is not None else None  # [N]
-    step = int(k.TOKEN_CHUNK_SIZE)
-    for t0 in range(0, N, step):
-        t1 = min(t0 + step, N)
-        h = hidden[t0:t1].to(dtype)  # [n, d]
-        for v0 in range(0, V, chunk):
-            v1 = min(v0 + chunk, V)
-            tile = out[t0:t1, v0:v1]  # [n, c]
-            torch.mm(h, weight[v0:v1].to(dtype).t(), out=tile)
-            if bias is not None:
-                tile.add_(bias[v0:v1].to(dtype))
-            # TRL's own fold turns the logits tile into their gradient in place
-            k._backward_tile(
-                tile, tile.stride(0), targets[t0:t1], log_z[t0:t1], entropy[t0:t1],
-                glp[t0:t1] if glp is not None else log_z[t0:t1], gent[t0:t1] if gent is not None else log_z[t0:t1],
-                v0, v1 - v0, HAS_LOGPROB_GRAD=glp is not None, HAS_ENTROPY_GRAD=gent is not None,
-                BLOCK_SIZE=k._BLOCK_SIZE, **kernel_args,
-            )
-    return out
+class _TileSink:
+    """The logits gradient ``[N, V]``, filled while TRL's backward folds each tile (TRL's own code, unchanged)."""
+
+    def __init__(self, targets: torch.Tensor, n: int, v: int, dtype: torch.dtype) -> None:
+        self.targets = targets  # [N] the function's saved targets: a tile's targets are a slice of them
+        self.out = torch.empty((n, v), dtype=dtype, device=targets.device)  # [N, V]
+        self.error: Optional[BaseException] = None
+
+    def wrap(self, fold: Any) -> Any:
+        def recording_fold(tile: torch.Tensor, stride: int, targets: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            ret = fold(tile, stride, targets, *args, **kwargs)  # the tile is now the logits' gradient
+            if self.error is None:
+                try:
+                    self._keep(tile, targets, int(args[4]))  # vocab_start: after log_z, entropy and the two grads
+                except Exception as e:  # inside TRL's backward: kept, never raised
+                    self.error = e
+            return ret
+
+        return recording_fold
+
+    def _keep(self, tile: torch.Tensor, targets: torch.Tensor, v0: int) -> None:
+        base = self.targets
+        if targets.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+            raise RuntimeError("TRL's backward folded a tile whose targets are not the saved ones")
+        t0 = (targets.storage_offset() - base.storage_offset()) // base.stride(0)
+        self.out[t0 : t0 + tile.shape[0], v0 : v0 + tile.shape[1]].copy_(tile)
+
+
+_RECORDING: Any = None
+
+
+def _recording_function() -> Any:
+    """TRL's ``ChunkedLogProbFunction`` whose backward, for a call the capture marked, is TRL's own backward
+    with each folded tile also copied out (the tile fold looked up in TRL's module is wrapped for the call)."""
+    global _RECORDING
+    if _RECORDING is None:
+        k = _kernel()
+        base = k.ChunkedLogProbFunction
+
+        class RecordingChunkedLogProb(base):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:
+                on_tiles = getattr(ctx, "lens_on_tiles", None)
+                if on_tiles is None:
+                    return base.backward(ctx, *grads)
+                fold = k._backward_tile
+                try:
+                    hidden, weight, _, targets, _, _ = ctx.saved_tensors
+                    sink = _TileSink(targets, int(hidden.shape[0]), int(weight.shape[0]), ctx.compute_dtype)
+                    recording = sink.wrap(fold)
+                except Exception as e:  # read by the ride's check, never raised into the training backward
+                    on_tiles(None, e)
+                    return base.backward(ctx, *grads)
+                k._backward_tile = recording
+                try:
+                    out = base.backward(ctx, *grads)
+                finally:
+                    k._backward_tile = fold
+                on_tiles(sink.out if sink.error is None else None, sink.error)
+                return out
+
+        _RECORDING = RecordingChunkedLogProb
+    return _RECORDING
 
 
 class FusedHeadCapture:
@@ -111,27 +145,31 @@ class FusedHeadCapture:
         self.head = head
         self.rows = int(rows)
         self.error: Optional[str] = None
+        self.calls = 0  # calls recorded (the function's calls on the head's weight with grad)
         self._fn: Any = None
+        self._orig: Any = None
         self._utils: Any = None
 
     def __enter__(self) -> "FusedHeadCapture":
         import trl.trainer.utils as utils
 
-        self._utils, self._fn = utils, utils._ChunkedLogProbFunction
+        self._fn = _recording_function()
+        self._utils, self._orig = utils, utils._ChunkedLogProbFunction
         utils._ChunkedLogProbFunction = self
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._utils is not None:
-            self._utils._ChunkedLogProbFunction = self._fn
+            self._utils._ChunkedLogProbFunction = self._orig
             self._utils = None
 
     def apply(self, *args: Any) -> Any:
-        out = self._fn.apply(*args)  # TRL's function, as TRL called it
+        # TRL's forward and, unless this call is the head's use, TRL's backward: the same arithmetic
+        out = self._fn.apply(*args)
         try:
             self._record(args[0], args[1], args[2], out)
         except Exception as e:  # never raised into the training forward
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = self.error or f"{type(e).__name__}: {e}"
         return out
 
     def _record(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: Any) -> None:
@@ -143,22 +181,20 @@ class FusedHeadCapture:
             return
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, bias)):
             return
+        self.calls += 1
+        if self.calls > 1:  # a forward split into chunks of rows: no call holds the micro-batch's rows in order
+            raise ValueError(f"TRL's fused LM head ran {self.calls} times in one training forward; riding along needs one call per micro-batch")
         N, d = int(hidden.shape[0]), int(hidden.shape[-1])
         if self.rows <= 0 or N % self.rows:
             raise ValueError(f"the fused LM head scored {N} positions, not a whole number per row of the micro-batch's {self.rows}")
         rows = self.rows
         use = cap.record(FUSED_HEAD, head, weight, bias, hidden.reshape(rows, N // rows, d))  # A: [B, n, d]
-        node = logp.grad_fn
         use.edge = torch.autograd.graph.get_gradient_edge(logp)
 
-        def on_backward(grad_outputs: tuple) -> None:
-            if use.sealed or self.error is not None:
-                return None
-            try:
-                z = fused_logits_grad(node, grad_outputs[0], grad_outputs[1])  # [N, V]
+        def on_tiles(z: Optional[torch.Tensor], err: Optional[BaseException]) -> None:
+            if err is not None:
+                self.error = self.error or f"{type(err).__name__}: {err}"
+            elif not use.sealed and self.error is None:
                 use.grad_hook(z.reshape(rows, N // rows, z.shape[-1]))  # B: [B, n, V]
-            except Exception as e:  # inside TRL's backward: kept for the ride's check, never raised
-                self.error = f"{type(e).__name__}: {e}"
-            return None
 
-        node.register_prehook(on_backward)
+        logp.grad_fn.lens_on_tiles = on_tiles

@@ -11,7 +11,7 @@ pytest.importorskip("trl", reason="the `trl` extra is not installed: pip install
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: E402
 
 from lens_callbacks.integrations import trl_fused_head  # noqa: E402
-from lens_callbacks.integrations.trl_fused_head import fused_head_refusal, fused_logits_grad  # noqa: E402
+from lens_callbacks.integrations.trl_fused_head import fused_head_refusal  # noqa: E402
 
 
 def _dense_logits_grad(h, W, b, targets, temperature, softcap, scale, g_lp, g_ent):
@@ -29,36 +29,75 @@ def _dense_logits_grad(h, W, b, targets, temperature, softcap, scale, g_lp, g_en
     return dz
 
 
+def _recorded(h, W, b, targets, temperature, chunk, softcap, scale, outputs, rows, grads):
+    """The head's use as the capture records it for one call of TRL's function, after its backward."""
+    import trl.trainer.utils as utils
+
+    from lens_callbacks.credit.engines.ghost import RowCapture
+    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
+
+    head = torch.nn.Linear(W.shape[1], W.shape[0], bias=b is not None, dtype=W.dtype)
+    head.weight = W
+    if b is not None:
+        head.bias = b
+    cap = RowCapture(head)
+    cap.active = True
+    with FusedHeadCapture(cap, head, rows) as fc:
+        out = utils._ChunkedLogProbFunction.apply(h, W, b, targets, temperature, chunk, softcap, scale, outputs)
+    cap.active = False
+    torch.autograd.backward([x for x in out[:2] if x is not None], [g for g in grads if g is not None])
+    assert fc.error is None, fc.error
+    (use,) = cap.uses
+    return use
+
+
 @pytest.mark.parametrize(
     ("softcap", "scale", "temperature", "bias", "entropy"),
     [(None, 1.0, 1.0, False, False), (None, 0.5, 0.7, True, True), (30.0, 2.0, 1.3, False, True)],
     ids=["plain", "scaled+bias+entropy", "softcap"],
 )
-def test_the_logits_gradient_is_the_one_trls_backward_forms(softcap, scale, temperature, bias, entropy):
+def test_the_recorded_logits_gradient_is_the_one_trls_backward_forms(softcap, scale, temperature, bias, entropy):
     g = torch.Generator().manual_seed(0)
-    N, d, V, chunk = 24, 16, 4099, 1024  # V not a multiple of the tile: a short last tile
+    rows, n, d, V, chunk = 3, 8, 16, 4099, 1024  # V not a multiple of the tile: a short last tile
+    N = rows * n
     h = torch.randn(N, d, generator=g, dtype=torch.float64).requires_grad_(True)
-    W = (0.3 * torch.randn(V, d, generator=g, dtype=torch.float64)).requires_grad_(True)
-    b = (0.1 * torch.randn(V, generator=g, dtype=torch.float64)).requires_grad_(True) if bias else None
+    W = torch.nn.Parameter(0.3 * torch.randn(V, d, generator=g, dtype=torch.float64))
+    b = torch.nn.Parameter(0.1 * torch.randn(V, generator=g, dtype=torch.float64)) if bias else None
     targets = torch.randint(0, V, (N,), generator=g)
     targets[:3] = torch.tensor([0, V - 1, V - 1])  # the first and last tile, and a repeated token
     outputs = ("log_probs", "entropy") if entropy else ("log_probs",)
-    lp, ent, *_ = ChunkedLogProbFunction.apply(h, W, b, targets, temperature, chunk, softcap, scale, outputs)
     g_lp = torch.randn(N, generator=g, dtype=torch.float64)
     g_ent = torch.randn(N, generator=g, dtype=torch.float64) if entropy else None
+    ref = _dense_logits_grad(h.detach(), W.detach(), None if b is None else b.detach(), targets, temperature, softcap,
+                             scale, g_lp, g_ent)  # [N, V]
+    use = _recorded(h, W, b, targets, temperature, chunk, softcap, scale, outputs, rows, (g_lp, g_ent))
 
-    dz = fused_logits_grad(lp.grad_fn, g_lp, g_ent)  # [N, V]
-    ref = _dense_logits_grad(h.detach(), W.detach(), None if b is None else b.detach(), targets, temperature, softcap, scale,
-                             g_lp, g_ent)
+    dz = use.b.reshape(N, V)
+    assert use.a.shape == (rows, n, d) and use.b.shape == (rows, n, V)
     # TRL's fold works in float32 whatever the inputs' dtype: float32's roundoff, relative to the largest entry
-    assert dz.shape == (N, V)
     assert float((dz - ref).abs().max()) <= 1e-6 * float(ref.abs().max()), float((dz - ref).abs().max())
-
-    # and its weight gradient is the one TRL's own backward gives the head: Σ_t z'_t ⊗ h_t
-    torch.autograd.backward([x for x in (lp, ent) if x is not None], [x for x in (g_lp, g_ent) if x is not None])
+    # and the rows' pieces add up to the gradient TRL's own backward gave the head: Σ_t z'_t ⊗ h_t
     assert torch.allclose(dz.t() @ h.detach(), W.grad, rtol=1e-5, atol=1e-6 * float(W.grad.abs().max()))
     if b is not None:
         assert torch.allclose(dz.sum(0), b.grad, rtol=1e-5, atol=1e-6 * float(b.grad.abs().max()))
+
+
+def test_recording_leaves_trls_gradients_bit_identical():
+    import trl.trainer.utils as utils
+
+    g = torch.Generator().manual_seed(3)
+    h0 = torch.randn(12, 8, generator=g)
+    W0 = torch.randn(300, 8, generator=g)
+    targets = torch.randint(0, 300, (12,), generator=g)
+    g_lp, g_ent = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    args = (1.0, 128, None, 1.0, ("log_probs", "entropy"))
+
+    h, W = h0.clone().requires_grad_(True), torch.nn.Parameter(W0.clone())
+    lp, ent, *_ = utils._ChunkedLogProbFunction.apply(h, W, None, targets, *args)  # TRL's own
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    h2 = h0.clone().requires_grad_(True)
+    use = _recorded(h2, torch.nn.Parameter(W0.clone()), None, targets, *args, 3, (g_lp, g_ent))
+    assert torch.equal(use.weight.grad, W.grad) and torch.equal(h2.grad, h.grad)
 
 
 def test_a_triton_device_is_refused_with_the_reason(monkeypatch):
@@ -78,10 +117,10 @@ def test_a_failure_in_the_head_capture_sends_the_step_to_the_separate_pass(tmp_p
     class AuditedGRPO(LensGRPOMixin, GRPOTrainer):
         pass
 
-    def broken(node, g_lp, g_ent):
+    def broken(self, fold):
         raise RuntimeError("no logits gradient here")
 
-    monkeypatch.setattr(trl_fused_head, "fused_logits_grad", broken)
+    monkeypatch.setattr(trl_fused_head._TileSink, "wrap", broken)
     policy = save_policy(str(tmp_path / "policy"))
     cb = LensTRLCallback()
     tr = AuditedGRPO(model=policy, reward_funcs=digit_reward, processing_class=tiny_tokenizer(),
@@ -92,3 +131,58 @@ def test_a_failure_in_the_head_capture_sends_the_step_to_the_separate_pass(tmp_p
     (_, report), = cb.history
     assert isinstance(report, CreditReport) and report.engine == "ghost" and report.grad_match <= 1e-6
     assert "fused LM head could not be read" in cb.ride_reason and "no logits gradient here" in cb.ride_reason
+
+
+def _head_call(hidden, head, targets):
+    import trl.trainer.utils as utils
+
+    # as TRL's fused forward calls it off Triton devices: every position, targets clamped
+    return utils._ChunkedLogProbFunction.apply(hidden, head.weight, head.bias, targets, 1.0, 16, None, 1.0, ("log_probs", "entropy"))
+
+
+def test_the_capture_records_the_heads_use_before_its_weight_is_reduced():
+    from lens_callbacks.credit.engines.ghost import RowCapture
+    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
+
+    g = torch.Generator().manual_seed(1)
+    B, n, d, V = 3, 5, 8, 40
+    head = torch.nn.Linear(d, V, bias=True)
+    cap = RowCapture(head)  # the head is never called as a module: no hook of the capture fires for it
+    hidden = torch.randn(B * n, d, generator=g).requires_grad_(True)
+    targets = torch.randint(0, V, (B * n,), generator=g)
+    seen = []
+    head.weight.register_hook(lambda gw: seen.append(cap.uses[0].b is not None))  # B exists when W's grad does
+    cap.active = True
+    with FusedHeadCapture(cap, head, B) as fc:
+        lp, ent, *_ = _head_call(hidden, head, targets)
+    cap.active = False
+    assert fc.error is None and fc.calls == 1
+    (use,) = cap.uses
+    assert use.rule == "fused_lm_head" and use.a.shape == (B, n, d) and use.weight is head.weight
+    g_lp, g_ent = torch.randn(B * n, generator=g), torch.randn(B * n, generator=g)
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    assert seen == [True]
+    ref = _dense_logits_grad(hidden.detach().double(), head.weight.detach().double(), head.bias.detach().double(), targets,
+                             1.0, None, 1.0, g_lp.double(), g_ent.double())
+    assert use.b.shape == (B, n, V)
+    assert torch.allclose(use.b.reshape(B * n, V).double(), ref, atol=1e-6 * float(ref.abs().max()))
+    # the rows' pieces Σ_t z'_t ⊗ h_t add up to the head's own gradient
+    assert torch.allclose(torch.einsum("bnv,bnd->vd", use.b, use.a), head.weight.grad, atol=1e-6)
+
+
+def test_a_forward_that_calls_the_head_twice_is_not_read():
+    from lens_callbacks.credit.engines.ghost import RowCapture
+    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
+
+    head = torch.nn.Linear(4, 10, bias=False)
+    cap = RowCapture(head)
+    hidden = torch.randn(8, 4, requires_grad=True)
+    targets = torch.randint(0, 10, (8,))
+    cap.active = True
+    with FusedHeadCapture(cap, head, 2) as fc:  # a forward split in two chunks of one row each
+        _head_call(hidden[:4], head, targets[:4])
+        _head_call(hidden[4:], head, targets[4:])
+    assert "ran 2 times" in fc.error
+    import trl.trainer.utils as utils
+
+    assert utils._ChunkedLogProbFunction is ChunkedLogProbFunction  # restored on exit
