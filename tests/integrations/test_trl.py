@@ -391,6 +391,16 @@ def _same_readings(a, b, tol=1e-6):
     assert torch.allclose(ga, gb, rtol=tol, atol=tol * float(gb.abs().max()))
 
 
+def _ride_and_separate(policy_dir, tmp_path, **kw):
+    """The same run twice from the same seed, riding along and by the separate pass: ``(callback, trainer)`` each."""
+    runs = []
+    for ride in (True, False):
+        cb = LensTRLCallback(ride_along=ride)
+        torch.manual_seed(7)
+        runs.append((cb, _train(policy_dir, tmp_path / str(ride), callbacks=[cb], **kw)))
+    return runs
+
+
 @pytest.mark.parametrize(("loss_type", "accum"), [("grpo", 1), ("luspo", 1), ("grpo", 2)])  # dapo: the bit-identity test
 def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, loss_type, accum):
     # LoRA (the fused LM head is frozen), beta 0.1, entropy bonus, clipping, SGD; at accumulation 2 each
@@ -398,12 +408,7 @@ def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, l
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
     kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum,
               **HARD, **extra)
-    runs = {}
-    for ride in (True, False):
-        cb = LensTRLCallback(ride_along=ride)
-        torch.manual_seed(7)
-        runs[ride] = (cb, _train(policy_dir, tmp_path / str(ride), callbacks=[cb], **kw))
-    (rode, tr), (sep, _) = runs[True], runs[False]
+    (rode, tr), (sep, _) = _ride_and_separate(policy_dir, tmp_path, **kw)
     assert rode.ride_reason is None and sep.ride_reason == "ride_along=False"
     assert len(rode.history) == 2 == len(sep.history)
     for (_, a), (_, b) in zip(rode.history, sep.history):
@@ -433,12 +438,7 @@ def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_
     policy_dir = tied_policy_dir if tied else policy_dir
     kw = dict(lora=False, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, loss_type="grpo",
               max_steps=2, **HARD)
-    runs = {}
-    for ride in (True, False):
-        cb = LensTRLCallback(ride_along=ride)
-        torch.manual_seed(7)
-        runs[ride] = (cb, _train(policy_dir, tmp_path / str(ride), callbacks=[cb], **kw))
-    (rode, tr), (sep, _) = runs[True], runs[False]
+    (rode, tr), (sep, _) = _ride_and_separate(policy_dir, tmp_path, **kw)
     assert rode.ride_reason is None, rode.ride_reason
     assert (tr.model.get_output_embeddings().weight is tr.model.get_input_embeddings().weight) == tied
     for (_, a), (_, b) in zip(rode.history, sep.history):
