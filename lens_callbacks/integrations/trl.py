@@ -107,7 +107,7 @@ from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  #
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
 from ..credit.engines.ghost import RideAlong, report_accumulated  # noqa: E402
-from .trl_fused_head import FusedHeadCapture, fused_head_refusal  # noqa: E402
+from .trl_fused_head import fused_head_refusal, head_captures  # noqa: E402
 from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
 from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
@@ -367,13 +367,9 @@ class LensGRPOMixin:
         The terms are a function of detached copies of those outputs; after the backward, their gradient there
         is held against the one TRL's loss sent into the forward (recorded by hooks that return nothing).
         """
-        head = self._lens_trained_head()
-        if head is None:
-            logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
-        else:  # the fused head's use recorded beside the layers' (its logits gradient formed in TRL's backward)
-            ride.head = FusedHeadCapture(ride.rider.cap, head, int(ride.mb.inputs["completion_ids"].shape[0]))
-            with ride.head:
-                logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
+        logps, entropies, aux = ride.forward(*args, **kwargs)  # [B, T], [B, T]
+        # a trained head's use is recorded by the fused-head extension the rider's capture installed
+        ride.heads = head_captures(ride.rider.cap)
         ride.returned = (logps, entropies, aux)
         outs = [x for x in (logps, entropies) if x is not None and x.requires_grad]
         mine = tuple(x.detach().requires_grad_(True) for x in outs)
@@ -471,8 +467,9 @@ class LensGRPOMixin:
         same gradient into the forward's outputs as TRL's loss."""
         if ride.error is not None:
             return f"the adapter's terms could not be formed in the training forward: {ride.error}"
-        if ride.head is not None and ride.head.error is not None:
-            return f"TRL's fused LM head could not be read: {ride.head.error}"
+        broken = next((h.error for h in ride.heads if h.error is not None), None)
+        if broken is not None:
+            return f"TRL's fused LM head could not be read: {broken}"
         if ride.extra_forwards or ride.terms is None:
             return f"TRL's loss ran its forward {1 + ride.extra_forwards if ride.terms is not None else 0} times; riding along needs one"
         if len(ride.trl_grads) != len(ride.mine):
@@ -822,7 +819,7 @@ class _Ride:
     extra_forwards: int = 0
     error: Optional[str] = None
     gap: Optional[float] = None
-    head: Any = None  # the fused LM head's capture, when the head is trained
+    heads: list = field(default_factory=list)  # the fused LM head's captures (see trl_fused_head)
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

@@ -6,20 +6,23 @@ head never called as a layer. No module hook sees it, so a run that trains the h
 
 The head is still a ``Linear`` use: its weight gradient is ``Σ_t z'_t ⊗ h_t`` with ``h_t`` the hidden
 state the function reads and ``z'_t`` the gradient at the logits, which TRL's backward forms tile by tile
-and discards. :class:`FusedHeadCapture` replaces the function, for one training forward, by a subclass
-whose forward is TRL's and whose backward is TRL's own backward, run with TRL's tile fold wrapped so each
-folded tile — the logits' gradient — is also copied out. It records the use: the hidden states as the
-layer's input ``A`` (``[B, n, d]``) and those tiles as ``B`` (``[B, n, V]``). The engine then reads the
-head as it reads any ``Linear`` (:class:`FusedHeadRule`): dots, norms, the cross term with a tied
-embedding's use, the parts' sum. Nothing TRL computes changes: the forward and the backward are TRL's
-code, and the wrapped fold returns what TRL's returns, after one copy of the tile.
+and discards. :class:`FusedHeadCapture`, an extension installed with every
+:class:`~lens_callbacks.credit.engines.ghost.RowCapture` once this module is imported (the riding-along
+capture and the separate pass's alike), replaces the function while the capture is installed by a
+subclass whose forward is TRL's and whose backward is TRL's own backward, run with TRL's tile fold
+wrapped so each folded tile — the logits' gradient — is also copied out. It records the use: the hidden
+states as the layer's input ``A`` (``[B, n, d]``) and those tiles as ``B`` (``[B, n, V]``). The engine
+then reads the head as it reads any ``Linear`` (:class:`FusedHeadRule`): dots, norms, the cross term with
+a tied embedding's use, the parts' sum. Nothing TRL computes changes: the forward and the backward are
+TRL's code, and the wrapped fold returns what TRL's returns, after one copy of the tile.
 
 Cost: one copy of each tile in the backward, and the ``[N, V]`` logits gradient held until the head's
 parameters are read.
 
 Only the layout TRL uses off Triton devices is covered: every position scored, ``N = B · n``. On a
 Triton device TRL scores only the positions whose label is set (``hidden[mask]``), which loses the rows;
-:func:`fused_head_refusal` says so and the step takes the separate pass.
+:func:`fused_head_refusal` says so: a ride takes the separate pass, where the engine reads the head
+by its exact per-part fallback.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..credit.engines.ghost import RowCapture
+from ..credit.engines.ghost import CAPTURE_EXTENSIONS, RowCapture
 from ..credit.engines.rules.linear import LinearRule
 
-__all__ = ["FusedHeadRule", "FUSED_HEAD", "FusedHeadCapture", "fused_head_refusal"]
+__all__ = ["FusedHeadRule", "FUSED_HEAD", "FusedHeadCapture", "fused_head_refusal", "head_captures"]
 
 
 class FusedHeadRule(LinearRule):
@@ -135,36 +138,32 @@ def _recording_function() -> Any:
 
 
 class FusedHeadCapture:
-    """For one forward: TRL's fused-head function replaced by a wrapper that records the head's use on
-    ``capture`` (when the capture is active, the function reads ``head``'s weight and its output needs
-    grad). ``rows``: the micro-batch's rows (``N`` must be ``rows · n``). ``error`` holds what went wrong
-    while recording; the use is then missing and the step falls back with the engine's own reason."""
+    """A :class:`RowCapture` extension: while the capture is installed, TRL's fused-head function is
+    replaced by :func:`_recording_function`'s subclass, and each call made while the capture is active, on
+    a trained weight of a module under the capture's root, with an output that needs grad, records one use
+    of that module (the model's output embeddings where the weight is theirs — a tied head, not its
+    embedding). Rows: the capture's batch (the leading size its layers saw). A second call in one
+    installation is not recorded (``error`` says why): the engine then finds a use it did not see and reads
+    that weight by its exact fallback, or the ride falls back with the reason."""
 
-    def __init__(self, capture: RowCapture, head: nn.Module, rows: int) -> None:
-        self.capture = capture
-        self.head = head
-        self.rows = int(rows)
-        self.error: Optional[str] = None
-        self.calls = 0  # calls recorded (the function's calls on the head's weight with grad)
-        self._fn: Any = None
-        self._orig: Any = None
-        self._utils: Any = None
-
-    def __enter__(self) -> "FusedHeadCapture":
+    def __init__(self, capture: RowCapture) -> None:
         import trl.trainer.utils as utils
 
+        self.capture = capture
+        self.error: Optional[str] = None
+        self.calls = 0  # calls recorded (the function's calls on a covered weight with grad)
+        self._owners: Optional[dict[int, nn.Module]] = None
         self._fn = _recording_function()
         self._utils, self._orig = utils, utils._ChunkedLogProbFunction
         utils._ChunkedLogProbFunction = self
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def remove(self) -> None:
         if self._utils is not None:
             self._utils._ChunkedLogProbFunction = self._orig
             self._utils = None
 
     def apply(self, *args: Any) -> Any:
-        # TRL's forward and, unless this call is the head's use, TRL's backward: the same arithmetic
+        # TRL's forward and, unless this call is recorded, TRL's backward: the same arithmetic
         out = self._fn.apply(*args)
         try:
             self._record(args[0], args[1], args[2], out)
@@ -172,24 +171,47 @@ class FusedHeadCapture:
             self.error = self.error or f"{type(e).__name__}: {e}"
         return out
 
+    def _owner(self, weight: torch.Tensor) -> Optional[nn.Module]:
+        if self._owners is None:
+            owners: dict[int, nn.Module] = {}
+            root = self.capture.root
+            for mod in root.modules():
+                w = getattr(mod, "weight", None)
+                if isinstance(w, torch.Tensor) and id(w) not in owners and not isinstance(mod, nn.Embedding):
+                    owners[id(w)] = mod
+            for mod in root.modules():  # the output embeddings own their weight, tied or not
+                get = getattr(mod, "get_output_embeddings", None)
+                head = get() if callable(get) else None
+                if isinstance(getattr(head, "weight", None), torch.Tensor):
+                    owners[id(head.weight)] = head
+            self._owners = owners
+        return self._owners.get(id(weight))
+
     def _record(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: Any) -> None:
-        cap, head = self.capture, self.head
-        if not cap.active or cap._inner or weight is not getattr(head, "weight", None):
+        cap = self.capture
+        if not cap.active or cap._inner:
             return
         logp = out[0]
         if not isinstance(logp, torch.Tensor) or not logp.requires_grad or logp.grad_fn is None:
             return
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (weight, bias)):
             return
+        head = self._owner(weight)
+        if head is None:
+            return  # a weight outside the capture's root (a reference model's head)
+        if fused_head_refusal(hidden.device) is not None:  # only the labelled positions: the rows are lost
+            raise ValueError("TRL's fused LM head scores only the labelled positions on a Triton device")
         self.calls += 1
-        if self.calls > 1:  # a forward split into chunks of rows: no call holds the micro-batch's rows in order
-            raise ValueError(f"TRL's fused LM head ran {self.calls} times in one training forward; riding along needs one call per micro-batch")
+        if self.calls > 1:  # a forward split into chunks of rows: no call holds the batch's rows in order
+            raise ValueError(f"TRL's fused LM head ran {self.calls} times in one forward; reading it needs one call per batch")
+        rows = max(int(cap.batch), 1)
         N, d = int(hidden.shape[0]), int(hidden.shape[-1])
-        if self.rows <= 0 or N % self.rows:
-            raise ValueError(f"the fused LM head scored {N} positions, not a whole number per row of the micro-batch's {self.rows}")
-        rows = self.rows
+        if N % rows:
+            raise ValueError(f"TRL's fused LM head scored {N} positions, not a whole number per row of the batch's {rows}")
         use = cap.record(FUSED_HEAD, head, weight, bias, hidden.reshape(rows, N // rows, d))  # A: [B, n, d]
-        use.edge = torch.autograd.graph.get_gradient_edge(logp)
+        # A backward to the head's input runs the function's backward, which forms the tiles (a backward
+        # to its output would stop short of them).
+        use.edge = torch.autograd.graph.get_gradient_edge(hidden) if hidden.requires_grad else None
 
         def on_tiles(z: Optional[torch.Tensor], err: Optional[BaseException]) -> None:
             if err is not None:
@@ -198,3 +220,12 @@ class FusedHeadCapture:
                 use.grad_hook(z.reshape(rows, N // rows, z.shape[-1]))  # B: [B, n, V]
 
         logp.grad_fn.lens_on_tiles = on_tiles
+
+
+def head_captures(capture: RowCapture) -> list[FusedHeadCapture]:
+    """The fused-head extensions installed with ``capture``."""
+    return [h for h in capture.handles if isinstance(h, FusedHeadCapture)]
+
+
+if FusedHeadCapture not in CAPTURE_EXTENSIONS:
+    CAPTURE_EXTENSIONS.append(FusedHeadCapture)

@@ -3,6 +3,8 @@ held against autograd on the materialised logits, and the capture's failures tur
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -29,22 +31,32 @@ def _dense_logits_grad(h, W, b, targets, temperature, softcap, scale, g_lp, g_en
     return dz
 
 
+@contextlib.contextmanager
+def _capturing(root, rows):
+    """A capture of ``root`` installed and active, as the engines use one; its fused-head extension."""
+    from lens_callbacks.credit.engines.ghost import RowCapture
+    from lens_callbacks.integrations.trl_fused_head import head_captures
+
+    cap = RowCapture(root).install()
+    cap.batch = rows  # what the layers before the head would have set
+    cap.active = True
+    (fc,) = head_captures(cap)
+    try:
+        yield cap, fc
+    finally:
+        cap.remove()
+
+
 def _recorded(h, W, b, targets, temperature, chunk, softcap, scale, outputs, rows, grads):
     """The head's use as the capture records it for one call of TRL's function, after its backward."""
     import trl.trainer.utils as utils
-
-    from lens_callbacks.credit.engines.ghost import RowCapture
-    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
 
     head = torch.nn.Linear(W.shape[1], W.shape[0], bias=b is not None, dtype=W.dtype)
     head.weight = W
     if b is not None:
         head.bias = b
-    cap = RowCapture(head)
-    cap.active = True
-    with FusedHeadCapture(cap, head, rows) as fc:
+    with _capturing(head, rows) as (cap, fc):
         out = utils._ChunkedLogProbFunction.apply(h, W, b, targets, temperature, chunk, softcap, scale, outputs)
-    cap.active = False
     torch.autograd.backward([x for x in out[:2] if x is not None], [g for g in grads if g is not None])
     assert fc.error is None, fc.error
     (use,) = cap.uses
@@ -141,21 +153,15 @@ def _head_call(hidden, head, targets):
 
 
 def test_the_capture_records_the_heads_use_before_its_weight_is_reduced():
-    from lens_callbacks.credit.engines.ghost import RowCapture
-    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
-
     g = torch.Generator().manual_seed(1)
     B, n, d, V = 3, 5, 8, 40
     head = torch.nn.Linear(d, V, bias=True)
-    cap = RowCapture(head)  # the head is never called as a module: no hook of the capture fires for it
     hidden = torch.randn(B * n, d, generator=g).requires_grad_(True)
     targets = torch.randint(0, V, (B * n,), generator=g)
     seen = []
-    head.weight.register_hook(lambda gw: seen.append(cap.uses[0].b is not None))  # B exists when W's grad does
-    cap.active = True
-    with FusedHeadCapture(cap, head, B) as fc:
+    with _capturing(head, B) as (cap, fc):  # the head is never called as a module: no layer hook fires for it
+        head.weight.register_hook(lambda gw: seen.append(cap.uses[0].b is not None))  # B exists when W's grad does
         lp, ent, *_ = _head_call(hidden, head, targets)
-    cap.active = False
     assert fc.error is None and fc.calls == 1
     (use,) = cap.uses
     assert use.rule == "fused_lm_head" and use.a.shape == (B, n, d) and use.weight is head.weight
@@ -170,19 +176,22 @@ def test_the_capture_records_the_heads_use_before_its_weight_is_reduced():
     assert torch.allclose(torch.einsum("bnv,bnd->vd", use.b, use.a), head.weight.grad, atol=1e-6)
 
 
-def test_a_forward_that_calls_the_head_twice_is_not_read():
-    from lens_callbacks.credit.engines.ghost import RowCapture
-    from lens_callbacks.integrations.trl_fused_head import FusedHeadCapture
-
-    head = torch.nn.Linear(4, 10, bias=False)
-    cap = RowCapture(head)
-    hidden = torch.randn(8, 4, requires_grad=True)
-    targets = torch.randint(0, 10, (8,))
-    cap.active = True
-    with FusedHeadCapture(cap, head, 2) as fc:  # a forward split in two chunks of one row each
-        _head_call(hidden[:4], head, targets[:4])
-        _head_call(hidden[4:], head, targets[4:])
-    assert "ran 2 times" in fc.error
+def test_a_forward_that_calls_the_head_twice_is_not_read_and_the_function_is_restored():
     import trl.trainer.utils as utils
 
-    assert utils._ChunkedLogProbFunction is ChunkedLogProbFunction  # restored on exit
+    head = torch.nn.Linear(4, 10, bias=False)
+    hidden = torch.randn(8, 4, requires_grad=True)
+    targets = torch.randint(0, 10, (8,))
+    with _capturing(head, 2) as (cap, fc):  # a forward split in two chunks of one row each
+        assert utils._ChunkedLogProbFunction is fc
+        _head_call(hidden[:4], head, targets[:4])
+        _head_call(hidden[4:], head, targets[4:])
+    assert "ran 2 times" in fc.error and len(cap.uses) == 1  # the engine finds two edges, one use: exact fallback
+    assert utils._ChunkedLogProbFunction is ChunkedLogProbFunction  # restored when the capture is removed
+
+
+def test_a_weight_outside_the_captures_root_is_not_recorded():
+    head, other = torch.nn.Linear(4, 10, bias=False), torch.nn.Linear(4, 10, bias=False)  # e.g. a reference model's head
+    with _capturing(head, 2) as (cap, fc):
+        _head_call(torch.randn(8, 4, requires_grad=True), other, torch.randint(0, 10, (8,)))
+    assert cap.uses == [] and fc.calls == 0 and fc.error is None

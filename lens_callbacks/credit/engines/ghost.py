@@ -137,6 +137,12 @@ class _Use:
         return None
 
 
+#: Captures of uses made outside a module call, installed with every :class:`RowCapture`: ``ext(capture)``
+#: starts one and returns a handle whose ``remove()`` ends it; it records its uses with
+#: :meth:`RowCapture.record` while ``capture.active``. The TRL adapter adds one for TRL's fused LM head.
+CAPTURE_EXTENSIONS: list[Callable[["RowCapture"], Any]] = []
+
+
 class RowCapture:
     """Forward hooks on every covered layer of ``root``; each call records a :class:`_Use`.
 
@@ -160,6 +166,8 @@ class RowCapture:
             rule = find_rule(mod)
             if rule is not None:
                 self.handles.append(mod.register_forward_hook(self._make_hook(rule)))
+        for ext in CAPTURE_EXTENSIONS:
+            self.handles.append(ext(self))
         return self
 
     def remove(self) -> None:
