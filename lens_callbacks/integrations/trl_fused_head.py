@@ -147,14 +147,21 @@ class FusedHeadCapture:
     that weight by its exact fallback, or the ride falls back with the reason."""
 
     def __init__(self, capture: RowCapture) -> None:
-        import trl.trainer.utils as utils
-
         self.capture = capture
         self.error: Optional[str] = None
         self.calls = 0  # calls recorded (the function's calls on a covered weight with grad)
         self._owners: Optional[dict[int, nn.Module]] = None
-        self._fn = _recording_function()
-        self._utils, self._orig = utils, utils._ChunkedLogProbFunction
+        self._utils: Any = None
+        self.unavailable: Optional[str] = None  # why TRL's function could not be wrapped
+        try:
+            import trl.trainer.utils as utils
+
+            self._fn = _recording_function()
+            self._orig = utils._ChunkedLogProbFunction
+        except Exception as e:  # nothing patched: a trained head is read by the engine's exact fallback
+            self.unavailable = f"{type(e).__name__}: {e}"
+            return
+        self._utils = utils
         utils._ChunkedLogProbFunction = self
 
     def remove(self) -> None:
