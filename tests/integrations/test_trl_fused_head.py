@@ -1,4 +1,4 @@
-"""TRL's fused LM head as the one-pass engine reads it: the logits gradient recomputed with TRL's tile code,
+"""TRL's fused LM head as the one-pass engine reads it: the logits gradient copied out of TRL's own backward,
 held against autograd on the materialised logits, and the capture's failures turned into a fallback."""
 
 from __future__ import annotations
@@ -195,3 +195,12 @@ def test_a_weight_outside_the_captures_root_is_not_recorded():
     with _capturing(head, 2) as (cap, fc):
         _head_call(torch.randn(8, 4, requires_grad=True), other, torch.randint(0, 10, (8,)))
     assert cap.uses == [] and fc.calls == 0 and fc.error is None
+
+
+def test_on_a_triton_device_the_head_is_not_recorded(monkeypatch):
+    # TRL scores only the labelled positions there (hidden[mask]): whatever the count, the rows are lost
+    monkeypatch.setattr(trl_fused_head, "fused_head_refusal", lambda device: "Triton")
+    head = torch.nn.Linear(4, 10, bias=False)
+    with _capturing(head, 2) as (cap, fc):
+        _head_call(torch.randn(8, 4, requires_grad=True), head, torch.randint(0, 10, (8,)))
+    assert cap.uses == [] and "Triton" in fc.error
