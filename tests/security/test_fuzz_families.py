@@ -225,12 +225,12 @@ def test_doubling_the_attackers_parameter_at_most_doubles_time_and_memory(light,
     assert m2 <= 2.0 * m1, (family, p, m1, p2, m2)
 
 
-@pytest.mark.slow  # two fresh interpreters and 12,000 record lines (~50 s on a shared machine)
+@pytest.mark.slow  # two fresh interpreters and 20,000 record lines (~60 s on a shared machine)
 def test_record_group_keys_that_collide_are_linear(tmp_path):
     """``(step, group)`` pairs chosen so that their tuple hashes collide, on record lines: grouping stays linear.
 
     Measured in a subprocess as the best of three runs of ``groups_from_record``; the number of groups read is
-    checked against the pairs written (an independent count), and the time of 2n lines against n lines.
+    checked against the pairs written (an independent count), and the time of 4n lines against n lines.
     """
     import subprocess
     import sys
@@ -239,7 +239,7 @@ def test_record_group_keys_that_collide_are_linear(tmp_path):
             "for _ in range(3):\n    t = time.perf_counter(); g = groups_from_record(sys.argv[1]); best = min(best, time.perf_counter() - t)\n"
             "print(len(g), best)\n")
     out = {}
-    for n in (4_000, 8_000):
+    for n in (4_000, 16_000):
         pairs = F.colliding_pairs(n)
         assert len({hash(p) for p in pairs}) == 1 and len(set(pairs)) == n
         d = F.record_dir(tmp_path / str(n), pairs)
@@ -249,7 +249,9 @@ def test_record_group_keys_that_collide_are_linear(tmp_path):
         groups, secs = r.stdout.split()
         assert int(groups) == n
         out[n] = float(secs)
-    assert out[8_000] <= 2.5 * out[4_000] + 0.2, out
+    # 4x the lines: linear grouping takes ~4-6x as long (caches fill between the sizes), a quadratic one 16x;
+    # one doubling (2x, limit 2.5x) sat within noise of its limit on a loaded 2-core machine
+    assert out[16_000] <= 8.0 * out[4_000] + 0.2, out
 
 
 AUDIT_CASES = {
