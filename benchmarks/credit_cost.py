@@ -859,7 +859,7 @@ def run_real(args) -> str:
             f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {passes} step-sized passes per repeat{took}"
         )
     for kind, m, T in ([] if args.rows_from is not None else wanted):
-        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=not args.quick,
+        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=args.memory and not args.quick,
                            drift=args.drift and not args.quick, profile=args.profile and not args.quick,
                            peer_budget=args.peer_budget_gib * 2**30)
         rows.append(row)
@@ -901,6 +901,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True,
                     help="real rows: read the float32 shares against a float64 pass (--no-drift where a float64 "
                          "copy of the step does not fit: the Qwen2 shape at T = 512 needs more than 24 GiB)")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="real rows: take each mode's peak memory (--no-memory where the profiled passes do not fit: "
+                         "the Qwen2 shape at 4,096 positions a step was killed for memory at 24 GiB after them)")
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
         "--route", default="auto", choices=["auto", "direct", "ghost"],
