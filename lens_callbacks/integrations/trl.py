@@ -106,7 +106,7 @@ from ..credit import disintegrate, exact_optimizer_precondition, step_conservati
 from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
-from ..credit.engines.ghost import RideAlong, report_accumulated  # noqa: E402
+from ..credit.engines.ghost import RideAlong, batch_rows, report_accumulated  # noqa: E402
 from .trl_fused_head import fused_head_refusal, head_captures  # noqa: E402
 from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
@@ -637,7 +637,13 @@ class LensGRPOMixin:
         micro = self.lens_micro_batches() if batch is None else list(batch)
         if not micro:
             raise ValueError("`batch` must hold at least one micro-batch, got none; call during a training step.")
-        parts = [self._lens_micro_terms(mb) for mb in micro]
+        parts, r0 = [], 0
+        for mb in micro:
+            n = int(mb.inputs["completion_ids"].shape[0])
+            # rows r0:r0+n of the stacked terms: the one-pass engine reads the micro-batches' layer calls as one batch
+            with batch_rows(r0, r0 + n):
+                parts.append(self._lens_micro_terms(mb))
+            r0 += n
         T = max(p[0].size(1) for p in parts)
 
         def pad(x: torch.Tensor, value: Any = 0) -> torch.Tensor:

@@ -142,14 +142,16 @@ class FusedHeadCapture:
     replaced by :func:`_recording_function`'s subclass, and each call made while the capture is active, on
     a trained weight of a module under the capture's root, with an output that needs grad, records one use
     of that module (the model's output embeddings where the weight is theirs — a tied head, not its
-    embedding). Rows: the capture's batch (the leading size its layers saw). A second call in one
-    installation is not recorded (``error`` says why): the engine then finds a use it did not see and reads
+    embedding). Rows: the capture's batch (the leading size its layers saw), or the call's
+    :func:`~lens_callbacks.credit.engines.ghost.batch_rows` span. A second call in one installation (in one
+    span) is not recorded (``error`` says why): the engine then finds a use it did not see and reads
     that weight by its exact fallback, or the ride falls back with the reason."""
 
     def __init__(self, capture: RowCapture) -> None:
         self.capture = capture
         self.error: Optional[str] = None
         self.calls = 0  # calls recorded (the function's calls on a covered weight with grad)
+        self._spans: set = set()  # the `batch_rows` spans a call was recorded in
         self._owners: Optional[dict[int, nn.Module]] = None
         self._utils: Any = None
         self.unavailable: Optional[str] = None  # why TRL's function could not be wrapped
@@ -209,9 +211,17 @@ class FusedHeadCapture:
         if fused_head_refusal(hidden.device) is not None:  # only the labelled positions: the rows are lost
             raise ValueError("TRL's fused LM head scores only the labelled positions on a Triton device")
         self.calls += 1
-        if self.calls > 1:  # a forward split into chunks of rows: no call holds the batch's rows in order
-            raise ValueError(f"TRL's fused LM head ran {self.calls} times in one forward; reading it needs one call per batch")
-        rows = max(int(cap.batch), 1)
+        # A forward split into chunks of rows: no call holds the batch's rows in order, unless each chunk
+        # says which rows it holds (`batch_rows`, one call per span; the engine stacks them).
+        if cap.span is None and self.calls > 1 or cap.span is not None and cap.span in self._spans:
+            raise ValueError(
+                f"TRL's fused LM head ran {self.calls} times in one forward; reading it needs one call per batch "
+                "(or per `batch_rows` span)"
+            )
+        self._spans.add(cap.span)
+        rows = int(cap.rows()) if cap.span is not None else max(int(cap.batch), 1)
+        if rows < 1:
+            raise ValueError(f"the `batch_rows` span {cap.span} does not hold the {cap._last} rows the layers before the head saw")
         N, d = int(hidden.shape[0]), int(hidden.shape[-1])
         if N % rows:
             raise ValueError(f"TRL's fused LM head scored {N} positions, not a whole number per row of the batch's {rows}")

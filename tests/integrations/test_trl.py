@@ -418,6 +418,8 @@ def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, l
     for (_, a), (_, b) in zip(rode.history, sep.history):
         assert isinstance(a, CreditReport) and isinstance(b, CreditReport)
         assert a.engine == "ghost+training_step" and b.engine.startswith("ghost")
+        # the separate pass runs TRL's forward once per micro-batch; `batch_rows` stacks the calls: no fallback
+        assert "fallback" not in dict(b.coverage), b.coverage
         assert a.n_parts == 8
         _same_readings(a, b)
     # step conservation holds the update against the ride-along parts' sum
@@ -434,12 +436,13 @@ def tied_policy_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("accum", "tied", "engine"), [(1, False, "reference"), (1, True, "reference"), (2, True, "reference"),
-                                                     (1, True, "ghost")])
+                                                     (1, True, "ghost"), (2, True, "ghost")])
 def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_dir, tmp_path, accum, tied, engine):
     # The head is trained and TRL's fused LM head reads it outside the layer: its use is recorded by the
     # fused-head capture (tied: beside the embedding's use of the same weight). Held against the reference
     # engine (one backward per part, no capture: independent of the head's recorded pieces), and against the
-    # one-pass separate pass, whose capture records the head the same way.
+    # one-pass separate pass, whose capture records the head the same way (at accumulation 2: once per
+    # micro-batch, each call under its micro-batch's `batch_rows` span, stacked into one).
     policy_dir = tied_policy_dir if tied else policy_dir
     kw = dict(lora=False, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, loss_type="grpo",
               max_steps=2, **HARD)

@@ -27,7 +27,9 @@ Every trainable parameter is covered exactly. A parameter is handled by the hook
 of its uses the hooks saw equals the number of edges into it in the autograd graph of the loss; any
 other parameter (a bare ``nn.Parameter`` in a custom op, a layer with no rule) is the fallback: one
 ``torch.autograd.grad`` per part for those parameters only. ``report.coverage`` counts what each path
-covered. ``g_full`` comes from the single backward by autograd; ``conservation_error`` compares the
+covered. A layer called once per chunk of rows (a forward in micro-batches) sees fewer rows than the
+batch in each call; under :func:`batch_rows` its calls are stacked into one call on the whole batch.
+``g_full`` comes from the single backward by autograd; ``conservation_error`` compares the
 parts' sum, assembled from the pieces (another arithmetic path), with it.
 
 Contract: no module may mix rows. Batch-norm layers in training mode are detected and refused; a
@@ -61,6 +63,7 @@ __all__ = [
     "row_parts",
     "row_interacting_modules",
     "rule_for",
+    "batch_rows",
 ]
 
 # Elements of one chunk of per-part pieces when no budget is given: at least 16 Mi elements, and never
@@ -97,7 +100,8 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge")
+    __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge",
+                 "span", "calls")
 
     def __init__(self, rule: Rule, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
         self.handler = rule  # the registered rule that reads this use
@@ -112,6 +116,8 @@ class _Use:
         self.capture: Optional["RowCapture"] = None
         self.version = a._version  # the input's in-place version when the layer read it
         self.edge: Any = None  # the output's place in the graph (a backward to it forms no weight gradient)
+        self.span: Optional[tuple[int, int]] = None  # the batch's rows this call held (see `batch_rows`)
+        self.calls = 1  # the layer calls (graph edges into its parameters) this use stands for
 
     def normalised(self) -> torch.Tensor:
         """A norm layer's ``x̂``: kept from the forward under autocast, else recomputed from the input now.
@@ -137,6 +143,112 @@ class _Use:
         return None
 
 
+class _StackedUse(_Use):
+    """The calls of one layer on consecutive spans of the batch's rows, read as one call on the whole batch.
+
+    Rows do not interact, so a row's piece is a function of that row's input and output gradient alone,
+    whichever call computed it. The inputs are stacked once the forward is over; the output gradients,
+    which exist only once the backward has passed the layer, are stacked the first time they are read
+    (when the layer's parameters are reduced, after every call's gradient has arrived)."""
+
+    __slots__ = ("children", "_b", "_rows")
+
+    def __init__(self, children: Sequence[_Use], rows: Sequence[int]) -> None:
+        u0 = children[0]
+        super().__init__(u0.handler, u0.module, u0.weight, u0.bias, torch.cat([u.a for u in children]))  # [ΣB, ...]
+        self.children = list(children)
+        self._rows = list(rows)
+        self.capture = u0.capture
+        self.calls = sum(u.calls for u in children)
+        if all(u.xhat is not None for u in children):
+            self.xhat = torch.cat([u.xhat for u in children])
+        for u in children:
+            u.a = u.xhat = None  # their inputs now live in the stacked one
+
+    @property  # type: ignore[override]
+    def b(self) -> Optional[torch.Tensor]:
+        if self._b is not None:
+            return self._b
+        bs = [u.b for u in getattr(self, "children", ())]
+        like = next((x for x in bs if x is not None), None)
+        if like is None:
+            return None
+        # a call whose rows the backward never reached adds zero rows
+        self._b = torch.cat([x if x is not None else like.new_zeros((n,) + tuple(like.shape[1:])) for x, n in zip(bs, self._rows)])
+        for u in self.children:
+            u.b = None
+        return self._b
+
+    @b.setter
+    def b(self, value: Optional[torch.Tensor]) -> None:
+        self._b = value
+
+
+def _unstackable(groups: Sequence[Sequence[_Use]], rows: Sequence[int], what: str) -> Optional[str]:
+    """Why the covered layers' calls in ``groups`` (one group per chunk of ``rows[k]`` rows, ``what`` names
+    the chunks) cannot be read as one batch's calls, or None."""
+    if any(len(g) != len(groups[0]) for g in groups):
+        return f"the covered layers ran {[len(g) for g in groups]} times in {what}; stacking needs the same layers in each"
+    for us in zip(*groups):
+        u0 = us[0]
+        name = type(u0.module).__name__
+        if any(u.module is not u0.module or u.weight is not u0.weight or u.bias is not u0.bias for u in us):
+            return f"the covered layers ran in different orders in {what}"
+        if any(u.a is None or u.a._version != u.version for u in us):
+            return f"the input of {name} was modified in place after the layer read it"
+        if any(int(u.a.shape[0]) != n for u, n in zip(us, rows)) or len({tuple(u.a.shape[1:]) for u in us}) != 1:
+            return (
+                f"{name} saw inputs of shapes {[list(u.a.shape) for u in us]} in {what}; stacking their rows needs "
+                "each chunk's rows in front and one shape past them"
+            )
+        bs = [u.b for u in us if u.b is not None]
+        if len({tuple(b.shape[1:]) for b in bs}) > 1:
+            return f"{name}'s output gradients have shapes {[None if u.b is None else list(u.b.shape) for u in us]} in {what}"
+    return None
+
+
+def stack_spans(uses: Sequence[_Use], B: int) -> tuple[list[_Use], Optional[str]]:
+    """``uses`` with the calls made under :func:`batch_rows` stacked into one use per layer, and why they
+    could not be (None: stacked, or nothing to stack). Unstacked calls hold fewer rows than the batch, so
+    the engine reads their parameters by its exact fallback."""
+    spans = sorted({u.span for u in uses if u.span is not None})
+    if not spans:
+        return list(uses), None
+    if any(u.span is None for u in uses):
+        return list(uses), "some covered layers ran outside `batch_rows` while others ran inside it"
+    if spans[0][0] != 0 or spans[-1][1] != B or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        return list(uses), f"the `batch_rows` spans {spans} do not tile the batch's {B} rows in order"
+    groups = [[u for u in uses if u.span == sp] for sp in spans]
+    rows = [b - a for a, b in spans]
+    why = _unstackable(groups, rows, f"the `batch_rows` spans {spans}")
+    if why is not None:
+        return list(uses), why
+    return [_StackedUse(us, rows) for us in zip(*groups)], None
+
+
+_INSTALLED: list["RowCapture"] = []
+
+
+@contextlib.contextmanager
+def batch_rows(start: int, stop: int) -> Any:
+    """Say that the covered layers called inside hold rows ``start:stop`` of the batch the terms stack.
+
+    For a ``credit_terms`` that runs the model once per chunk of rows (a trainer's micro-batches) and
+    stacks the chunks' terms in order: the one-pass engine then reads each layer's calls as one call on
+    the whole batch instead of reading the layer's parameters by its fallback (one backward per part).
+    Outside an audit it does nothing."""
+    if not (isinstance(start, int) and isinstance(stop, int)) or not 0 <= start < stop:
+        raise ValueError(f"`batch_rows` needs 0 <= start < stop, got start={start!r}, stop={stop!r}.")
+    before = [(c, c.span) for c in _INSTALLED]
+    for c, _ in before:
+        c.span = (start, stop)
+    try:
+        yield
+    finally:
+        for c, sp in before:
+            c.span = sp
+
+
 #: Captures of uses made outside a module call, installed with every :class:`RowCapture`: ``ext(capture)``
 #: starts one and returns a handle whose ``remove()`` ends it; it records its uses with
 #: :meth:`RowCapture.record` while ``capture.active``. The TRL adapter adds one for TRL's fused LM head.
@@ -159,9 +271,23 @@ class RowCapture:
         self.handles: list[Any] = []
         self.active = False
         self.batch = 0
+        self.span: Optional[tuple[int, int]] = None  # set by `batch_rows`
+        self._last = 0  # the leading size of the last covered layer's call
         self._inner = False
 
+    def rows(self) -> int:
+        """Rows of the call now being recorded: its `batch_rows` span, else the batch's leading size.
+
+        A span is taken only where the last covered layer called held as many rows (0 otherwise): a
+        span that misstates its rows then leaves a broadcast layer unexpanded, which the engine reads by
+        its exact fallback, instead of changing the shape of the model's forward."""
+        if self.span is None:
+            return self.batch
+        n = self.span[1] - self.span[0]
+        return n if n == self._last else 0
+
     def install(self) -> "RowCapture":
+        _INSTALLED.append(self)
         for mod in self.root.modules():
             rule = find_rule(mod)
             if rule is not None:
@@ -175,10 +301,13 @@ class RowCapture:
             h.remove()
         self.handles.clear()
         self.active = False
+        if self in _INSTALLED:
+            _INSTALLED.remove(self)
 
     def clear(self) -> None:
         self.uses = []
         self.batch = 0
+        self._last = 0
 
     def __enter__(self) -> "RowCapture":
         return self.install()
@@ -196,6 +325,7 @@ class RowCapture:
             lead = int(out.shape[0])
             if lead > 1 and self.batch == 0:
                 self.batch = lead  # seen on a frozen layer too (a frozen token embedding before a trained one)
+            rows, self._last = self.rows(), lead
             if not out.requires_grad:
                 return None
             w = getattr(mod, "weight", None)
@@ -204,11 +334,11 @@ class RowCapture:
             if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
                 return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
             ret = None
-            if rule.expands_broadcast and lead == 1 and self.batch > 1:
+            if rule.expands_broadcast and lead == 1 and rows > 1:
                 # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
                 # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
-                out = out.expand(self.batch, *out.shape[1:])
-                x = x.expand(self.batch, *x.shape[1:])
+                out = out.expand(rows, *out.shape[1:])
+                x = x.expand(rows, *x.shape[1:])
                 ret = out
             self.record(rule, mod, w, b, x, out)
             return ret
@@ -225,6 +355,7 @@ class RowCapture:
         through :meth:`_Use.grad_hook` (a layer computed outside its module, such as a fused head whose
         output gradient is formed inside another function's backward) and sets ``use.edge``."""
         use = _Use(rule, mod, weight, bias, x.detach())
+        use.span = self.span
         rule.on_forward(use, mod, x, self)
         if out is not None:
             out.register_hook(use.grad_hook)
@@ -602,7 +733,8 @@ def _run(
     onto: Optional[Sequence[torch.Tensor]] = None,
     full_grad: Optional[Sequence[torch.Tensor]] = None,
 ):
-    by_leaf = plan_uses(cap.uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
+    uses, _ = stack_spans(cap.uses, B)  # unstacked, their parameters take the fallback (coverage says so)
+    by_leaf = plan_uses(uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
     red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto)
     if full_grad is not None:
@@ -624,6 +756,7 @@ def _run(
     else:
         g_full = [torch.zeros_like(x) for x in leaves]
     seal(cap.uses)
+    seal(uses)
     fb = None
     if fallback and loss.requires_grad:
         fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
@@ -651,7 +784,7 @@ def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edge
                 bad.add(i)  # the layer saw no per-row leading dimension: rows cannot be told apart
     out = {}
     for i, us in seen.items():
-        if i in bad or edges.get(id(leaves[i]), 0) != len(us):
+        if i in bad or edges.get(id(leaves[i]), 0) != sum(u.calls for u in us):
             continue  # a use the hooks did not see (or a use outside the graph): exact fallback
         if sparse_only(us, leaves[i]) and not ghost_eligible(us, leaves[i]):
             continue  # an embedding weight also used by a layer without an L^T R piece: exact fallback
@@ -968,11 +1101,14 @@ class RideAlong:
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
         leaves = [p for _, p in named]
-        by_leaf = plan_uses(self.cap.uses, leaves, int(t.terms.shape[0]), self.edges or {})
+        uses, why = stack_spans(self.cap.uses, int(t.terms.shape[0]))
+        if why is not None:
+            return f"`batch_rows` was used, but {why}."
+        by_leaf = plan_uses(uses, leaves, int(t.terms.shape[0]), self.edges or {})
         missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
         if missing:
             return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
-        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf}
+        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf, "uses": uses}
 
     def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route) -> Union[str, dict[str, Any]]:
         lay = self._layout(partition_fn)
@@ -1073,7 +1209,7 @@ class RideAlong:
             reduced = red.finish(g_full, [], None, None)
         else:
             reduced = reduce_pieces(
-                self.cap.uses, by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
+                lay["uses"], by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
                 None, route=route,
             )
         return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads)
@@ -1132,36 +1268,15 @@ def _merge_uses(groups: Sequence[Sequence[_Use]], batches: Sequence[int]) -> Uni
     Rows do not interact, so a row's piece of a parameter is a function of that row's input and output
     gradient alone, wherever the row was computed: the stacked uses give every row's piece exactly. The
     micro-batches' own tensors are let go as they are stacked."""
-    n = len(groups[0])
-    if any(len(g) != n for g in groups):
-        return (
-            f"the micro-batches' forwards called the covered layers {[len(g) for g in groups]} times; "
-            "reading them as one batch needs the same layers in each."
-        )
+    why = _unstackable(groups, batches, "the micro-batches' forwards")
+    if why is not None:
+        return why
     out: list[_Use] = []
-    for j in range(n):
-        us = [g[j] for g in groups]
-        u0 = us[0]
-        name = type(u0.module).__name__
-        if any(u.module is not u0.module or u.weight is not u0.weight or u.bias is not u0.bias for u in us):
-            return "the micro-batches' forwards called the covered layers in different orders."
-        if any(u.a is None or u.a._version != u.version for u in us):
-            return f"the input of {name} was modified in place after the layer read it."
-        if any(u.a.shape[0] != B for u, B in zip(us, batches)) or len({tuple(u.a.shape[1:]) for u in us}) != 1:
-            return f"{name} saw inputs of shapes {[list(u.a.shape) for u in us]} in the micro-batches; stacking their rows needs the same shape past the batch."
-        bs = [u.b for u in us]
-        like = next((b for b in bs if b is not None), None)
-        if like is not None and len({tuple(b.shape[1:]) for b in bs if b is not None}) != 1:
-            return f"{name}'s output gradients have shapes {[None if b is None else list(b.shape) for b in bs]} in the micro-batches."
-        merged = _Use(u0.handler, u0.module, u0.weight, u0.bias, torch.cat([u.a for u in us]))  # [ΣB, ...]
-        if like is not None:  # a micro-batch whose backward never reached the layer adds zero rows
-            merged.b = torch.cat([b if b is not None else like.new_zeros((B,) + tuple(like.shape[1:])) for b, B in zip(bs, batches)])
-        if all(u.xhat is not None for u in us):
-            merged.xhat = torch.cat([u.xhat for u in us])
-        merged.capture = u0.capture
+    for us in zip(*groups):
+        merged = _StackedUse(us, batches)
+        _ = merged.b  # every backward is over: stack the output gradients now and let the micro-batches' go
+        merged.calls = us[0].calls  # held against one micro-batch's graph (each has the same edges)
         merged.sealed = True
-        for u in us:
-            u.a = u.b = u.xhat = None
         out.append(merged)
     return out
 
