@@ -596,6 +596,8 @@ def measure_real(
     row: dict[str, Any] = {"kind": kind, "m": m, "T": T, "n_params": n_params, "param_bytes": param_bytes,
                            "vocab": V, "tied": bool(policy.model.config.tie_word_embeddings),
                            "layers": policy.model.config.num_hidden_layers, "skipped": {}}
+    if tuple(modes) != REAL_MODES:
+        row["modes"] = list(modes)  # --rows-from merges these modes into the row's earlier full run
     modes = list(modes)
     if 4 * m * n_params > peer_budget:
         for k in ("vmap", "opacus"):
@@ -758,6 +760,14 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
             + " |"
         )
     lines.append("")
+    for r in rows:
+        for o in r.get("other_runs", []):
+            lines.append(
+                f"{r['kind']}, m = {r['m']}, T = {r['T']}: {', '.join(k for k in o['modes'] if k != 'step')} timed in a separate "
+                f"run (`--modes`), against that run's plain step ({o['step_s']:.2f} s)."
+            )
+    if any(r.get("other_runs") for r in rows):
+        lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
     skipped = [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}." for r in rows for k, why in r.get("skipped", {}).items()]
     if skipped or dropped:
@@ -838,7 +848,11 @@ def run_real(args) -> str:
         for line in args.rows_from.read_text().splitlines():
             if line.startswith("{") and '"kind"' in line and '"step_s"' in line:
                 r = json.loads(line)
-                latest[(r["kind"], r["m"], r["T"])] = r  # a row's full line follows its timings-only line
+                key = (r["kind"], r["m"], r["T"])
+                if r.get("modes") is not None and key in latest:
+                    latest[key] = _merge_modes(latest[key], r)  # a later run of some modes only (--modes)
+                else:
+                    latest[key] = r  # a row's full line follows its timings-only line
         rows = list(latest.values())
         done = {(r["kind"], r["m"], r["T"]) for r in rows}
         for kind, m, T in wanted:
@@ -859,12 +873,32 @@ def run_real(args) -> str:
             f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {passes} step-sized passes per repeat{took}"
         )
     for kind, m, T in ([] if args.rows_from is not None else wanted):
-        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, memory=args.memory and not args.quick,
+        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, modes=args.modes, memory=args.memory and not args.quick,
                            drift=args.drift and not args.quick, profile=args.profile and not args.quick,
                            peer_budget=args.peer_budget_gib * 2**30)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
     return real_table(rows, args.repeats if not args.quick else 1, dropped) + "\n" + real_verdict(rows) + "\n" + paper_block()
+
+
+def _merge_modes(row: dict, extra: dict) -> dict:
+    """``row`` with the modes a later ``--modes`` run timed taken from that run (each ratio is to the plain
+    step of its own process)."""
+    out = {**row, "skipped": dict(row.get("skipped", {}))}
+    for k in extra["modes"]:
+        if k == "step":
+            continue
+        for key in (f"{k}_over_train", f"mem_{k}"):
+            if extra.get(key) is not None:
+                out[key] = extra[key]
+        if k in extra.get("skipped", {}):
+            out["skipped"][k] = extra["skipped"][k]
+        else:
+            out["skipped"].pop(k, None)
+    out["mem_step_" + "+".join(extra["modes"])] = extra.get("mem_step")
+    runs = [o for o in out.get("other_runs", []) if o["modes"] != extra["modes"]]  # its timings-only line, then its full one
+    out["other_runs"] = runs + [{"modes": extra["modes"], "step_s": extra["step_s"]}]
+    return out
 
 
 def _real_row(text: str) -> tuple[str, int, int]:
@@ -901,6 +935,9 @@ def main(argv=None) -> int:
     ap.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True,
                     help="real rows: read the float32 shares against a float64 pass (--no-drift where a float64 "
                          "copy of the step does not fit: the Qwen2 shape at T = 512 needs more than 24 GiB)")
+    ap.add_argument("--modes", nargs="+", default=list(REAL_MODES), choices=list(REAL_MODES), type=str,
+                    help="real rows: the modes to time (the plain step always); e.g. `--modes step vmap opacus "
+                         "--peer-budget-gib 8` for the peers alone, merged into the row's earlier run by --rows-from")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                     help="real rows: take each mode's peak memory (--no-memory where the profiled passes do not fit: "
                          "the Qwen2 shape at 4,096 positions a step was killed for memory at 24 GiB after them)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,23 @@ def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu():
     fns["ride_shares"]()  # raises if the ride-along audit falls back
     with pytest.raises(SystemExit):
         gpu.parse_args(["--hidden", "30", "--heads", "4"])
+
+
+def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
+    # a row's full run (vmap skipped for memory), then a run of the peers alone (`--modes step vmap`): the
+    # rendered row takes vmap's ratio from the second run and says which run timed it
+    bench = _bench()
+    full = {"kind": "llama", "m": 8, "T": 128, "n_params": 1_000_000, "param_bytes": 4_000_000, "step_s": 4.0, "repeats": 2,
+            "skipped": {"vmap": "needs 5 GiB"}, "sep_shares_over_train": 1.4, "sep_all_over_train": 1.5, "mem_step": 0,
+            "mem_sep_all": 1_000_000}
+    peers = {"kind": "llama", "m": 8, "T": 128, "n_params": 1_000_000, "param_bytes": 4_000_000, "step_s": 5.0, "repeats": 1,
+             "skipped": {}, "vmap_over_train": 1.7, "modes": ["step", "vmap"]}
+    log = tmp_path / "rows.log"
+    log.write_text("\n".join(json.dumps(r) for r in (full, {**peers, "partial": "timings only"}, peers)) + "\n")
+    bench.main(["--only", "real", "--rows-from", str(log), "--real-rows", "llama:8:128"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| llama | 1 M | 8 | 128 |"))
+    assert "| 4.00 |" in row and "| 1.40× |" in row and "| 1.70× |" in row and "(+0.2)" in row
+    assert out.count("vmap timed in a separate run (`--modes`), against that run's plain step (5.00 s)") == 1
+    assert "vmap not run" not in out
+    assert "1 of 1 rows where a peer ran" in out  # 1.5 against vmap's 1.7
