@@ -146,3 +146,15 @@ def test_a_mislabelled_span_is_caught_by_verify_part():
     assert max(abs(a - b) for a, b in zip(got.projected_share, ref.projected_share)) > 1e-3  # mislabelled
     with pytest.raises(RowInteraction):
         disintegrate_ghost(chunked, batch, "by_rollout", dtype="float64", verify_part=True)
+
+
+def test_chunks_with_the_trainers_gradient():
+    # full_grad: the backward runs to the layers' outputs only (every call's), the stacked uses are read after it
+    chunked = ChunkedPolicy([2, 1, 3], bare=False)
+    batch = layer_batch(B=6)
+    leaves = [p for p in chunked.parameters() if p.requires_grad]
+    grad = torch.autograd.grad(chunked.credit_terms(batch).terms.sum(), leaves)  # what the trainer's .grad holds
+    ref = disintegrate(chunked, batch, "by_group", dtype="float64", engine="reference", keep_parts=True)
+    got = disintegrate(chunked, batch, "by_group", dtype="float64", full_grad=list(grad))
+    assert got.engine == "ghost+grad" and "fallback" not in dict(got.coverage)
+    assert_same_readings(ref, got)
