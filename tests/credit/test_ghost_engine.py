@@ -439,3 +439,20 @@ def test_full_grad_from_the_trainer_equals_the_own_backward_and_is_held_to_it():
     assert stale.conservation_error == pytest.approx(0.1 / 1.1, rel=1e-9)
     with pytest.raises(ValueError, match="`full_grad` needs engine='ghost'"):
         disintegrate(module, batch, "by_group", dtype="float64", engine="reference", full_grad=list(grad))
+
+
+@pytest.mark.parametrize("route", ["direct", "ghost"])
+def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(route):
+    # Under autocast a Linear's input and output gradient are bfloat16, so its pieces are; their sum must
+    # still be kept (and held against the float32 g_full) in float32: a bfloat16 Σ g_S, or g_full rounded
+    # to bfloat16 before the difference, reads a conservation error that is not the returned vector's.
+    module, batch = LayerPolicy(V=300, d=16, seed=3), layer_batch(V=300)
+    module.float()
+    got = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", keep_grads=True, route=route,
+                       forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    gs, gf = got.grads.parts_sum, got.grads.g_full
+    assert all(s.dtype == g.dtype == torch.float32 for s, g in zip(gs, gf))
+    diff = math.sqrt(sum(float((s.double() - g.double()).pow(2).sum()) for s, g in zip(gs, gf)))
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in gf))
+    assert abs(diff / norm - got.conservation_error) <= 1e-6 * got.conservation_error
+    assert 0 < got.conservation_error < 8 * 2**-8  # bfloat16 products: the parts add up to its resolution

@@ -53,7 +53,7 @@ from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from . import READINGS
 from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, sparse_only
 from .rules import Rule, find_rule
-from .reductions import diff_sq64, dots64, gram64, row_sq64, sq64
+from .reductions import diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
 
 __all__ = [
     "disintegrate_ghost",
@@ -468,8 +468,8 @@ def _row_sq(P: torch.Tensor) -> torch.Tensor:
 
 
 def _part_sum(P: torch.Tensor) -> torch.Tensor:
-    """``P.sum(0)`` of a ``[c, n]`` block as a matrix-vector product (a column sum strides badly on a CPU)."""
-    return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
+    """``P.sum(0)`` of a ``[c, n]`` block (half-precision pieces summed and kept in float32)."""
+    return row_sum(P)  # [n]
 
 
 # Parameters with at most this many elements have their per-part pieces batched: held until the batch

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .reductions import diff_sq64, sq64
+from .reductions import diff_sq64, row_sum, sq64, sum_dtype
 from .rules import Factors, rule_of
 
 ROUTES = ("auto", "direct", "ghost")
@@ -145,6 +145,17 @@ def _factors(u, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Fact
     if u.b is None:
         return None
     return rule_of(u).factors(u, param, sel, B)
+
+
+def _widened(f: Factors) -> Factors:
+    """``f`` in one dtype, float32 at least. Under autocast the factors are half precision (or one is and
+    the other not): the ghost identities' products and dots are then taken in float32, against a g_full
+    that is not rounded to half precision first (the direct route forms its pieces in the factors' dtype
+    and sums them in float32)."""
+    dt = sum_dtype(f.R.dtype if f.index else torch.promote_types(f.L.dtype, f.R.dtype))
+    if f.R.dtype == dt and (f.index or f.L.dtype == dt):
+        return f
+    return Factors(f.L if f.index else f.L.to(dt), f.R.to(dt), f.index)
 
 
 def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
@@ -303,7 +314,7 @@ def direct_param(
             part = dst.repeat_interleave(f.L.shape[1])[order]  # [r·n]
             edges = torch.searchsorted(ids_s, torch.tensor(starts + [dL], device=ids.device)).tolist()
             tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(dtype), part, edges))
-    total = torch.empty(g_full.shape, dtype=dtype, device=g_full.device) if keep_total else None
+    total = torch.empty(g_full.shape, dtype=torch.promote_types(sum_dtype(dtype), g_full.dtype), device=g_full.device) if keep_total else None
     diff = torch.zeros((), dtype=torch.float64, device=g_full.device)
     for j, lo in enumerate(starts):
         hi = min(dL, lo + vb)
@@ -329,7 +340,7 @@ def direct_param(
             gram += G
         elif sq is not None:
             sq += G
-        s = P2.sum(0) if m == 1 else torch.ones(m, dtype=P2.dtype, device=P2.device) @ P2  # [(hi-lo)·d_R]
+        s = row_sum(P2)  # [(hi-lo)·d_R]
         diff += diff_sq64(s, g_full[lo:hi])
         if total is not None:
             total[lo:hi] = s.view(hi - lo, dR)
@@ -370,7 +381,7 @@ def ghost_param(
         tensor for the second, read back later with the others).
     """
     param = uses[0].weight if param is None else param
-    facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
+    facs = [_widened(f) for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)

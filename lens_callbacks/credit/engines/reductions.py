@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64"]
+__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64", "row_sum", "sum_dtype"]
 
 # Elements per block of a float32 product; the blocks' results are summed in float64.
 BLOCK = 1 << 16
@@ -48,15 +48,31 @@ def sq64(x: torch.Tensor) -> torch.Tensor:
 
 
 def diff_sq64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``‖a − b‖²`` in float64, block by block (no parameter-sized difference is formed)."""
-    u, v = a.reshape(-1), b.reshape(-1).to(a.dtype)  # [n]
+    """``‖a − b‖²`` in float64, block by block (no parameter-sized difference is formed); the difference is
+    taken in the wider of the two dtypes, so neither side is rounded to the other's precision first."""
+    dt = torch.promote_types(a.dtype, b.dtype)
+    u, v = a.reshape(-1), b.reshape(-1)  # [n]
     if u.numel() <= 4 * BLOCK:
-        return sq64(u - v)
+        return sq64(u.to(dt) - v.to(dt))
     out = torch.zeros((), dtype=torch.float64, device=u.device)
     step = 16 * BLOCK
     for s, e in _blocks(u.numel(), step):
-        out += sq64(u[s:e] - v[s:e])
+        out += sq64(u[s:e].to(dt) - v[s:e].to(dt))
     return out
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of pieces in ``dtype`` is kept in: float32 for half precisions (their pieces come
+    from autocast; ``Σ_S g_S`` is held against a float32 gradient), else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def row_sum(P: torch.Tensor) -> torch.Tensor:
+    """``P.sum(0)`` of a ``[c, n]`` block in :func:`sum_dtype`: a matrix-vector product where the dtype
+    stays (a column sum strides badly on a CPU), accumulated and kept in float32 for half precisions."""
+    if sum_dtype(P.dtype) != P.dtype:
+        return P.sum(0, dtype=sum_dtype(P.dtype))  # [n]
+    return torch.ones(P.shape[0], dtype=P.dtype, device=P.device) @ P  # [n]
 
 
 def dots64(P: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
