@@ -18,7 +18,8 @@ class CreditGrads:
     Attributes:
         names: parameter names, aligned with the lists below.
         g_full: the full gradient, taken by its own backward pass (dtype used).
-        parts_sum: ``Σ_S g_S``, the sum of the parts (dtype used).
+        parts_sum: ``Σ_S g_S``, the sum of the parts (dtype used; float32 where that is half precision, as
+            pieces formed under autocast are: ``conservation_error`` is read on this very vector).
         parts: one list per part (only with ``keep_parts=True``; memory ``m × |θ|``).
     """
 

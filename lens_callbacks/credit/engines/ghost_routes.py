@@ -344,7 +344,7 @@ def direct_param(
         diff += diff_sq64(s, g_full[lo:hi])
         if total is not None:
             total[lo:hi] = s.view(hi - lo, dR)
-    return (None if total is None else total.to(g_full.dtype)), diff
+    return total, diff  # kept in float32 at least: the conservation error above is this vector's
 
 
 def ghost_param(
