@@ -169,7 +169,7 @@ class _StackedUse(_Use):
     def b(self) -> Optional[torch.Tensor]:
         if self._b is not None:
             return self._b
-        bs = [u.b for u in getattr(self, "children", ())]
+        bs = [u.b for u in self.children]
         like = next((x for x in bs if x is not None), None)
         if like is None:
             return None
@@ -467,11 +467,6 @@ def _row_sq(P: torch.Tensor) -> torch.Tensor:
     return row_sq64(P)
 
 
-def _part_sum(P: torch.Tensor) -> torch.Tensor:
-    """``P.sum(0)`` of a ``[c, n]`` block (half-precision pieces summed and kept in float32)."""
-    return row_sum(P)  # [n]
-
-
 # Parameters with at most this many elements have their per-part pieces batched: held until the batch
 # reaches _BATCH elements, then reduced by one set of products (a norm weight or a bias costs a dozen
 # small kernels on its own, which at m = 8 is most of what a small layer costs).
@@ -500,7 +495,7 @@ class _Accum:
             self.gram += gram64(P, P)
         if self.sq is not None:
             self.sq += _row_sq(P)
-        total = _part_sum(P)  # [n]
+        total = row_sum(P)  # [n]
         self.diff_sq += diff_sq64(total, gf)
         return total
 
@@ -539,7 +534,7 @@ class _Accum:
             self.dots[idx] += dots64(P, tg)
             if self.sq is not None:
                 self.sq[idx] += _row_sq(P)
-            total += _part_sum(P).to(total.dtype)
+            total += row_sum(P).to(total.dtype)
             if self.gram is not None:
                 self.gram[idx[:, None], idx[None, :]] += gram64(P, P)
                 for cj in chunks[i + 1 :]:
