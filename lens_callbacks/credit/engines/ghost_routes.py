@@ -316,19 +316,29 @@ def direct_param(
             tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(dtype), part, edges))
     total = torch.empty(g_full.shape, dtype=torch.promote_types(sum_dtype(dtype), g_full.dtype), device=g_full.device) if keep_total else None
     diff = torch.zeros((), dtype=torch.float64, device=g_full.device)
+    # Every block's piece (and product) is written into one buffer made once: a fresh block of several MB
+    # per product is a fresh mapping on a CPU, and its page faults cost as much as the product itself.
+    pdt = dense[0].L.dtype if dense else dtype
+    n_blk = m * min(vb, dL) * dR
+    buf = torch.empty(n_blk, dtype=pdt, device=g_full.device)
+    tmp = None if in_order or not dense else torch.empty(r * min(vb, dL) * dR, dtype=pdt, device=g_full.device)
     for j, lo in enumerate(starts):
         hi = min(dL, lo + vb)
-        P: Optional[torch.Tensor] = None
-        for f in dense:
-            prod = torch.bmm(f.L[:, :, lo:hi].transpose(1, 2), f.R.to(f.L.dtype))  # [r, hi-lo, d_R]
-            if in_order:
-                P = prod if P is None else P.add_(prod)
+        P = buf[: m * (hi - lo) * dR].view(m, hi - lo, dR)  # [m, hi-lo, d_R]
+        if not in_order or not dense:
+            P.zero_()
+        for k, f in enumerate(dense):
+            a, b = f.L[:, :, lo:hi].transpose(1, 2), f.R.to(f.L.dtype)  # [r, hi-lo, n], [r, n, d_R]
+            if in_order and f.L.dtype == pdt:
+                if k == 0:
+                    torch.bmm(a, b, out=P)
+                else:
+                    P.baddbmm_(a, b)
+            elif in_order:
+                P.add_(torch.bmm(a, b))
             else:
-                if P is None:
-                    P = torch.zeros((m, hi - lo, dR), dtype=prod.dtype, device=prod.device)
+                prod = torch.bmm(a, b, out=tmp[: r * (hi - lo) * dR].view(r, hi - lo, dR)) if f.L.dtype == pdt else torch.bmm(a, b)
                 P.index_add_(0, dst, prod)
-        if P is None:
-            P = torch.zeros((m, hi - lo, dR), dtype=dtype, device=g_full.device)
         for ids_s, vals, part, edges in tokens:
             a, b = edges[j], edges[j + 1]
             if b > a:  # the tokens of this block, each into its part's row of the piece
