@@ -176,9 +176,11 @@ def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
     wide = other.shape[1]
     step = max(1, _DOT_BLOCK // max(1, narrow.shape[0]))
     out = torch.zeros(narrow.shape[0], dtype=torch.float64, device=W.device)  # [r·n]
+    buf = torch.empty(narrow.shape[0] * min(step, wide), dtype=torch.promote_types(narrow.dtype, W.dtype), device=W.device)
     for s in range(0, wide, step):
         e = min(wide, s + step)
-        X = narrow @ Wt[:, s:e]  # [r·n, e-s]
+        # into one buffer: a fresh block of this size per product costs its page faults again each time
+        X = torch.mm(narrow, Wt[:, s:e], out=buf[: narrow.shape[0] * (e - s)].view(-1, e - s))  # [r·n, e-s]
         out += X.mul_(other[:, s:e]).sum(1).double()  # a block's cascade sum in float32, blocks in float64
     return out.view(r, n).sum(1)
 
