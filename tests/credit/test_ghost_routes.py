@@ -267,10 +267,13 @@ def test_a_norm_input_changed_in_place_is_refused_and_auto_falls_back():
 @pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("readings", ["shares", "all"])
 @pytest.mark.parametrize("budget", [None, 40])
-def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, monkeypatch):
-    # 20 parts; small weights are read whole (pieces batched with other small parameters) unless the
+@pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
+def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, partition, monkeypatch):
+    # 20 rows; small weights are read whole (pieces batched with other small parameters) unless the
     # threshold is lowered, when every weight is read a block of its rows at a time; a 40-element budget
-    # cuts every weight into blocks of one row (two uses of `sq` in each block)
+    # cuts every weight into blocks of one row (two uses of `sq` in each block: the second adds into the
+    # block's buffer). by_group puts two rows in each of 10 parts: the rows' products are summed into
+    # their parts' pieces, through a second buffer.
     from lens_callbacks.credit.engines import ghost
 
     if not whole:
@@ -279,10 +282,10 @@ def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budge
     real = ghost.direct_param
     monkeypatch.setattr(ghost, "direct_param", lambda *a, **k: blocked.append(1) or real(*a, **k))
     module, batch = TwiceLinear(), layer_batch(B=20, V=11)
-    ref = reference(module, batch, "by_rollout")
-    got = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", readings=readings, route="direct", memory_budget=budget)
+    ref = reference(module, batch, partition)
+    got = disintegrate_ghost(module, batch, partition, dtype="float64", readings=readings, route="direct", memory_budget=budget)
     assert_same_readings(ref, got, tol=TOL)
     assert (len(blocked) == 0) == whole  # sq, wide and head read in blocks only below the lowered threshold
-    got32 = disintegrate_ghost(module.float(), batch, "by_rollout", dtype="float32", readings=readings, route="direct",
+    got32 = disintegrate_ghost(module.float(), batch, partition, dtype="float32", readings=readings, route="direct",
                                memory_budget=budget)
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got32.projected_share)) < 1e-5
