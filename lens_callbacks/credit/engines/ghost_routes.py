@@ -284,9 +284,9 @@ def direct_param(
 
     Every part's piece of rows ``lo:hi`` (``[m, hi-lo, d_R]``: a batched product per dense use, an
     ``index_add`` of the tokens in ``lo:hi`` per token-id use) is formed, reduced (dots, norms or Gram,
-    its share of ``Σ_S g_S − g_full``) while it is small enough to stay in cache, and dropped: no
-    ``[m, d_L, d_R]`` buffer, and no piece built twice for the Gram, whatever ``m``. Same arguments and
-    return as :func:`ghost_param` (``m``: the number of parts).
+    its share of ``Σ_S g_S − g_full``) while it is small enough to stay in cache, and overwritten by the
+    next block's, in the same buffer: no ``[m, d_L, d_R]`` buffer, and no piece built twice for the
+    Gram, whatever ``m``. Same arguments and return as :func:`ghost_param` (``m``: the number of parts).
     """
     param = uses[0].weight if param is None else param
     facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
@@ -330,16 +330,17 @@ def direct_param(
         if not in_order or not dense:
             P.zero_()
         for k, f in enumerate(dense):
-            a, b = f.L[:, :, lo:hi].transpose(1, 2), f.R.to(f.L.dtype)  # [r, hi-lo, n], [r, n, d_R]
+            lt, rt = f.L[:, :, lo:hi].transpose(1, 2), f.R.to(f.L.dtype)  # [r, hi-lo, n], [r, n, d_R]
             if in_order and f.L.dtype == pdt:
                 if k == 0:
-                    torch.bmm(a, b, out=P)
+                    torch.bmm(lt, rt, out=P)
                 else:
-                    P.baddbmm_(a, b)
+                    P.baddbmm_(lt, rt)
             elif in_order:
-                P.add_(torch.bmm(a, b))
+                P.add_(torch.bmm(lt, rt))
             else:
-                prod = torch.bmm(a, b, out=tmp[: r * (hi - lo) * dR].view(r, hi - lo, dR)) if f.L.dtype == pdt else torch.bmm(a, b)
+                out = tmp[: r * (hi - lo) * dR].view(r, hi - lo, dR) if f.L.dtype == pdt else None
+                prod = torch.bmm(lt, rt, out=out)  # [r, hi-lo, d_R]
                 P.index_add_(0, dst, prod)
         for ids_s, vals, part, edges in tokens:
             a, b = edges[j], edges[j + 1]
