@@ -176,7 +176,7 @@ def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
     wide = other.shape[1]
     step = max(1, _DOT_BLOCK // max(1, narrow.shape[0]))
     out = torch.zeros(narrow.shape[0], dtype=torch.float64, device=W.device)  # [r·n]
-    buf = torch.empty(narrow.shape[0] * min(step, wide), dtype=torch.promote_types(narrow.dtype, W.dtype), device=W.device)
+    buf = torch.empty(narrow.shape[0] * min(step, wide), dtype=narrow.dtype, device=W.device)  # mm takes one dtype
     for s in range(0, wide, step):
         e = min(wide, s + step)
         # into one buffer: a fresh block of this size per product costs its page faults again each time
@@ -321,8 +321,7 @@ def direct_param(
     # Every block's piece (and product) is written into one buffer made once: a fresh block of several MB
     # per product is a fresh mapping on a CPU, and its page faults cost as much as the product itself.
     pdt = dense[0].L.dtype if dense else dtype
-    n_blk = m * min(vb, dL) * dR
-    buf = torch.empty(n_blk, dtype=pdt, device=g_full.device)
+    buf = torch.empty(m * min(vb, dL) * dR, dtype=pdt, device=g_full.device)
     tmp = None if in_order or not dense else torch.empty(r * min(vb, dL) * dR, dtype=pdt, device=g_full.device)
     for j, lo in enumerate(starts):
         hi = min(dL, lo + vb)
