@@ -441,13 +441,22 @@ def test_full_grad_from_the_trainer_equals_the_own_backward_and_is_held_to_it():
         disintegrate(module, batch, "by_group", dtype="float64", engine="reference", full_grad=list(grad))
 
 
-@pytest.mark.parametrize("route", ["direct", "ghost"])
-def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(route):
+@pytest.mark.parametrize("route,blocked,by_part", [("direct", False, True), ("direct", True, True), ("direct", True, False),
+                                                   ("ghost", False, True)])
+def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(route, blocked, by_part, monkeypatch):
     # Under autocast a Linear's input and output gradient are bfloat16, so its pieces are; their sum must
     # still be kept (and held against the float32 g_full) in float32: a bfloat16 Σ g_S, or g_full rounded
     # to bfloat16 before the difference, reads a conservation error that is not the returned vector's.
+    # `blocked`: every weight read a block of its rows at a time (one part's piece at a time on the CPU's
+    # path, every part's at once on the batched one), not whole with the other small weights.
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    if blocked:
+        monkeypatch.setattr(ghost, "_WHOLE", 0)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
     module, batch = LayerPolicy(V=300, d=16, seed=3), layer_batch(V=300)
     module.float()
+    ref = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", readings="shares")
     got = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", keep_grads=True, route=route,
                        forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     gs, gf = got.grads.parts_sum, got.grads.g_full
@@ -456,3 +465,7 @@ def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(
     norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in gf))
     assert abs(diff / norm - got.conservation_error) <= 1e-6 * got.conservation_error
     assert 0 < got.conservation_error < 8 * 2**-8  # bfloat16 products: the parts add up to its resolution
+    for a, b in zip(ref.projected_share, got.projected_share):  # float32 products: to bfloat16's resolution
+        assert abs(a - b) < 8 * 2**-8, (a, b)
+    for a, b in zip(ref.norm_share, got.norm_share):
+        assert abs(a - b) < 8 * 2**-8, (a, b)

@@ -264,20 +264,46 @@ def test_a_norm_input_changed_in_place_is_refused_and_auto_falls_back():
     assert got.engine == "reference" and got.conservation_error < 1e-12
 
 
+@pytest.mark.parametrize("by_part", [True, False])
+def test_direct_route_with_a_part_that_has_no_rows(by_part, monkeypatch):
+    # A part with no rows in the batch (by_advantage_sign's "zero", say) reads 0; the part after it is read
+    # after a part that formed no piece.
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+    from lens_callbacks.credit.inputs.partition import row_partition
+
+    monkeypatch.setattr(ghost, "_WHOLE", 0)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+
+    def halves_around_an_empty_part(terms):
+        B = terms.trained.shape[0]
+        return row_partition(terms, (torch.arange(B) >= B // 2).long() * 2, ("first", "empty", "second"))
+
+    module, batch = TwiceLinear(), layer_batch(B=20, V=11)
+    ref = reference(module, batch, halves_around_an_empty_part)
+    got = disintegrate_ghost(module, batch, halves_around_an_empty_part, dtype="float64", readings="shares", route="direct")
+    assert ref.part_norm[1] == 0.0 and got.part_norm[1] == 0.0
+    assert_same_readings(ref, got, tol=TOL)
+
+
 @pytest.mark.parametrize("whole", [True, False])
 @pytest.mark.parametrize("readings", ["shares", "all"])
 @pytest.mark.parametrize("budget", [None, 40])
 @pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
-def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, partition, monkeypatch):
+@pytest.mark.parametrize("by_part", [True, False])
+def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, partition, by_part, monkeypatch):
     # 20 rows; small weights are read whole (pieces batched with other small parameters) unless the
     # threshold is lowered, when every weight is read a block of its rows at a time; a 40-element budget
     # cuts every weight into blocks of one row (two uses of `sq` in each block: the second adds into the
-    # block's buffer). by_group puts two rows in each of 10 parts: the rows' products are summed into
-    # their parts' pieces, through a second buffer.
-    from lens_callbacks.credit.engines import ghost
+    # block's buffer), and on the CPU's path (one part's piece at a time) a 40-element part block does the
+    # same. by_group puts two rows in each of 10 parts: the rows' products are summed into their parts'
+    # pieces, through a second buffer (batched) or one product after the other (by part).
+    from lens_callbacks.credit.engines import ghost, ghost_routes
 
     if not whole:
         monkeypatch.setattr(ghost, "_WHOLE", 0)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    if budget is not None:
+        monkeypatch.setattr(ghost_routes, "_PART_BLOCK", budget)
     blocked = []
     real = ghost.direct_param
     monkeypatch.setattr(ghost, "direct_param", lambda *a, **k: blocked.append(1) or real(*a, **k))
@@ -289,3 +315,34 @@ def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budge
     got32 = disintegrate_ghost(module.float(), batch, partition, dtype="float32", readings=readings, route="direct",
                                memory_budget=budget)
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got32.projected_share)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2**-6), (torch.float32, 1e-5)])
+def test_one_part_at_a_time_reads_half_precision_pieces_in_float32(dtype, tol, monkeypatch):
+    # The CPU's direct route on factors as autocast leaves them (a dense use and a token-id use, as a tied
+    # head and embedding): products in the factors' dtype, dots, norms and Σ_S g_S in float32 at least,
+    # against a float32 g_full; blocks of 4 weight rows; part 2 has no rows.
+    from lens_callbacks.credit.engines import ghost_routes
+    from lens_callbacks.credit.engines.rules import Factors
+
+    monkeypatch.setattr(ghost_routes, "_PART_BLOCK", 48)
+    g = torch.Generator().manual_seed(0)
+    r, n, dL, dR, m = 6, 5, 21, 12, 4
+    L, R, Ri = (torch.randn(r, n, d, generator=g).to(dtype) for d in (dL, dR, dR))
+    ids = torch.randint(0, dL, (r, n), generator=g)
+    dst = torch.tensor([0, 1, 1, 3, 0, 1])
+    rows = torch.einsum("knv,knd->kvd", L.double(), R.double())  # [r, dL, dR]
+    rows += torch.einsum("knv,knd->kvd", nn.functional.one_hot(ids, dL).double(), Ri.double())
+    parts = torch.zeros(m, dL, dR, dtype=torch.float64).index_add_(0, dst, rows)  # [m, dL, dR]
+    g_full = rows.sum(0).float()  # [dL, dR]
+    dots, sq = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+    total, diff = ghost_routes._direct_by_part([Factors(L, R, False), Factors(ids, Ri, True)], g_full, g_full, dst, m,
+                                               dots, sq, keep_total=True)
+    assert total.dtype == torch.float32
+    assert float((total.double() - parts.sum(0)).abs().max()) <= tol * float(parts.abs().max())
+    assert abs(float(diff) - float((total.double() - g_full.double()).pow(2).sum())) <= 1e-6 * float(g_full.double().pow(2).sum())
+    ref_dots = (parts * g_full.double()).sum((1, 2))  # [m]
+    ref_sq = parts.pow(2).sum((1, 2))  # [m]
+    assert dots[2] == 0 and sq[2] == 0
+    assert float((dots - ref_dots).abs().max()) <= tol * float(ref_dots.abs().max())
+    assert float((sq - ref_sq).abs().max()) <= tol * float(ref_sq.max())

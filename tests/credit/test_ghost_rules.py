@@ -117,6 +117,24 @@ def test_embedding_and_head_equal_the_reference(tie, partition, readings, route)
     assert cov[key] >= V * 8
 
 
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
+@pytest.mark.parametrize("readings", ["projected", "shares"])
+def test_direct_route_one_part_at_a_time_in_small_blocks_equals_the_reference(tie, partition, readings, monkeypatch):
+    # The CPU's direct route forms one part's piece of a block at a time; blocks of 5 vocabulary rows put
+    # each part's tokens (repeated, shared with other rows, padding) in many blocks, most parts with none
+    # in most blocks.
+    from lens_callbacks.credit.engines import ghost_routes
+
+    monkeypatch.setattr(ghost_routes, "_PART_BLOCK", 40)
+    module, batch = VocabPolicy(tie=tie), vocab_batch()
+    ref, got = both(module, batch, partition, readings, route="direct")
+    for a, b in zip(ref.projected_share, got.projected_share):
+        assert abs(a - b) <= TOL
+    if readings == "shares":
+        assert_same(ref, got)
+
+
 @pytest.mark.parametrize("route", ["direct", "ghost"])
 @pytest.mark.parametrize("readings", ["projected", "all"])
 def test_small_memory_budget_blocks_the_row_pairs(readings, route):

@@ -293,9 +293,11 @@ def direct_param(
     r = int(sel.numel())
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
+    W = g_full if target is None else target
+    if gram is None and _by_part(g_full.device):
+        return _direct_by_part(facs, g_full, W, dst, m, dots, sq, keep_total)
     dL, dR = param.shape
     dtype = facs[0].R.dtype
-    W = g_full if target is None else target
     in_order = r == m and bool((dst == torch.arange(m, device=dst.device)).all())
     dense = [f for f in facs if not f.index]
     # A few MB (in cache) while the right factors are small; when they are large (long rows) a block
@@ -357,6 +359,115 @@ def direct_param(
         if total is not None:
             total[lo:hi] = s.view(hi - lo, dR)
     return total, diff  # kept in float32 at least: the conservation error above is this vector's
+
+
+# Elements of one part's piece of a block on a CPU (1 MB in float32: it stays in the core's own cache
+# while it is reduced).
+_PART_BLOCK = 1 << 18
+
+
+def _by_part(device: torch.device) -> bool:
+    """Whether the direct route reads one part's piece of a block at a time (:func:`_direct_by_part`):
+    on a CPU, where a core's own cache holds one part's piece but not every part's; on a GPU one batched
+    product per block is cheaper than a kernel launch per part."""
+    return device.type == "cpu"
+
+
+def _direct_by_part(
+    facs: Sequence[Factors],
+    g_full: torch.Tensor,
+    W: torch.Tensor,
+    dst: torch.Tensor,
+    m: int,
+    dots: torch.Tensor,
+    sq: Optional[torch.Tensor],
+    keep_total: bool,
+) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """:func:`direct_param` without the Gram, on a CPU: a block of the weight's rows at a time, and within
+    it one part at a time.
+
+    A part's piece of the block (``[hi-lo, d_R]``, about 1 MB) is formed (a product per row of the part
+    and dense use, an ``index_add`` of its tokens per token-id use), dotted with ``W``, its squared norm
+    taken and added into the block of ``Σ_S g_S`` while it is still in the core's cache; the next part's
+    piece overwrites it. The batched product of every part's block at once (the GPU path) writes a block
+    of several MB that is read back three times from beyond the core's cache: at m = 32 on a 32k
+    vocabulary the per-part loop reads the LM head in 0.8× the time.
+
+    Dots and squares are summed per weight row in float32 at least (``d_R`` terms; a half-precision piece
+    is multiplied with ``W`` itself, not with ``W`` rounded to its dtype), the rows' sums in float64.
+    """
+    dL, dR = g_full.shape
+    dense = [f for f in facs if not f.index]
+    pdt = dense[0].L.dtype if dense else facs[0].R.dtype  # the products' dtype (the factors', as the bmm path)
+    sdt = sum_dtype(pdt)
+    dev = g_full.device
+    vb = max(1, min(dL, _PART_BLOCK // max(1, dR)))  # weight rows per block
+    starts = list(range(0, dL, vb))
+    right = [f.R.to(pdt) for f in dense]  # converted once, not once per block and part
+    rows_of_part = [[] for _ in range(m)]  # the selected rows of each part, in order
+    for k, i in enumerate(dst.tolist()):
+        rows_of_part[i].append(k)
+    tokens = []  # per token-id use: tokens sorted by (part, id), their values, and (part, block) edges
+    for f in facs:
+        if f.index:
+            n = f.L.shape[1]
+            key = dst.repeat_interleave(n) * dL + f.L.reshape(-1)  # [r·n]
+            order = torch.argsort(key, stable=True)
+            ids_s = f.L.reshape(-1)[order]
+            bounds = torch.tensor([i * dL + s for i in range(m) for s in starts] + [m * dL], device=dev)
+            edges = torch.searchsorted(key[order], bounds).tolist()
+            tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(pdt), edges))
+    total = torch.empty(g_full.shape, dtype=torch.promote_types(sdt, g_full.dtype), device=dev) if keep_total else None
+    s_buf = None if keep_total else torch.empty(min(vb, dL), dR, dtype=torch.promote_types(sdt, g_full.dtype), device=dev)
+    diff = torch.zeros((), dtype=torch.float64, device=dev)
+    buf = torch.empty(min(vb, dL) * dR, dtype=pdt, device=dev)  # one part's piece of a block, reused
+    tmp = torch.empty(min(vb, dL) * dR, dtype=sdt, device=dev)  # its products with W
+    row_dots = torch.zeros(m, min(vb, dL), dtype=sdt, device=dev)  # [m, vb] per weight row, float64 per block
+    row_sq = torch.zeros(m, min(vb, dL), dtype=sdt, device=dev) if sq is not None else None
+    for j, lo in enumerate(starts):
+        hi = min(dL, lo + vb)
+        w = W[lo:hi].to(sdt)  # [hi-lo, d_R]
+        s = total[lo:hi] if total is not None else s_buf[: hi - lo]  # [hi-lo, d_R]
+        first = True
+        for i in range(m):
+            P = buf[: (hi - lo) * dR].view(hi - lo, dR)  # [hi-lo, d_R]
+            wrote = False
+            for f, R in zip(dense, right):
+                for k in rows_of_part[i]:
+                    lt, rt = f.L[k, :, lo:hi].T.to(pdt), R[k]  # [hi-lo, n], [n, d_R]
+                    if wrote:
+                        P.addmm_(lt, rt)
+                    else:
+                        torch.mm(lt, rt, out=P)
+                        wrote = True
+            for ids_s, vals, edges in tokens:
+                a, b = edges[i * len(starts) + j], edges[i * len(starts) + j + 1]
+                if b > a:  # this part's tokens of this block
+                    if not wrote:
+                        P.zero_()
+                        wrote = True
+                    P.index_add_(0, ids_s[a:b] - lo, vals[a:b])
+            if not wrote:  # the part has nothing in this block: its dots and norms stay zero
+                row_dots[i, : hi - lo].zero_()
+                if row_sq is not None:
+                    row_sq[i, : hi - lo].zero_()
+                continue
+            prod = torch.mul(P, w, out=tmp[: (hi - lo) * dR].view(hi - lo, dR))
+            torch.sum(prod, 1, dtype=sdt, out=row_dots[i, : hi - lo])
+            if row_sq is not None:
+                torch.linalg.vector_norm(P, dim=1, dtype=sdt, out=row_sq[i, : hi - lo])
+            if first:
+                s.copy_(P)
+                first = False
+            else:
+                s.add_(P)
+        if first:  # no part has anything in this block
+            s.zero_()
+        dots += row_dots[:, : hi - lo].double().sum(1)
+        if sq is not None:
+            sq += row_sq[:, : hi - lo].double().pow(2).sum(1)
+        diff += diff_sq64(s, g_full[lo:hi])
+    return total, diff
 
 
 def ghost_param(
