@@ -139,3 +139,17 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
     assert out.count("vmap timed in a separate run (`--modes`), against that run's plain step (5.00 s)") == 1
     assert "vmap not run" not in out
     assert "1 of 1 rows where a peer ran" in out  # 1.5 against vmap's 1.7
+
+
+def test_direct_route_ab_runs_both_paths_and_puts_the_route_back():
+    pytest.importorskip("transformers")
+    ab = _module("direct_route_ab")
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    before = (ghost.direct_param, ghost_routes._by_part)
+    torch.set_num_threads(1)
+    r = ab.measure_ab("llama", 8, 16, 1, **TINY)
+    assert (ghost.direct_param, ghost_routes._by_part) == before
+    assert r["share_gap"] < 1e-6 and max(r["conservation_error"].values()) < 1e-5
+    for p in r["paths"].values():  # the tiny head (4096 × 64 at m = 8) is read by the direct route
+        assert p["over_step"] > 0 and 0 < p["largest_s"] <= p["direct_s"]
