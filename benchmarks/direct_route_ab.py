@@ -6,7 +6,8 @@ every part's block at once by one batched product. This times the separate ``sha
 (:func:`disintegrate`, ``engine="ghost"``, ``reference_grads="grad"``) with each path, interleaved (each
 first after the trainer's backward in turn), on one of ``credit_cost.py``'s real-shape policies, and the
 time spent in the direct route itself (a timer around each parameter's ``direct_param`` call): in all,
-and for the largest weight (the LM head). Ratios of medians; the plain step for scale.
+and for the largest weight (the LM head). Ratios of medians; the plain step for scale. Wall time and
+the process's system time (page faults, mostly: a pass maps its activations afresh) are given apart.
 
     OMP_NUM_THREADS=1 python benchmarks/direct_route_ab.py --row llama:32:128 --repeats 4
 """
@@ -14,6 +15,7 @@ and for the largest weight (the LM head). Ratios of medians; the plain step for 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -68,26 +70,33 @@ def measure_ab(kind: str, m: int, T: int, repeats: int, **override) -> dict:
         fwd_bwd()
         got = {k: f() for k, f in paths.items()}
         times: dict[str, list[float]] = {"step": [], **{k: [] for k in paths}}
+        sys_s: dict[str, list[float]] = {"step": [], **{k: [] for k in paths}}
+
+        def clock(key, fn):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+            times[key].append(cc.clock(fn))
+            sys_s[key].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - before)
+
         direct: dict[str, list[float]] = {k: [] for k in paths}
         largest: dict[str, list[float]] = {k: [] for k in paths}
         order = list(paths.items())
         for i in range(repeats):
-            times["step"].append(cc.clock(train_step))
+            clock("step", train_step)
             fwd_bwd()
             j = i % len(order)
             for k, f in order[j:] + order[:j]:
                 spent.clear()
-                times[k].append(cc.clock(f))
+                clock(k, f)
                 direct[k].append(sum(spent.values()))
                 largest[k].append(max(spent.values(), default=0.0))
     finally:
         ghost.direct_param = real_direct
     med = statistics.median
     return {
-        "kind": kind, "m": m, "T": T, "repeats": repeats, "step_s": med(times["step"]),
+        "kind": kind, "m": m, "T": T, "repeats": repeats, "step_s": med(times["step"]), "step_sys_s": med(sys_s["step"]),
         "share_gap": max(abs(a - b) for a, b in zip(got["by part"].projected_share, got["batched"].projected_share)),
         "conservation_error": {k: r.conservation_error for k, r in got.items()},
-        "paths": {k: {"over_step": med(times[k]) / med(times["step"]), "direct_s": med(direct[k]),
+        "paths": {k: {"over_step": med(times[k]) / med(times["step"]), "sys_s": med(sys_s[k]), "direct_s": med(direct[k]),
                       "largest_s": med(largest[k])} for k in paths},
     }
 
@@ -100,12 +109,13 @@ def main(argv=None) -> int:
     kind, m, T = args.row.split(":")
     torch.set_num_threads(1)
     r = measure_ab(kind, int(m), int(T), args.repeats)
-    print(f"{kind}, m = {m}, T = {T}, {args.repeats} repeats; plain step {r['step_s']:.2f} s; the two paths' "
+    print(f"{kind}, m = {m}, T = {T}, {args.repeats} repeats; plain step {r['step_s']:.2f} s ({r['step_sys_s']:.2f} s "
+          f"system); the two paths' "
           f"projected shares differ by {r['share_gap']:.1e}")
-    print("| path | separate `shares` pass / step | direct route (s) | largest weight (s) |")
-    print("|---|---:|---:|---:|")
+    print("| path | separate `shares` pass / step | its system time (s) | direct route (s) | largest weight (s) |")
+    print("|---|---:|---:|---:|---:|")
     for k, p in r["paths"].items():
-        print(f"| {k} | {p['over_step']:.2f}× | {p['direct_s']:.2f} | {p['largest_s']:.2f} |")
+        print(f"| {k} | {p['over_step']:.2f}× | {p['sys_s']:.2f} | {p['direct_s']:.2f} | {p['largest_s']:.2f} |")
     return 0
 
 

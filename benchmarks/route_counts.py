@@ -63,8 +63,9 @@ def _linear_reduce(d_in: int, d_out: int, m: int, T: int, s: int, gram: bool) ->
     """The cheaper exact route for one weight's per-row readings: per-row pieces or the ghost identities."""
     N = m * T
     # direct: B_kᵀA_k per row (the weight-gradient products again, per row), then dot, row norm, parts' sum,
-    # a block of the weight's output rows at a time (lens_callbacks.credit.engines.ghost_routes.direct_param):
-    # the blocks stay in cache; what moves is B once, A once per block, g_full once and the sum's difference
+    # a block of the weight's output rows at a time (lens_callbacks.credit.engines.ghost_routes.direct_param,
+    # its batched path, which a GPU takes): the blocks stay in cache; what moves is B once, A once per block,
+    # g_full once and the sum's difference (a CPU forms one part's piece at a time, in blocks of 2^18 elements)
     P = d_in * d_out
     cap = min(max(1 << 21, min(4 * N * d_in, P)), max(P, 1 << 18))  # as direct_param sizes its blocks
     vb = max(128, cap // max(1, m * d_in))
