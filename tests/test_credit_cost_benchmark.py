@@ -141,15 +141,25 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
     assert "1 of 1 rows where a peer ran" in out  # 1.5 against vmap's 1.7
 
 
-def test_direct_route_ab_runs_both_paths_and_puts_the_route_back():
+@pytest.mark.parametrize("compare", ["paths", "cut"])
+def test_direct_route_ab_runs_both_ways_and_puts_the_route_back(compare):
     pytest.importorskip("transformers")
     ab = _module("direct_route_ab")
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
-    before = (ghost.direct_param, ghost_routes._by_part)
+    before = (ghost.direct_param, ghost_routes._by_part, ghost_routes._cut)
     torch.set_num_threads(1)
-    r = ab.measure_ab("llama", 8, 16, 1, **TINY)
-    assert (ghost.direct_param, ghost_routes._by_part) == before
+    r = ab.measure_ab("llama", 8, 16, 1, compare=compare, prompt=0.5, **TINY)
+    assert (ghost.direct_param, ghost_routes._by_part, ghost_routes._cut) == before
+    assert list(r["paths"]) == list(ab.COMPARE[compare])
     assert r["share_gap"] < 1e-6 and max(r["conservation_error"].values()) < 1e-5
     for p in r["paths"].values():  # the tiny head (4096 × 64 at m = 8) is read by the direct route
         assert p["over_step"] > 0 and 0 < p["largest_s"] <= p["direct_s"]
+
+
+def test_direct_route_ab_refuses_an_unknown_comparison_and_a_prompt_out_of_range():
+    ab = _module("direct_route_ab")
+    with pytest.raises(ValueError, match="`compare` must be one of"):
+        ab.measure_ab("llama", 8, 16, 1, compare="speed")
+    with pytest.raises(ValueError, match=r"`prompt` must be a share of the row in \[0, 1\), got 1.5"):
+        ab.measure_ab("llama", 8, 16, 1, prompt=1.5)

@@ -346,3 +346,99 @@ def test_one_part_at_a_time_reads_half_precision_pieces_in_float32(dtype, tol, m
     assert dots[2] == 0 and sq[2] == 0
     assert float((dots - ref_dots).abs().max()) <= tol * float(ref_dots.abs().max())
     assert float((sq - ref_sq).abs().max()) <= tol * float(ref_sq.max())
+
+
+def _naive_spans(L, R, index):
+    """Each row's first and past-last position whose ``L_t`` and ``R_t`` are both nonzero, one position at a time."""
+    out = []
+    for k in range(R.shape[0]):
+        live = [t for t in range(R.shape[1]) if (index or bool(L[k, t].ne(0).any())) and bool(R[k, t].ne(0).any())]
+        out.append((live[0], live[-1] + 1) if live else None)
+    return out
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_dead_positions_are_cut_off_the_ends_of_each_row(index):
+    from lens_callbacks.credit.engines.ghost_routes import _cut, _spans
+    from lens_callbacks.credit.engines.rules import Factors
+
+    g = torch.Generator().manual_seed(3)
+    r, n = 5, 9
+    L = torch.randint(0, 7, (r, n), generator=g) if index else torch.randn(r, n, 4, generator=g)
+    R = torch.randn(r, n, 3, generator=g)
+    # row 0: a prompt of 3 positions (no output gradient); row 1: padding after 6; row 2: both, and a dead
+    # position inside its span (kept: only the ends are cut); row 3: nothing live; row 4: live throughout
+    # except its left factor's last position, which only a dense use can have dead
+    R[0, :3] = 0
+    R[1, 6:] = 0
+    R[2, :2] = 0
+    R[2, 7:] = 0
+    R[2, 4] = 0
+    R[3] = 0
+    if not index:
+        L[4, -1] = 0
+    f = Factors(L, R, index)
+    want = _naive_spans(L, R, index)
+    got = _spans(f).tolist()
+    for w, (a, b) in zip(want, got):
+        assert (a, b) == w if w else a >= b
+    cut, rows = _cut(f)
+    a = min(w[0] for w in want if w)
+    b = max(w[1] for w in want if w)
+    assert cut.R.shape[1] == b - a and torch.equal(cut.R, R[:, a:b]) and torch.equal(cut.L, L[:, a:b])
+    assert cut.R.data_ptr() == R[:, a:b].data_ptr()  # a view: no copy of the factor
+    for k, w in enumerate(want):
+        x, y = rows[k]
+        assert (x + a, y + a) == w if w else x >= y
+
+
+def test_nothing_is_cut_when_every_row_ends_live_and_a_nan_counts_as_live():
+    from lens_callbacks.credit.engines.ghost_routes import _cut, _spans
+    from lens_callbacks.credit.engines.rules import Factors
+
+    g = torch.Generator().manual_seed(4)
+    L, R = torch.randn(3, 6, 4, generator=g), torch.randn(3, 6, 2, generator=g)
+    R[:, 2] = 0  # dead inside every row only
+    assert _spans(Factors(L, R, False)) is None
+    f, rows = _cut(Factors(L, R, False))
+    assert f.L is L and rows is None
+    L[:, 0] = 0
+    L[1, 0, 2] = float("nan")  # a NaN term stays in the products, so the audit shows it
+    assert _spans(Factors(L, R, False)).tolist() == [[1, 6], [0, 6], [1, 6]]
+
+
+@pytest.mark.parametrize("by_part", [True, False])
+def test_the_head_multiplies_only_the_positions_its_loss_reaches(by_part, monkeypatch):
+    # Prompts of 5 positions and padding after each answer leave the head's output gradient zero there: the
+    # direct route's products skip those ends (row by row on the CPU's one-part path) and stay exact.
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    monkeypatch.setattr(ghost, "_WHOLE", 0)  # every weight read a block of its rows at a time, as a real head is
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    seen = []
+    real_cut = ghost_routes._cut
+
+    def spy(f):
+        out = real_cut(f)
+        seen.append((tuple(f.R.shape), out[0].R.shape[1], out[1]))
+        return out
+
+    monkeypatch.setattr(ghost_routes, "_cut", spy)
+    module = TwiceLinear()
+    g = torch.Generator().manual_seed(5)
+    B, T, prompt = 4, 12, 5
+    tokens = torch.randint(0, 11, (B, T), generator=g)
+    trained = torch.zeros(B, T, dtype=torch.bool)
+    ends = [12, 9, 7, 10]
+    for k, e in enumerate(ends):
+        trained[k, prompt:e] = True
+    batch = (tokens, trained, torch.randn(B, generator=g, dtype=torch.float64), torch.arange(B) // 2)
+    ref = reference(module, batch, "by_rollout")
+    got = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", readings="shares", route="direct")
+    assert_same_readings(ref, got)
+    head = [(shape, n, rows) for shape, n, rows in seen if shape[-1] == 30]  # the head's right factor: [B, n, 5·d]
+    assert head, seen
+    for shape, n, rows in head:
+        assert n < shape[1]
+        if by_part:
+            assert rows is not None and [y - x for x, y in rows] == [e - prompt for e in ends]
