@@ -170,8 +170,8 @@ def _spans(f: Factors) -> Optional[torch.Tensor]:
         return None
     live = torch.ones(r, n, dtype=torch.bool, device=f.R.device)  # [r, n]
     for t in sides:
-        lo, hi = torch.aminmax(t, dim=-1)  # [r, n] each: no temporary of the factor's size
-        live &= lo.ne(0) | hi.ne(0)
+        # amax and amin apart: no temporary of the factor's size, and on a CPU each is ~9× faster than aminmax
+        live &= t.amax(-1).ne(0) | t.amin(-1).ne(0)  # [r, n]
     at = torch.arange(n, device=f.R.device)  # [n]
     first = torch.where(live, at, n).amin(1)  # [r]
     past = torch.where(live, at + 1, 0).amax(1)  # [r]
@@ -308,6 +308,21 @@ def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> 
     return dots, torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m], [m, m]
 
 
+def _sorted_tokens(
+    f: Factors, dst: torch.Tensor, starts: list, dL: int, dtype: torch.dtype, m: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """A token-id use's tokens sorted by id (with ``m``: by part, then id), for adding a block of weight
+    rows at a time: ``(ids [r·n], values [r·n, d_R] in dtype, parts [r·n], edges)``, where ``edges[j]`` is
+    the first token of block ``j`` (with ``m``: of part ``i``'s block ``j`` at ``i·len(starts) + j``)."""
+    ids = f.L.reshape(-1)  # [r·n]
+    part = dst.repeat_interleave(f.L.shape[1])  # [r·n]
+    key = ids if m is None else part * dL + ids
+    order = torch.argsort(key, stable=True)
+    bounds = starts + [dL] if m is None else [i * dL + s for i in range(m) for s in starts] + [m * dL]
+    edges = torch.searchsorted(key[order], torch.tensor(bounds, device=ids.device)).tolist()
+    return ids[order], f.R.reshape(-1, f.R.shape[-1])[order].to(dtype), part[order], edges
+
+
 def direct_param(
     uses: Sequence,
     g_full: torch.Tensor,
@@ -354,15 +369,8 @@ def direct_param(
     cap = min(cap, max(dL * dR, _SMALL_BLOCK))
     vb = min(max(_MIN_ROWS, cap // max(1, m * dR)), max(1, budget // max(1, m * dR)))  # weight rows per block
     starts = list(range(0, dL, vb))
-    tokens = []  # per token-id use: ids sorted, their values and parts, and where each block's ids begin
-    for f in facs:
-        if f.index:
-            ids = f.L.reshape(-1)  # [r·n]
-            order = torch.argsort(ids, stable=True)
-            ids_s = ids[order]
-            part = dst.repeat_interleave(f.L.shape[1])[order]  # [r·n]
-            edges = torch.searchsorted(ids_s, torch.tensor(starts + [dL], device=ids.device)).tolist()
-            tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(dtype), part, edges))
+    # per token-id use: ids sorted, their values and parts, and where each block's ids begin
+    tokens = [_sorted_tokens(f, dst, starts, dL, dtype) for f in facs if f.index]
     total = torch.empty(g_full.shape, dtype=torch.promote_types(sum_dtype(dtype), g_full.dtype), device=g_full.device) if keep_total else None
     diff = torch.zeros((), dtype=torch.float64, device=g_full.device)
     # Every block's piece (and product) is written into one buffer made once: a fresh block of several MB
@@ -457,16 +465,8 @@ def _direct_by_part(
     rows_of_part = [[] for _ in range(m)]  # the selected rows of each part, in order
     for k, i in enumerate(dst.tolist()):
         rows_of_part[i].append(k)
-    tokens = []  # per token-id use: tokens sorted by (part, id), their values, and (part, block) edges
-    for f in facs:
-        if f.index:
-            n = f.L.shape[1]
-            key = dst.repeat_interleave(n) * dL + f.L.reshape(-1)  # [r·n]
-            order = torch.argsort(key, stable=True)
-            ids_s = f.L.reshape(-1)[order]
-            bounds = torch.tensor([i * dL + s for i in range(m) for s in starts] + [m * dL], device=dev)
-            edges = torch.searchsorted(key[order], bounds).tolist()
-            tokens.append((ids_s, f.R.reshape(-1, dR)[order].to(pdt), edges))
+    # per token-id use: tokens sorted by (part, id), their values, and where each (part, block)'s begin
+    tokens = [_sorted_tokens(f, dst, starts, dL, pdt, m) for f in facs if f.index]
     total = torch.empty(g_full.shape, dtype=torch.promote_types(sdt, g_full.dtype), device=dev) if keep_total else None
     s_buf = None if keep_total else torch.empty(min(vb, dL), dR, dtype=torch.promote_types(sdt, g_full.dtype), device=dev)
     diff = torch.zeros((), dtype=torch.float64, device=dev)
@@ -493,7 +493,7 @@ def _direct_by_part(
                     else:
                         torch.mm(lt, rt, out=P)
                         wrote = True
-            for ids_s, vals, edges in tokens:
+            for ids_s, vals, _, edges in tokens:
                 a, b = edges[i * len(starts) + j], edges[i * len(starts) + j + 1]
                 if b > a:  # this part's tokens of this block
                     if not wrote:
