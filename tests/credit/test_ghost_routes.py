@@ -392,6 +392,40 @@ def test_dead_positions_are_cut_off_the_ends_of_each_row(index):
         assert (x + a, y + a) == w if w else x >= y
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 70),
+    runs=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 70), st.booleans()), min_size=1, max_size=5),
+    index=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_dead_runs_of_any_length_are_found_as_a_position_by_position_loop_finds_them(n, runs, index, seed):
+    # dead runs at either end of any length, up to the whole row (read inward in chunks of 1, 2, 4, …),
+    # and dead positions inside a row, which stay
+    from lens_callbacks.credit.engines.ghost_routes import _spans
+    from lens_callbacks.credit.engines.rules import Factors
+
+    g = torch.Generator().manual_seed(seed)
+    r = len(runs)
+    L = torch.randint(0, 7, (r, n), generator=g) if index else torch.randn(r, n, 3, generator=g)
+    R = torch.randn(r, n, 2, generator=g)
+    for k, (a, b, inside) in enumerate(runs):
+        R[k, : min(a, n)] = 0
+        if not index:
+            L[k, max(0, n - b) :] = 0
+        else:
+            R[k, max(0, n - b) :] = 0
+        if inside:
+            R[k, n // 2] = 0
+    want = _naive_spans(L, R, index)
+    got = _spans(Factors(L, R, index))
+    if got is None:
+        assert all(w == (0, n) for w in want)
+        return
+    for w, (a, b) in zip(want, got.tolist()):
+        assert (a, b) == w if w else a >= b
+
+
 def test_nothing_is_cut_when_every_row_ends_live_and_a_nan_counts_as_live():
     from lens_callbacks.credit.engines.ghost_routes import _cut, _spans
     from lens_callbacks.credit.engines.rules import Factors
