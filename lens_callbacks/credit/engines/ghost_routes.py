@@ -9,7 +9,8 @@ gradient, ``R = A``, the input; ``Conv1D``: ``L = A``, ``R = B``). Two exact way
   ``W``'s own size), and read ``<g_S, G>``, ``Σ_S g_S − g_full`` and the norms or the Gram (``m²·d_L·d_R``) from
   the block while it is in cache; no ``[m, d_L, d_R]`` buffer exists and no piece is formed twice. On a
   CPU, without the Gram, one part's piece of a block (about 1 MB) is formed and reduced at a time, so
-  that it is read back from the core's own cache;
+  that it is read back from the core's own cache. Positions at either end of a row whose term is zero
+  (the prompt and the padding at an LM head, whose output gradient is zero there) are not multiplied;
 - **ghost**: never form a per-row piece:
 
   - ``<g_k, G> = Σ_t L_kt · (G R_kt)`` (one product ``R G ᵀ`` over all rows, ``r·n·d_L·d_R``),
