@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 # torch first and pinned: a bare requirement would pull a multi-GB CUDA build on a CPU machine.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,examples]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e '.[dev,examples]'
 # The policy is tiny: one thread per process is faster than two fighting over a small CPU.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/python -m lens_callbacks fit --config cli_configs/grpo_credit.yaml --trainer.enable_progress_bar=false "$@"
