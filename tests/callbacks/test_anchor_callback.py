@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
 from lens_callbacks.credit import CreditTerms
+from tests._spawn_exit import DestroyGroupAtExit
 
 B, T, V = 6, 5, 3
 
@@ -317,7 +318,7 @@ class _SameOnRanks(Callback):
 def test_ddp_two_cpu_ranks_stay_identical():
     seed_everything(0, verbose=False)
     cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global")
-    Trainer(max_steps=14, callbacks=[cb, _SameOnRanks()], logger=False, enable_checkpointing=False,
+    Trainer(max_steps=14, callbacks=[cb, _SameOnRanks(), DestroyGroupAtExit()], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
             strategy="ddp_spawn").fit(_RankTiny())
 

@@ -17,6 +17,7 @@ from lens_callbacks.credit import CreditTerms
 from lens_callbacks.credit.readings.conservation import ConservationReading
 from lens_callbacks.metrics.conservation import ConservationMetric, conservation_summary
 from lens_callbacks.refusal import Refusal
+from tests._spawn_exit import DestroyGroupAtExit
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
@@ -561,7 +562,7 @@ def test_ddp_two_cpu_ranks_average_the_audit_parts():
     cb = Recording()
     _fit(
         RankPolicy(),
-        [audit, cb, CheckInWorker(cb, audit)],
+        [audit, cb, CheckInWorker(cb, audit), DestroyGroupAtExit()],
         max_steps=2,
         strategy="ddp_spawn",
         devices=2,

@@ -20,6 +20,7 @@ from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
 from lens_callbacks.refusal import Refusal
+from tests._spawn_exit import DestroyGroupAtExit
 
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
@@ -488,7 +489,7 @@ def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
     trainer = pl.Trainer(
         max_steps=3, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=TensorBoardLogger(str(tmp_path), version=0),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-        callbacks=[audit, _DDPChecks(audit)],
+        callbacks=[audit, _DDPChecks(audit), DestroyGroupAtExit()],
     )
     trainer.fit(m, AdditionDataModule(batch_size=2))  # the workers assert; here we read what rank 0 wrote
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

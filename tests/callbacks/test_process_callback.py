@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from lens_callbacks.callbacks.process import ProcessRewardCallback
 from lens_callbacks.credit import CreditTerms
 from lens_callbacks.process import audit_groups
+from tests._spawn_exit import DestroyGroupAtExit
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -203,8 +204,8 @@ def test_ddp_two_ranks_sum_the_groups(tmp_path):
     seed_everything(7, workers=True)
     trainer = Trainer(
         max_steps=2, accelerator="cpu", strategy="ddp_spawn", devices=2, logger=False,
-        callbacks=[ProcessRewardCallback()], enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=tmp_path,
+        callbacks=[ProcessRewardCallback(), DestroyGroupAtExit()], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
     )
     trainer.fit(TinyRL(prompts=3))
     metrics = trainer.callback_metrics

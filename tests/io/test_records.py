@@ -19,6 +19,7 @@ from lens_callbacks.io.records import (
     write_trajectories,
 )
 from lens_callbacks.refusal import Refusal
+from tests._spawn_exit import DestroyGroupAtExit
 
 
 
@@ -239,7 +240,7 @@ def _ddp_fit(run_dir):
     trainer = Trainer(
         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=str(run_dir),
-        callbacks=[RunRecordCallback(str(run_dir / "rec"))],
+        callbacks=[RunRecordCallback(str(run_dir / "rec")), DestroyGroupAtExit()],
     )
     trainer.fit(GRPOToolsModule(seed=0, group_size=2), ToolsAdditionDataModule(prompts_per_step=1))
 
