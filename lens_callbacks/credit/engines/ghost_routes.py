@@ -167,6 +167,7 @@ def _dead_run(sides: Sequence[torch.Tensor], r: int, n: int, from_end: bool) -> 
     at most to twice its run and a live end costs one position."""
     dev = sides[0].device
     run = torch.full((r,), n, dtype=torch.long, device=dev)  # [r]
+    every = torch.arange(r, device=dev)  # [r]
     todo: Optional[torch.Tensor] = None  # every row
     done, c = 0, 1
     while done < n:
@@ -176,7 +177,7 @@ def _dead_run(sides: Sequence[torch.Tensor], r: int, n: int, from_end: bool) -> 
         if from_end:
             live = live.flip(1)
         hit = live.any(1)  # [u]
-        idx = torch.arange(r, device=dev) if todo is None else todo
+        idx = every if todo is None else todo
         run[idx[hit]] = done + live[hit].int().argmax(1)  # the first live position, counted inward
         todo = idx[~hit]
         if todo.numel() == 0:
