@@ -348,6 +348,39 @@ def test_one_part_at_a_time_reads_half_precision_pieces_in_float32(dtype, tol, m
     assert float((sq - ref_sq).abs().max()) <= tol * float(ref_sq.max())
 
 
+def test_one_part_at_a_time_zeroes_a_block_no_part_has_anything_in(monkeypatch):
+    # Tokens only in the embedding's first block of weight rows: the later blocks of Σ_S g_S must read as
+    # zeros, not as whatever the buffers held (torch.empty is made to hand out NaN-filled memory here).
+    from lens_callbacks.credit.engines import ghost_routes
+    from lens_callbacks.credit.engines.rules import Factors
+
+    empty = torch.empty
+
+    def nan_empty(*a, **k):
+        t = empty(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(ghost_routes, "_PART_BLOCK", 48)  # 4 weight rows a block
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    g = torch.Generator().manual_seed(0)
+    r, n, dL, dR, m = 3, 5, 21, 12, 2
+    ids = torch.randint(0, 4, (r, n), generator=g)  # [r, n], every token in rows 0..3 of the weight
+    Ri = torch.randn(r, n, dR, generator=g, dtype=torch.float64)
+    dst = torch.tensor([0, 1, 0])
+    rows = torch.einsum("knv,knd->kvd", nn.functional.one_hot(ids, dL).double(), Ri)  # [r, dL, dR]
+    parts = torch.zeros(m, dL, dR, dtype=torch.float64).index_add_(0, dst, rows)  # [m, dL, dR]
+    g_full = torch.randn(dL, dR, generator=g, dtype=torch.float64)  # [dL, dR]
+    for keep in (True, False):
+        dots, sq = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
+        total, diff = ghost_routes._direct_by_part([Factors(ids, Ri, True)], g_full, g_full, dst, m, dots, sq, keep_total=keep)
+        if keep:
+            assert torch.equal(total[4:], torch.zeros(dL - 4, dR, dtype=torch.float64))
+            assert torch.allclose(total, parts.sum(0), rtol=0, atol=1e-12)
+        assert abs(float(diff) - float((parts.sum(0) - g_full).pow(2).sum())) < 1e-9
+        assert torch.allclose(dots, (parts * g_full).sum((1, 2)), rtol=1e-12, atol=1e-12)
+        assert torch.allclose(sq, parts.pow(2).sum((1, 2)), rtol=1e-12, atol=1e-12)
+
+
 def _naive_spans(L, R, index):
     """Each row's first and past-last position whose ``L_t`` and ``R_t`` are both nonzero, one position at a time."""
     out = []
