@@ -32,6 +32,8 @@ riding along with ``readings="shares"``, separate ``shares`` and all readings, `
 the peers (torch.func, Opacus) where their ``m × |θ|`` per-row gradients fit ``--peer-budget-gib``; peak
 memory per mode over the plain step; float32 against float64 shares; a profile of the separate pass and
 of the ride-along step. The block ends with the Qwen2.5-7B shape on paper (:mod:`route_counts`).
+``--apart`` makes a row's memory and drift readings instead, each in a Python process of its own (for rows
+whose profiled passes do not fit in one process); ``--rows-from`` merges them into the row's timed run.
 
 Usage::
 
@@ -40,6 +42,7 @@ Usage::
     python benchmarks/credit_cost.py --only toy --repeats 5 --write docs/performance.md
     python benchmarks/credit_cost.py --quick                                  # a smoke run, nothing written
     python benchmarks/credit_cost.py --only real --rows-from LOG --write docs/performance.md  # re-render
+    python benchmarks/credit_cost.py --only real --real-rows qwen2:32:128 --apart >> LOG   # memory, drift apart
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -571,11 +576,9 @@ def real_estimate(kind: str, m: int, T: int, **override: Any) -> dict:
     return {"params": P, "peak_bytes": peak, "peer_bytes": per_row, "step_macs": route_counts(sh, m, T)["step"].macs}
 
 
-def measure_real(
-    kind: str, m: int, T: int, repeats: int, modes=REAL_MODES, *, seed: int = 0, memory: bool = True,
-    drift: bool = True, peer_budget: float = 3 * 2**30, profile: bool = False, **override: Any,
-) -> dict:
-    """One real-shape row: every mode timed in this process, interleaved; ratios of medians to the plain step."""
+def _real_setup(kind: str, m: int, T: int, modes, *, seed: int = 0, peer_budget: float = 3 * 2**30, **override: Any):
+    """One real-shape row's policy, batch, optimiser and the callable of every mode it can run (a mode the
+    row cannot run is in ``row["skipped"]`` with the reason)."""
     prompt = T // 8
     policy = Policy(make_real_model(kind, T, seed, **override))
     policy.train()
@@ -596,8 +599,6 @@ def measure_real(
     row: dict[str, Any] = {"kind": kind, "m": m, "T": T, "n_params": n_params, "param_bytes": param_bytes,
                            "vocab": V, "tied": bool(policy.model.config.tie_word_embeddings),
                            "layers": policy.model.config.num_hidden_layers, "skipped": {}}
-    if tuple(modes) != REAL_MODES:
-        row["modes"] = list(modes)  # --rows-from merges these modes into the row's earlier full run
     modes = list(modes)
     if 4 * m * n_params > peer_budget:
         for k in ("vmap", "opacus"):
@@ -657,6 +658,21 @@ def measure_real(
         "opacus": opacus_audit,
     }
     audits = {k: v for k, v in audits.items() if k in modes}
+    return SimpleNamespace(policy=policy, batch=batch, named=named, row=row, modes=modes, train_step=train_step,
+                           fwd_bwd=fwd_bwd, ride_step=ride_step, audits=audits)
+
+
+def measure_real(
+    kind: str, m: int, T: int, repeats: int, modes=REAL_MODES, *, seed: int = 0, memory: bool = True,
+    drift: bool = True, peer_budget: float = 3 * 2**30, profile: bool = False, **override: Any,
+) -> dict:
+    """One real-shape row: every mode timed in this process, interleaved; ratios of medians to the plain step."""
+    s = _real_setup(kind, m, T, modes, seed=seed, peer_budget=peer_budget, **override)
+    policy, batch, row, train_step, fwd_bwd, ride_step = s.policy, s.batch, s.row, s.train_step, s.fwd_bwd, s.ride_step
+    if tuple(modes) != REAL_MODES:
+        row["modes"] = list(modes)  # --rows-from merges these modes into the row's earlier full run
+    modes = s.modes
+    audits = s.audits
     ride = "ride_shares" in modes
 
     train_step()  # warm-up (allocations, Adam state)
@@ -710,6 +726,73 @@ def measure_real(
                 fwd_bwd()
                 row["profile"][k] = profile_top(fn, tr)
     return row
+
+
+APART_READINGS = tuple(f"mem_{k}" for k in REAL_MODES) + ("drift",)
+
+
+def measure_reading(kind: str, m: int, T: int, reading: str, *, seed: int = 0, peer_budget: float = 3 * 2**30,
+                    **override: Any) -> dict:
+    """One memory or precision reading of a real row, made alone in this process (each of ``--apart``'s
+    children runs one): ``mem_<mode>``, the mode's peak bytes as :func:`measure_real` reads them, or
+    ``drift``, the float32 shares against a float64 pass.
+
+    Each call the reading measures runs once unmeasured first, as in :func:`measure_real`, where the peak is
+    read after the timed repeats: what a first call allocates and keeps is not counted as its peak."""
+    if reading not in APART_READINGS:
+        raise ValueError(f"`reading` must be one of {list(APART_READINGS)}, got {reading!r}.")
+    mode = reading[len("mem_"):] if reading != "drift" else "sep_shares"
+    s = _real_setup(kind, m, T, ("step", mode), seed=seed, peer_budget=peer_budget, **override)
+    out: dict[str, Any] = {"kind": kind, "m": m, "T": T, "param_bytes": s.row["param_bytes"], "apart": [reading]}
+    if mode in s.row["skipped"]:
+        out["skipped"] = {mode: s.row["skipped"][mode]}
+        return out
+    if reading == "drift":
+        s.fwd_bwd()
+        r32 = disintegrate(s.policy, s.batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad")
+        s.policy.zero_grad(set_to_none=True)  # the float64 pass needs no .grad: its room goes to float64 activations
+        r64 = disintegrate(s.policy, s.batch, "by_rollout", engine="ghost", readings="shares", dtype="float64")
+        out["drift"] = max(abs(a - b) for a, b in zip(r32.projected_share, r64.projected_share))
+        out["sum_shares_err"] = abs(math.fsum(r32.projected_share) - 1.0)
+        out["sum_shares_err_f64"] = abs(math.fsum(r64.projected_share) - 1.0)
+        out["conservation_error"] = r32.conservation_error
+        return out
+    if mode in ("step", "ride_shares"):
+        s.train_step()  # Adam's state exists before the measured step, as in a run
+        fn = s.train_step if mode == "step" else s.ride_step
+    else:
+        s.fwd_bwd()  # .grad of this batch, as at on_before_optimizer_step; the audits leave it as it is
+        fn = s.audits[mode]
+    fn()
+    out[reading] = peak_alloc_bytes(fn)
+    return out
+
+
+def measure_apart(kind: str, m: int, T: int, readings=APART_READINGS, *, seed: int = 0, peer_budget: float = 3 * 2**30,
+                  **override: Any) -> dict:
+    """A real row's memory and drift readings, each in a Python process of its own (:func:`measure_reading`).
+
+    In one process the resident set grows across the profiled memory passes and the float64 pass (the
+    rows of 4,096 and more positions a step were killed at 24 GiB there); alone, each reading needs only
+    its own pass's memory. A child that fails (killed for memory, say) is recorded in ``failed`` with its
+    exit status; the other readings are still made."""
+    out: dict[str, Any] = {"kind": kind, "m": m, "T": T, "apart": [], "failed": {}, "skipped": {}}
+    shape = [f"--shape={k}={v}" for k, v in override.items()]
+    for reading in readings:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", "real", "--real-rows", f"{kind}:{m}:{T}",
+               "--seed", str(seed), "--peer-budget-gib", repr(peer_budget / 2**30), "--reading", reading, *shape]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not got:
+            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            out["failed"][reading] = f"exit status {proc.returncode}: {why}"
+            continue
+        r = got[-1]
+        out["skipped"].update(r.pop("skipped", {}))
+        out["apart"] += r.pop("apart")
+        out.update({k: v for k, v in r.items() if k not in ("kind", "m", "T")})
+        print(json.dumps({"reading": reading, **{k: v for k, v in r.items() if k not in ("kind", "m", "T")}}), flush=True)
+    return out
 
 
 def profile_top(fn: Callable[[], Any], step_s: float, n: int = 6) -> list[tuple[str, float]]:
@@ -770,10 +853,17 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
                 f"{r['kind']}, m = {r['m']}, T = {r['T']}: {', '.join(k for k in o['modes'] if k != 'step')} timed in a separate "
                 f"run (`--modes`), against that run's plain step ({o['step_s']:.2f} s)."
             )
-    if any(r.get("other_runs") for r in rows):
+    for r in rows:
+        if r.get("apart"):
+            lines.append(
+                f"{r['kind']}, m = {r['m']}, T = {r['T']}: {', '.join(r['apart'])} read each in a process of its own (`--apart`)."
+            )
+    if any(r.get("other_runs") or r.get("apart") for r in rows):
         lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
     skipped = [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}." for r in rows for k, why in r.get("skipped", {}).items()]
+    skipped += [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} (`--apart`) failed — {why}." for r in rows
+                for k, why in r.get("apart_failed", {}).items()]
     if skipped or dropped:
         lines += ["", "Not run:", ""] + [f"- {d}" for d in dropped] + skipped
     return "\n".join(lines)
@@ -849,14 +939,21 @@ def run_real(args) -> str:
     if args.rows_from is not None:
         # re-render rows measured earlier (the JSON lines this script prints), e.g. after a run cut short
         latest: dict[tuple, dict] = {}
+        apart: list[dict] = []
         for line in args.rows_from.read_text().splitlines():
-            if line.startswith("{") and '"kind"' in line and '"step_s"' in line:
+            if line.startswith("{") and '"kind"' in line and '"apart"' in line and '"step_s"' not in line:
+                apart.append(json.loads(line))  # memory and drift read apart (--apart), merged below
+            elif line.startswith("{") and '"kind"' in line and '"step_s"' in line:
                 r = json.loads(line)
                 key = (r["kind"], r["m"], r["T"])
                 if r.get("modes") is not None and key in latest:
                     latest[key] = _merge_modes(latest[key], r)  # a later run of some modes only (--modes)
                 else:
                     latest[key] = r  # a row's full line follows its timings-only line
+        for a in apart:
+            key = (a["kind"], a["m"], a["T"])
+            if key in latest:
+                latest[key] = _merge_apart(latest[key], a)
         rows = list(latest.values())
         done = {(r["kind"], r["m"], r["T"]) for r in rows}
         for kind, m, T in wanted:
@@ -879,10 +976,21 @@ def run_real(args) -> str:
     for kind, m, T in ([] if args.rows_from is not None else wanted):
         row = measure_real(kind, m, T, args.repeats if not args.quick else 1, modes=args.modes, memory=args.memory and not args.quick,
                            drift=args.drift and not args.quick, profile=args.profile and not args.quick,
-                           peer_budget=args.peer_budget_gib * 2**30)
+                           peer_budget=args.peer_budget_gib * 2**30, seed=args.seed, **dict(args.shape))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
     return real_table(rows, args.repeats if not args.quick else 1, dropped) + "\n" + real_verdict(rows) + "\n" + paper_block()
+
+
+def _merge_apart(row: dict, extra: dict) -> dict:
+    """``row`` with the memory and drift readings an ``--apart`` run made (each in a process of its own)."""
+    out = {**row, "skipped": {**row.get("skipped", {}), **extra.get("skipped", {})}}
+    for k, v in extra.items():
+        if k.startswith("mem_") or k in ("drift", "sum_shares_err_f64"):
+            out[k] = v
+    out["apart"] = sorted(set(row.get("apart", [])) | set(extra.get("apart", [])))
+    out["apart_failed"] = {**row.get("apart_failed", {}), **extra.get("failed", {})}
+    return out
 
 
 def _merge_modes(row: dict, extra: dict) -> dict:
@@ -903,6 +1011,13 @@ def _merge_modes(row: dict, extra: dict) -> dict:
     runs = [o for o in out.get("other_runs", []) if o["modes"] != extra["modes"]]  # its timings-only line, then its full one
     out["other_runs"] = runs + [{"modes": extra["modes"], "step_s": extra["step_s"]}]
     return out
+
+
+def _shape_override(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    if not sep or not value.strip().lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"a shape override must be KEY=INTEGER, e.g. vocab=4096, got {text!r}.")
+    return key.strip(), int(value)
 
 
 def _real_row(text: str) -> tuple[str, int, int]:
@@ -945,6 +1060,14 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                     help="real rows: take each mode's peak memory (--no-memory where the profiled passes do not fit: "
                          "the Qwen2 shape at 4,096 positions a step was killed for memory at 24 GiB after them)")
+    ap.add_argument("--apart", nargs="*", default=None, choices=list(APART_READINGS), metavar="READING",
+                    help="real rows: no timings; the memory and drift readings (all, or those named: "
+                         f"{', '.join(APART_READINGS)}), each in a process of its own, for rows whose profiled passes "
+                         "do not fit in one process; --rows-from merges them into the row's timed run")
+    ap.add_argument("--reading", choices=list(APART_READINGS), default=None, help=argparse.SUPPRESS)  # one --apart child
+    ap.add_argument("--seed", type=int, default=0, help="real rows: the seed of the policy and the batch")
+    ap.add_argument("--shape", action="append", default=[], type=_shape_override, metavar="KEY=VALUE",
+                    help="real rows: override one of the policy's shape figures (e.g. vocab=4096 for a smoke run)")
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
         "--route", default="auto", choices=["auto", "direct", "ghost"],
@@ -957,6 +1080,18 @@ def main(argv=None) -> int:
         if args.real_rows == list(REAL_ROWS):
             args.real_rows = [("llama", 8, 128)]
     torch.set_num_threads(1)
+    override = dict(args.shape)
+    if args.reading is not None:  # one child of --apart: one reading of one row, one JSON line
+        kind, m, T = args.real_rows[0]
+        print(json.dumps(measure_reading(kind, m, T, args.reading, seed=args.seed, peer_budget=args.peer_budget_gib * 2**30,
+                                         **override)), flush=True)
+        return 0
+    if args.apart is not None:
+        for kind, m, T in args.real_rows:
+            row = measure_apart(kind, m, T, args.apart or APART_READINGS, seed=args.seed,
+                                peer_budget=args.peer_budget_gib * 2**30, **override)
+            print(json.dumps(row), flush=True)
+        return 0
     if args.only in ("all", "toy"):
         rows = []
         for kind in args.policies:

@@ -163,3 +163,57 @@ def test_direct_route_ab_refuses_an_unknown_comparison_and_a_prompt_out_of_range
         ab.measure_ab("llama", 8, 16, 1, compare="speed")
     with pytest.raises(ValueError, match=r"`prompt` must be a share of the row in \[0, 1\), got 1.5"):
         ab.measure_ab("llama", 8, 16, 1, prompt=1.5)
+
+
+def test_apart_readings_equal_the_timed_process_ones_and_merge_into_its_row(tmp_path, capsys):
+    # `--apart` makes each memory or drift reading in a child process of its own (for rows whose profiled
+    # passes do not fit in one process): the child's peak is the one the timed process reads, and
+    # --rows-from puts it into the timed row's cells
+    pytest.importorskip("transformers")
+    bench = _bench()
+    torch.set_num_threads(1)
+    row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "sep_shares"), memory=True, drift=False, **TINY)
+    shape = [f"--shape={k}={v}" for k, v in TINY.items()]
+    bench.main(["--only", "real", "--real-rows", "qwen2:3:24", "--apart", "mem_sep_shares", "drift", *shape])
+    apart = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert apart["apart"] == ["mem_sep_shares", "drift"] and apart["failed"] == {}
+    assert apart["mem_sep_shares"] == row["mem_sep_shares"]
+    assert 0 < apart["drift"] < 1e-6 and apart["sum_shares_err_f64"] < 1e-12 and apart["conservation_error"] < 1e-5
+
+    timed = {k: v for k, v in row.items() if k != "mem_sep_shares"}
+    log = tmp_path / "rows.log"
+    log.write_text(json.dumps(timed) + "\n" + json.dumps({**apart, "failed": {"mem_trainer": "exit status -9: Killed"}}) + "\n")
+    bench.main(["--only", "real", "--rows-from", str(log), "--real-rows", "qwen2:3:24"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("| qwen2 |"))
+    extra = (row["mem_sep_shares"] - row["mem_step"]) / row["param_bytes"]
+    assert f"| {row['sep_shares_over_train']:.2f}× ({extra:+.1f}) |" in line
+    assert f"| {apart['drift']:.1e} |" in line
+    assert "qwen2, m = 3, T = 24: drift, mem_sep_shares read each in a process of its own (`--apart`)." in out
+    assert "qwen2, m = 3, T = 24: mem_trainer (`--apart`) failed — exit status -9: Killed." in out
+
+
+def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
+    import subprocess
+
+    bench = _bench()
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        reading = cmd[cmd.index("--reading") + 1]
+        if reading == "mem_step":  # killed for memory: no output
+            return subprocess.CompletedProcess(cmd, -9, "", "")
+        out = json.dumps({"kind": "llama", "m": 8, "T": 128, "param_bytes": 4, "apart": [reading], reading: 12})
+        return subprocess.CompletedProcess(cmd, 0, "noise\n" + out + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    got = bench.measure_apart("llama", 8, 128, ("mem_step", "mem_trainer"), seed=3, vocab=512)
+    assert got["failed"] == {"mem_step": "exit status -9: no output"} and got["apart"] == ["mem_trainer"]
+    assert got["mem_trainer"] == 12 and "mem_step" not in got
+    assert all("--shape=vocab=512" in c and c[c.index("--seed") + 1] == "3" for c in calls) and len(calls) == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "real", "--apart", "--shape", "vocab"])
+    assert "a shape override must be KEY=INTEGER" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="`reading` must be one of"):
+        bench.measure_reading("llama", 2, 8, "mem_nothing")
