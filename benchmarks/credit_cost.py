@@ -658,8 +658,8 @@ def _real_setup(kind: str, m: int, T: int, modes, *, seed: int = 0, peer_budget:
         "opacus": opacus_audit,
     }
     audits = {k: v for k, v in audits.items() if k in modes}
-    return SimpleNamespace(policy=policy, batch=batch, named=named, row=row, modes=modes, train_step=train_step,
-                           fwd_bwd=fwd_bwd, ride_step=ride_step, audits=audits)
+    return SimpleNamespace(policy=policy, batch=batch, row=row, modes=modes, train_step=train_step, fwd_bwd=fwd_bwd,
+                           ride_step=ride_step, audits=audits)
 
 
 def measure_real(
@@ -933,7 +933,7 @@ def paper_block() -> str:
     ])
 
 
-def run_real(args) -> str:
+def run_real(args, override: dict) -> str:
     wanted = [tuple(x) for x in args.real_rows]
     dropped, rows = [], []
     if args.rows_from is not None:
@@ -976,7 +976,7 @@ def run_real(args) -> str:
     for kind, m, T in ([] if args.rows_from is not None else wanted):
         row = measure_real(kind, m, T, args.repeats if not args.quick else 1, modes=args.modes, memory=args.memory and not args.quick,
                            drift=args.drift and not args.quick, profile=args.profile and not args.quick,
-                           peer_budget=args.peer_budget_gib * 2**30, seed=args.seed, **dict(args.shape))
+                           peer_budget=args.peer_budget_gib * 2**30, seed=args.seed, **override)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
     return real_table(rows, args.repeats if not args.quick else 1, dropped) + "\n" + real_verdict(rows) + "\n" + paper_block()
@@ -1108,7 +1108,7 @@ def main(argv=None) -> int:
             print(f"wrote the toy rows to {args.write}")
     if args.only in ("all", "real"):
         args.repeats = args.real_repeats
-        body = run_real(args)
+        body = run_real(args, override)
         print(body)
         if args.write is not None:
             write_section(args.write, body, REAL_SECTION, REAL_END)
