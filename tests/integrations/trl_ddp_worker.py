@@ -150,6 +150,10 @@ def main() -> None:
     result = {name: run(policy, out, name) for name in names}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # A gloo group left to the interpreter's exit was seen to abort a rank after its work was written
+    # ("terminate called without an active exception", SIGABRT), as in tests/_spawn_exit.py: close it first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
