@@ -58,7 +58,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+try:
+    import resource  # POSIX: CPU time and page faults of a pass
+except ImportError:  # pragma: no cover - Windows
+    resource = None
 
 import torch
 from torch import nn
@@ -219,6 +224,19 @@ def clock(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def clock_usage(fn: Callable[[], Any]) -> tuple[float, Optional[tuple[float, float, int]]]:
+    """Wall seconds of one call of ``fn`` and, where the platform reports them, its process CPU time in the
+    user and the system share and its minor page faults: on a CPU the kernel maps (and zeroes) every fresh
+    allocation the allocator took from it, and that system time moves with the allocator's state, not with
+    the work of the pass."""
+    if resource is None:
+        return clock(fn), None
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t = clock(fn)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return t, (r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt)
 
 
 def measure(
@@ -682,17 +700,27 @@ def measure_real(
     for fn in audits.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in ["step"] + (["ride_shares"] if ride else []) + list(audits)}
+    usage: dict[str, list] = {k: [] for k in times}
+
+    def timed(k, fn):
+        t, u = clock_usage(fn)
+        times[k].append(t)
+        if u is not None:
+            usage[k].append(u)
+
     order = list(audits.items())
     for i in range(repeats):
-        times["step"].append(clock(train_step))
+        timed("step", train_step)
         if ride:
-            times["ride_shares"].append(clock(ride_step))
-        fwd_bwd()  # .grad of this batch at the current weights, as at on_before_optimizer_step
-        # Each separate pass in turn runs first after that backward: the first pays for mapping the
-        # memory the backward released (on the Qwen2 shape ~0.1 of a step more in page faults).
+            timed("ride_shares", ride_step)
+        # Every separate pass starts right after a backward of this batch (its .grad, as at
+        # on_before_optimizer_step), never after another pass: the allocator's state a pass inherits
+        # moves its wall time by a third of a step (on llama m = 8, T = 128 a pass run after `trainer`
+        # paid ~1 s more in system time for mapping fresh memory, whichever pass it was).
         j = i % len(order) if order else 0
         for k, fn in order[j:] + order[:j]:
-            times[k].append(clock(fn))
+            fwd_bwd()
+            timed(k, fn)
     tr = statistics.median(times["step"])
     row["step_s"] = tr
     row["repeats"] = repeats
@@ -700,6 +728,9 @@ def measure_real(
         if k != "step":
             med = statistics.median(ts)
             row[f"{k}_over_train"] = (med - tr) / tr if k == "ride_shares" else med / tr
+    if all(usage.values()):
+        # per mode, medians over the repeats: user and system seconds, minor page faults
+        row["cpu"] = {k: [statistics.median(u[j] for u in us) for j in range(3)] for k, us in usage.items()}
     # The timings now, before the memory and precision passes: a process killed in those (the Qwen2 shape
     # at T = 512 was, twice, at 24 GiB) keeps them for --rows-from.
     print(json.dumps({**row, "partial": "timings only: memory and precision passes not finished"}), flush=True)
@@ -805,6 +836,16 @@ def profile_top(fn: Callable[[], Any], step_s: float, n: int = 6) -> list[tuple[
     return [(e.key, e.self_cpu_time_total / 1e6 / step_s) for e in ev]
 
 
+def _cpu_text(cpu: dict) -> str:
+    """A run's CPU time per mode: user time against the plain step's (the work, whatever the allocator
+    does), then system seconds and minor page faults (mapping fresh memory)."""
+    u0 = cpu["step"][0]
+    return "CPU time a call (medians): user time against the step's, system seconds, minor page faults — " + "; ".join(
+        f"step {u:.2f} s user, {sy:.2f} s, {fl / 1e3:.0f}k" if k == "step" else f"{k} {u / u0:.2f}×, {sy:.2f} s, {fl / 1e3:.0f}k"
+        for k, (u, sy, fl) in cpu.items()
+    )
+
+
 def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
     reps = " / ".join(str(x) for x in sorted({r.get("repeats", repeats) for r in rows})) or str(repeats)
     shapes = []
@@ -858,7 +899,12 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
             lines.append(
                 f"{r['kind']}, m = {r['m']}, T = {r['T']}: {', '.join(r['apart'])} read each in a process of its own (`--apart`)."
             )
-    if any(r.get("other_runs") or r.get("apart") for r in rows):
+    for r in rows:
+        for run, cpu in [("", r.get("cpu"))] + [(f" (the `--modes {' '.join(o['modes'])}` run)", o.get("cpu"))
+                                                 for o in r.get("other_runs", [])]:
+            if cpu and cpu.get("step", [0])[0] > 0:
+                lines.append(f"{r['kind']}, m = {r['m']}, T = {r['T']}{run}: {_cpu_text(cpu)}.")
+    if any(r.get("other_runs") or r.get("apart") or r.get("cpu") for r in rows):
         lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
     skipped = [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}." for r in rows for k, why in r.get("skipped", {}).items()]
@@ -1009,7 +1055,8 @@ def _merge_modes(row: dict, extra: dict) -> dict:
             out["skipped"].pop(k, None)
     out["mem_step_" + "+".join(extra["modes"])] = extra.get("mem_step")
     runs = [o for o in out.get("other_runs", []) if o["modes"] != extra["modes"]]  # its timings-only line, then its full one
-    out["other_runs"] = runs + [{"modes": extra["modes"], "step_s": extra["step_s"]}]
+    out["other_runs"] = runs + [{"modes": extra["modes"], "step_s": extra["step_s"],
+                                 **({"cpu": extra["cpu"]} if extra.get("cpu") else {})}]
     return out
 
 

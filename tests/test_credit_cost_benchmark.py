@@ -92,8 +92,13 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
     assert row["tied"] and row["vocab"] == 4096 and row["step_s"] > 0
     assert row["ride_shares_over_train"] > -1.0 and row["sep_shares_over_train"] > 0 and row["vmap_over_train"] > 0
     assert row["conservation_error"] < 1e-5 and row["sum_shares_err_f64"] < 1e-12 and row["drift"] < 1e-3
+    if bench.resource is not None:  # one thread: a call's CPU time cannot much exceed its wall time
+        assert set(row["cpu"]) == {"step", "ride_shares", "sep_shares", "trainer", "vmap"}
+        user, sys_s, faults = row["cpu"]["step"]
+        assert 0 < user + sys_s <= 1.5 * row["step_s"] + 0.05 and sys_s >= 0 and faults >= 0
     text = bench.real_table([row], 1, ["llama, m = 32, T = 512: dropped"]) + bench.real_verdict([row])
     assert "| qwen2 |" in text and "dropped" in text and "riding on the step" in text
+    assert ("CPU time a call" in text) == (bench.resource is not None)
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n\n" + bench.SECTION + "\n\ntoy\n\n" + bench.GENERATED_END + "\n\nkept\n\n"
                    + bench.REAL_SECTION + "\n\nold\n\n" + bench.REAL_END + "\n\nanalysis\n\n## Other\n")
@@ -129,7 +134,8 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
             "skipped": {"vmap": "needs 5 GiB"}, "sep_shares_over_train": 1.4, "sep_all_over_train": 1.5, "mem_step": 0,
             "mem_sep_all": 1_000_000}
     peers = {"kind": "llama", "m": 8, "T": 128, "n_params": 1_000_000, "param_bytes": 4_000_000, "step_s": 5.0, "repeats": 1,
-             "skipped": {}, "vmap_over_train": 1.7, "modes": ["step", "vmap"]}
+             "skipped": {}, "vmap_over_train": 1.7, "modes": ["step", "vmap"],
+             "cpu": {"step": [4.0, 0.5, 120_000], "vmap": [6.0, 1.25, 300_000]}}
     log = tmp_path / "rows.log"
     log.write_text("\n".join(json.dumps(r) for r in (full, {**peers, "partial": "timings only"}, peers)) + "\n")
     bench.main(["--only", "real", "--rows-from", str(log), "--real-rows", "llama:8:128"])
@@ -139,6 +145,9 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
     assert out.count("vmap timed in a separate run (`--modes`), against that run's plain step (5.00 s)") == 1
     assert "vmap not run" not in out
     assert "1 of 1 rows where a peer ran" in out  # 1.5 against vmap's 1.7
+    # the peers' run's CPU time, against that run's own step: 6.0 / 4.0 s of user time
+    assert ("llama, m = 8, T = 128 (the `--modes step vmap` run): CPU time a call (medians): user time against the "
+            "step's, system seconds, minor page faults — step 4.00 s user, 0.50 s, 120k; vmap 1.50×, 1.25 s, 300k.") in out
 
 
 @pytest.mark.parametrize("compare", ["paths", "cut"])
