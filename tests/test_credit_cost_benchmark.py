@@ -94,8 +94,8 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
     assert row["conservation_error"] < 1e-5 and row["sum_shares_err_f64"] < 1e-12 and row["drift"] < 1e-3
     if bench.resource is not None:  # one thread: a call's CPU time cannot much exceed its wall time
         assert set(row["cpu"]) == {"step", "ride_shares", "sep_shares", "trainer", "vmap"}
-        user, sys_s, faults = row["cpu"]["step"]
-        assert 0 < user + sys_s <= 1.5 * row["step_s"] + 0.05 and sys_s >= 0 and faults >= 0
+        user, sys_s, faults = row["cpu"]["step"]  # the kernel counts CPU time in ticks: slack for one
+        assert 0 <= user + sys_s <= 1.5 * row["step_s"] + 0.05 and min(user, sys_s, faults) >= 0
     text = bench.real_table([row], 1, ["llama, m = 32, T = 512: dropped"]) + bench.real_verdict([row])
     assert "| qwen2 |" in text and "dropped" in text and "riding on the step" in text
     assert ("CPU time a call" in text) == (bench.resource is not None)
