@@ -31,7 +31,10 @@ listed with their estimated peak memory and work). Modes, interleaved in one pro
 riding along with ``readings="shares"``, separate ``shares`` and all readings, ``full_grad="trainer"``, and
 the peers (torch.func, Opacus) where their ``m × |θ|`` per-row gradients fit ``--peer-budget-gib``; peak
 memory per mode over the plain step; float32 against float64 shares; a profile of the separate pass and
-of the ride-along step. The block ends with the Qwen2.5-7B shape on paper (:mod:`route_counts`).
+of the ride-along step. Each separate pass runs right after a backward of the batch (as at
+``on_before_optimizer_step``), and each mode's user and system CPU time and minor page faults are
+reported beside its wall time: on a CPU the system time of mapping fresh memory moves a pass's wall
+time with the allocator's state. The block ends with the Qwen2.5-7B shape on paper (:mod:`route_counts`).
 ``--apart`` makes a row's memory and drift readings instead, each in a Python process of its own (for rows
 whose profiled passes do not fit in one process); ``--rows-from`` merges them into the row's timed run.
 
