@@ -226,3 +226,27 @@ def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
     assert "a shape override must be KEY=INTEGER" in capsys.readouterr().err
     with pytest.raises(ValueError, match="`reading` must be one of"):
         bench.measure_reading("llama", 2, 8, "mem_nothing")
+
+
+def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back():
+    # pass_split.py wraps each parameter's reduction and the direct route's per-row products with timers:
+    # the products are part of the reductions, the reductions part of the pass, and the engine is the
+    # same after the run as before it
+    pytest.importorskip("transformers")
+    split = _module("pass_split")
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    before = (ghost._Reducer.param, ghost_routes.torch)
+    torch.set_num_threads(1)
+    r = split.measure_split("llama", 8, 16, 1, **TINY)
+    assert (ghost._Reducer.param, ghost_routes.torch) == before
+    s = r["seconds"]
+    # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time
+    assert 0 < s["products"] <= s["reductions"] <= s["pass"]
+    assert r["over_step"]["step"] == 1.0 and r["conservation_error"] < 1e-5
+    text = split.render(r)
+    assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
+    row = text.splitlines()[3]  # the pass, then its four parts, each over the step
+    assert [float(x) for x in row.strip("| ").split(" | ")][0] == pytest.approx(r["over_step"]["pass"], abs=5e-4)
+    with pytest.raises(ValueError, match="`repeats` must be at least 1, got 0"):
+        split.measure_split("llama", 8, 16, 0, **TINY)
