@@ -5,8 +5,9 @@ plain step (forward + backward + Adam), a plain forward + backward, and the sepa
 audit (:func:`disintegrate`, ``engine="ghost"``, ``reference_grads="grad"``, started right after a
 backward as at ``on_before_optimizer_step``). Inside the audit, a timer around each parameter's
 reduction (everything the engine adds to its own forward and backward) and, within those, around the
-per-row products of the CPU direct route (``torch.mm`` in :mod:`~lens_callbacks.credit.engines.ghost_routes`:
-one part's piece of a block of weight rows). Medians, as fractions of the plain step:
+products ``torch.mm`` makes in :mod:`~lens_callbacks.credit.engines.ghost_routes` (on a CPU's direct route,
+one part's piece of a block of weight rows; on the ghost route, a weight's dot products, which the route
+count does not pick on these shapes). Medians, as fractions of the plain step:
 
 - ``fwd_bwd``: what the pass re-runs (its ``credit_terms`` forward and backward);
 - ``pass − reductions``: the same, measured inside the pass (hooks and captures included);
