@@ -243,7 +243,7 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     s = r["seconds"]
     # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time
     assert 0 < s["products"] <= s["reductions"] <= s["pass"]
-    assert r["over_step"]["step"] == 1.0 and r["conservation_error"] < 1e-5
+    assert r["conservation_error"] < 1e-5
     text = split.render(r)
     assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
     row = text.splitlines()[3]  # the pass, then its four parts, each over the step
