@@ -229,24 +229,35 @@ def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
 
 
 def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back():
-    # pass_split.py wraps each parameter's reduction and the direct route's per-row products with timers:
-    # the products are part of the reductions, the reductions part of the pass, and the engine is the
-    # same after the run as before it
+    # pass_split.py wraps each parameter's reduction, the direct route's per-row products, the dead-end
+    # scans and the conservation differences with timers: the last three are parts of the reductions, the
+    # reductions part of the pass, and the engine is the same after the run as before it
     pytest.importorskip("transformers")
     split = _module("pass_split")
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
-    before = (ghost._Reducer.param, ghost_routes.torch)
+    def engine():
+        return (ghost._Reducer.param, ghost.diff_sq64, ghost_routes.torch, ghost_routes._cut, ghost_routes.diff_sq64,
+                ghost_routes.sq64)
+
+    before = engine()
     torch.set_num_threads(1)
     r = split.measure_split("llama", 8, 16, 1, **TINY)
-    assert (ghost._Reducer.param, ghost_routes.torch) == before
+    assert engine() == before
     s = r["seconds"]
-    # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time
-    assert 0 < s["products"] <= s["reductions"] <= s["pass"]
+    # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time: its
+    # products, dead-end scans and differences are parts of the reductions, which are part of the pass
+    assert s["products"] > 0 and s["scans"] > 0 and s["differences"] > 0
+    assert s["products"] + s["scans"] + s["differences"] <= s["reductions"] <= s["pass"]
     assert r["conservation_error"] < 1e-5
     text = split.render(r)
     assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
-    row = text.splitlines()[3]  # the pass, then its four parts, each over the step
+    row = text.splitlines()[3]  # the pass, then its parts, each over the step
     assert [float(x) for x in row.strip("| ").split(" | ")][0] == pytest.approx(r["over_step"]["pass"], abs=5e-4)
+    # each call's CPU time, listed under the table with the pass's user time over the step's
+    cpu = r["cpu"]
+    assert set(cpu) == {"step", "fwd_bwd", "pass"} and cpu["step"][0] > 0 and cpu["pass"][0] > 0
+    assert text.splitlines()[-1].endswith(f"pass {cpu['pass'][0] / cpu['step'][0]:.2f}×, {cpu['pass'][1]:.2f} s, "
+                                          f"{cpu['pass'][2] / 1e3:.0f}k")
     with pytest.raises(ValueError, match="`repeats` must be at least 1, got 0"):
         split.measure_split("llama", 8, 16, 0, **TINY)
