@@ -454,6 +454,23 @@ def _by_part(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def read_piece(
+    P: torch.Tensor, w: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor, dots: torch.Tensor, sq: Optional[torch.Tensor],
+    first: bool,
+) -> None:
+    """One part's piece of a block (``P``, ``[rows, d_R]``) read for every reading: its dot with ``w`` per
+    weight row into ``dots`` and its norm per weight row into ``sq`` (``[rows]``, in their dtype; None: not
+    wanted), and its addition into ``s`` (``Σ_S g_S`` of the block; copied into it when ``first``). ``tmp``
+    (``P``'s shape, ``dots``' dtype) holds the products with ``w``."""
+    torch.sum(torch.mul(P, w, out=tmp), 1, dtype=dots.dtype, out=dots)
+    if sq is not None:
+        torch.linalg.vector_norm(P, dim=1, dtype=sq.dtype, out=sq)
+    if first:
+        s.copy_(P)
+    else:
+        s.add_(P)
+
+
 def _direct_by_part(
     facs: Sequence[Factors],
     g_full: torch.Tensor,
@@ -533,15 +550,9 @@ def _direct_by_part(
                 if row_sq is not None:
                     row_sq[i, : hi - lo].zero_()
                 continue
-            prod = torch.mul(P, w, out=tmp[: (hi - lo) * dR].view(hi - lo, dR))
-            torch.sum(prod, 1, dtype=sdt, out=row_dots[i, : hi - lo])
-            if row_sq is not None:
-                torch.linalg.vector_norm(P, dim=1, dtype=sdt, out=row_sq[i, : hi - lo])
-            if first:
-                s.copy_(P)
-                first = False
-            else:
-                s.add_(P)
+            read_piece(P, w, s, tmp[: (hi - lo) * dR].view(hi - lo, dR), row_dots[i, : hi - lo],
+                       None if row_sq is None else row_sq[i, : hi - lo], first)
+            first = False
         if first:  # no part has anything in this block
             s.zero_()
         dots += row_dots[:, : hi - lo].double().sum(1)
