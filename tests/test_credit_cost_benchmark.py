@@ -261,3 +261,17 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
                                           f"{cpu['pass'][2] / 1e3:.0f}k")
     with pytest.raises(ValueError, match="`repeats` must be at least 1, got 0"):
         split.measure_split("llama", 8, 16, 0, **TINY)
+
+
+def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers():
+    # fused_reads.py times ghost_routes.read_piece (the direct route's reads of one part's block) against
+    # the same reductions compiled into one kernel; "eager" compiles without a C++ compiler
+    fused = _module("fused_reads")
+    torch.set_num_threads(1)
+    r = fused.measure(64, 48, blocks=10, calls=20, backend="eager")
+    assert r["eager_s"] > 0 and r["fused_s"] > 0
+    assert r["max_rel_diff"] < 1e-5  # same dots and squared norms, to float32 rounding
+    assert r["saved_s"] == pytest.approx(10 * (r["eager_s"] - r["fused_s"]))
+    assert fused.render(r).startswith("one part's block [64, 48], float32, eager: eager reads ")
+    with pytest.raises(ValueError, match="`blocks` must be at least 1, got 0"):
+        fused.measure(64, 48, blocks=0)
