@@ -84,7 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="inductor", help="torch.compile backend (inductor needs a C++ compiler)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    print(render(measure(args.rows, args.width, args.blocks, args.calls, args.backend)))
+    try:
+        r = measure(args.rows, args.width, args.blocks, args.calls, args.backend)
+    except ValueError as err:
+        ap.error(str(err))
+    print(render(r))
     return 0
 
 

@@ -263,7 +263,7 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
         split.measure_split("llama", 8, 16, 0, **TINY)
 
 
-def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers():
+def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers(capsys):
     # fused_reads.py times ghost_routes.read_piece (the direct route's reads of one part's block) against
     # the same reductions compiled into one kernel; "eager" compiles without a C++ compiler
     fused = _module("fused_reads")
@@ -275,3 +275,6 @@ def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_s
     assert fused.render(r).startswith("one part's block [64, 48], float32, eager: eager reads ")
     with pytest.raises(ValueError, match="`blocks` must be at least 1, got 0"):
         fused.measure(64, 48, blocks=0)
+    with pytest.raises(SystemExit):
+        fused.main(["--rows", "0"])
+    assert "`rows` must be at least 1, got 0." in capsys.readouterr().err
