@@ -8,10 +8,13 @@ reduction (everything the engine adds to its own forward and backward) and, with
 products ``torch.mm`` makes in :mod:`~lens_callbacks.credit.engines.ghost_routes` (on a CPU's direct route,
 one part's piece of a block of weight rows; on the ghost route, a weight's dot products, which the route
 count does not pick on these shapes), around the scans for each row's dead ends and around the
-conservation differences. Medians, as fractions of the plain step:
+conservation differences; and around what the pass does once its backward is over (``end``: the small
+parameters batched until then, ``‖g_full‖²``, ``grad_match`` and the report). Medians, as fractions of the
+plain step:
 
 - ``fwd_bwd``: what the pass re-runs (its ``credit_terms`` forward and backward);
-- ``pass − reductions``: the same, measured inside the pass (hooks and captures included);
+- ``pass − reductions − end``: the same, measured inside the pass (hooks and captures included);
+- ``end``: the work after the backward listed above;
 - ``products``: the per-row products, a weight gradient's worth of multiply-adds less the cut positions;
 - ``scans``: finding each row's dead ends (the positions without a term, cut off the products);
 - ``differences``: the conservation difference ``‖Σ_S g_S − g_full‖²``, block by block;
@@ -19,10 +22,10 @@ conservation differences. Medians, as fractions of the plain step:
   embedding's tokens, the Python around them) — what a kernel fusing the reads into the products could
   remove at most.
 
-(The small parameters batched until the end of the pass are reduced after the timed reductions, and
-count in ``pass − reductions``.) Under the table, each call's CPU time as ``credit_cost.py`` lists it: the
-user time against the step's (the work), the system seconds and page faults (the kernel mapping fresh
-memory, which moves with the allocator's state from run to run and can move the wall ratios by tenths).
+The table has two rows: wall time, and user CPU time (each part's, over the step's: the work, whatever
+the kernel charges for mapping fresh memory, which moves with the allocator's state from run to run and
+can move the wall ratios by tenths). Under the table, each call's CPU time as ``credit_cost.py`` lists it:
+the user time against the step's, the system seconds and page faults.
 
     OMP_NUM_THREADS=1 python benchmarks/pass_split.py --row llama:8:128 --repeats 5
 """
@@ -42,9 +45,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import credit_cost as cc  # noqa: E402
+from credit_cost import resource  # noqa: E402  (None where the platform has no getrusage)
 from lens_callbacks.credit.engines import ghost, ghost_routes  # noqa: E402
 
-PARTS = ("step", "fwd_bwd", "pass", "reductions", "products", "scans", "differences")
+PARTS = ("step", "fwd_bwd", "pass", "reductions", "products", "scans", "differences", "end")
+
+
+def _now() -> tuple[float, float]:
+    """Wall seconds and user CPU seconds of the process (CPU time with the system's share where the
+    platform does not split them)."""
+    user = resource.getrusage(resource.RUSAGE_SELF).ru_utime if resource is not None else time.process_time()
+    return time.perf_counter(), user
+
+
+def _add(spent: list, t0: tuple[float, float]) -> None:
+    t1 = _now()
+    spent[0] += t1[0] - t0[0]
+    spent[1] += t1[1] - t0[1]
 
 
 class _TimedTorch(types.ModuleType):
@@ -58,23 +75,27 @@ class _TimedTorch(types.ModuleType):
         return getattr(torch, name)
 
     def mm(self, *a, **k):
-        t0 = time.perf_counter()
+        t0 = _now()
         out = torch.mm(*a, **k)
-        self._spent[0] += time.perf_counter() - t0
+        _add(self._spent, t0)
         return out
 
 
 def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
-    """Medians (seconds) of the step, a forward + backward, the pass, its reductions and their products."""
+    """Medians of the step, a forward + backward, the pass and its timed parts: ``seconds`` by wall time,
+    ``user`` by user CPU time (each a dict keyed by :data:`PARTS`)."""
     if repeats < 1:
         raise ValueError(f"`repeats` must be at least 1, got {repeats!r}.")
     s = cc._real_setup(kind, m, T, ("step", "sep_shares"), **override)
     audit = s.audits["sep_shares"]
-    red, prod, scans, diffs = [0.0], [0.0], [0.0], [0.0]
+    red, prod, scans, diffs, end = ([0.0, 0.0] for _ in range(5))
     inside = [0]  # the scans and differences are counted only within a timed reduction
+    outer_end = [0]  # the end's functions call each other: only the outermost call is timed
     real = {(ghost._Reducer, "param"): red, (ghost_routes, "_cut"): scans, (ghost_routes, "diff_sq64"): diffs,
             (ghost_routes, "sq64"): diffs, (ghost, "diff_sq64"): diffs}
-    saved = {key: getattr(*key) for key in real}
+    after = {(ghost._Reducer, "finish"): end, (ghost, "_sum_sq"): end, (ghost, "_grad_match"): end,
+             (ghost, "build_report"): end}
+    saved = {key: getattr(*key) for key in (*real, *after)}
     saved[(ghost_routes, "torch")] = ghost_routes.torch
 
     def timed(fn, spent, outer):
@@ -82,26 +103,48 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
             if not (outer or inside[0]):
                 return fn(*a, **k)
             inside[0] += outer
-            t0 = time.perf_counter()
+            t0 = _now()
             try:
                 return fn(*a, **k)
             finally:
-                spent[0] += time.perf_counter() - t0
+                _add(spent, t0)
                 inside[0] -= outer
 
         return wrapper
 
+    def timed_end(fn, spent):
+        def wrapper(*a, **k):
+            if outer_end[0] or inside[0]:  # nested in another end function, or part of a timed reduction
+                return fn(*a, **k)
+            outer_end[0] += 1
+            t0, r0 = _now(), list(red)
+            try:
+                return fn(*a, **k)
+            finally:
+                _add(spent, t0)
+                # a parameter the backward did not reach is reduced in `finish`: it counts as a reduction
+                spent[0] -= red[0] - r0[0]
+                spent[1] -= red[1] - r0[1]
+                outer_end[0] -= 1
+
+        return wrapper
+
     times: dict[str, list[float]] = {k: [] for k in PARTS}
+    users: dict[str, list[float]] = {k: [] for k in PARTS}
     usage: dict[str, list] = {"step": [], "fwd_bwd": [], "pass": []}
 
     def timed_call(key, fn):
+        t0 = _now()
         t, cpu = cc.clock_usage(fn)
         times[key].append(t)
+        users[key].append(_now()[1] - t0[1])
         if cpu is not None:
             usage[key].append(cpu)
 
     for (owner, name), spent in real.items():
         setattr(owner, name, timed(saved[(owner, name)], spent, outer=int(owner is ghost._Reducer)))
+    for (owner, name), spent in after.items():
+        setattr(owner, name, timed_end(saved[(owner, name)], spent))
     ghost_routes.torch = _TimedTorch(prod)
     try:
         s.train_step()
@@ -110,32 +153,45 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
         for _ in range(repeats):
             timed_call("step", s.train_step)
             timed_call("fwd_bwd", s.fwd_bwd)  # also the backward the pass follows
-            red[0] = prod[0] = scans[0] = diffs[0] = 0.0
+            for spent in (red, prod, scans, diffs, end):
+                spent[:] = [0.0, 0.0]
             timed_call("pass", audit)
-            for k, spent in (("reductions", red), ("products", prod), ("scans", scans), ("differences", diffs)):
+            for k, spent in (("reductions", red), ("products", prod), ("scans", scans), ("differences", diffs),
+                             ("end", end)):
                 times[k].append(spent[0])
+                users[k].append(spent[1])
     finally:
         for (owner, name), fn in saved.items():
             setattr(owner, name, fn)
     med = {k: statistics.median(v) for k, v in times.items()}
+    umed = {k: statistics.median(v) for k, v in users.items()}
     # user time, system time and page faults of each call (medians): on a CPU the system share moves with
     # the allocator's state from one run to the next, the user share with the work
     cpu = {k: [statistics.median(c[i] for c in v) for i in range(3)] for k, v in usage.items() if len(v) == repeats}
-    return {"kind": kind, "m": m, "T": T, "repeats": repeats, "seconds": med, "cpu": cpu or None,
-            "over_step": {k: v / med["step"] for k, v in med.items()}, "conservation_error": report.conservation_error}
+    return {"kind": kind, "m": m, "T": T, "repeats": repeats, "seconds": med, "user": umed, "cpu": cpu or None,
+            "over_step": {k: v / med["step"] for k, v in med.items()},
+            "user_over_step": {k: v / umed["step"] for k, v in umed.items()} if umed["step"] > 0 else None,
+            "conservation_error": report.conservation_error}
+
+
+def _cells(o: dict) -> str:
+    rest = o["reductions"] - o["products"] - o["scans"] - o["differences"]
+    return (f"{o['pass']:.3f} | {o['fwd_bwd']:.3f} | {o['pass'] - o['reductions'] - o['end']:.3f} | {o['end']:.3f} | "
+            f"{o['products']:.3f} | {o['scans']:.3f} | {o['differences']:.3f} | {rest:.3f} |")
 
 
 def render(r: dict) -> str:
-    o = r["over_step"]
+    rows = [f"| wall | {_cells(r['over_step'])}"]
+    if r.get("user_over_step"):
+        rows.append(f"| user CPU | {_cells(r['user_over_step'])}")
     return "\n".join([
         f"{r['kind']}, m = {r['m']}, T = {r['T']}, {r['repeats']} repeats; plain step {r['seconds']['step']:.2f} s "
         f"(conservation_error {r['conservation_error']:.1e})",
-        "| separate `shares` pass | forward + backward alone | pass − reductions | per-row products | dead-end scans | "
-        "conservation differences | rest of the reductions |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {o['pass']:.3f} | {o['fwd_bwd']:.3f} | {o['pass'] - o['reductions']:.3f} | {o['products']:.3f} | "
-        f"{o['scans']:.3f} | {o['differences']:.3f} | {o['reductions'] - o['products'] - o['scans'] - o['differences']:.3f} |",
-        "(each a fraction of the plain step)",
+        "| time | separate `shares` pass | forward + backward alone | pass − reductions − end | end (after the backward) | "
+        "per-row products | dead-end scans | conservation differences | rest of the reductions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "(each a fraction of the plain step's wall time, and of its user CPU time)",
     ] + ([cc._cpu_text(r["cpu"])] if r.get("cpu") and r["cpu"]["step"][0] > 0 else []))
 
 

@@ -248,12 +248,23 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time: its
     # products, dead-end scans and differences are parts of the reductions, which are part of the pass
     assert s["products"] > 0 and s["scans"] > 0 and s["differences"] > 0
-    assert s["products"] + s["scans"] + s["differences"] <= s["reductions"] <= s["pass"]
+    assert s["products"] + s["scans"] + s["differences"] <= s["reductions"]
+    # what follows the backward (the batched small parameters, ‖g_full‖², grad_match, the report) is timed
+    # apart from the reductions, and both lie inside the pass
+    assert s["end"] > 0 and s["reductions"] + s["end"] <= s["pass"]
+    # the same parts by user CPU time (what the kernel charges for fresh memory left out), each within its call
+    u = r["user"]
+    assert u["step"] > 0 and u["pass"] > 0
+    assert all(0 <= u[k] <= u["pass"] + 0.02 for k in ("reductions", "products", "scans", "differences", "end"))
     assert r["conservation_error"] < 1e-5
     text = split.render(r)
     assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
-    row = text.splitlines()[3]  # the pass, then its parts, each over the step
-    assert [float(x) for x in row.strip("| ").split(" | ")][0] == pytest.approx(r["over_step"]["pass"], abs=5e-4)
+    lines = text.splitlines()  # a wall row and a user-time row: the pass, then its parts, each over the step's
+    wall, user = ([float(x) for x in line.strip("| ").split(" | ")[1:]] for line in (lines[3], lines[4]))
+    assert lines[3].startswith("| wall |") and lines[4].startswith("| user CPU |")
+    assert wall[0] == pytest.approx(r["over_step"]["pass"], abs=5e-4)
+    assert user[0] == pytest.approx(u["pass"] / u["step"], abs=5e-4)
+    assert wall[3] == pytest.approx(s["end"] / s["step"], abs=5e-4)
     # each call's CPU time, listed under the table with the pass's user time over the step's
     cpu = r["cpu"]
     assert set(cpu) == {"step", "fwd_bwd", "pass"} and cpu["step"][0] > 0 and cpu["pass"][0] > 0
