@@ -7,10 +7,10 @@ backward as at ``on_before_optimizer_step``). Inside the audit, a timer around e
 reduction (everything the engine adds to its own forward and backward) and, within those, around the
 products ``torch.mm`` makes in :mod:`~lens_callbacks.credit.engines.ghost_routes` (on a CPU's direct route,
 one part's piece of a block of weight rows; on the ghost route, a weight's dot products, which the route
-count does not pick on these shapes), around the scans for each row's dead ends and around the
-conservation differences; and around what the pass does once its backward is over (``end``: the small
-parameters batched until then, ``‖g_full‖²``, ``grad_match`` and the report). Medians, as fractions of the
-plain step:
+count does not pick on these shapes), around the scans for each row's dead ends, around the
+conservation differences and around the reads of each part's piece; and around what the pass does once
+its backward is over (``end``: the small parameters batched until then, ``‖g_full‖²``, ``grad_match`` and
+the report). Medians, as fractions of the plain step:
 
 - ``fwd_bwd``: what the pass re-runs (its ``credit_terms`` forward and backward);
 - ``pass − reductions − end``: the same, measured inside the pass (hooks and captures included);
@@ -18,9 +18,10 @@ plain step:
 - ``products``: the per-row products, a weight gradient's worth of multiply-adds less the cut positions;
 - ``scans``: finding each row's dead ends (the positions without a term, cut off the products);
 - ``differences``: the conservation difference ``‖Σ_S g_S − g_full‖²``, block by block;
-- ``rest``: everything else the reductions do (each part's dot and norm, adding it into ``Σ_S g_S``, the
-  embedding's tokens, the Python around them) — what a kernel fusing the reads into the products could
-  remove at most.
+- ``reads``: the direct route's reads of each part's piece of a block (its dot with ``g_full``, its norm,
+  adding it into ``Σ_S g_S``: :func:`~lens_callbacks.credit.engines.ghost_routes.read_piece`);
+- ``rest``: everything else the reductions do (selecting each row's live positions, the embedding's tokens,
+  the small parameters' pieces, allocating the blocks, the Python around them).
 
 The table has two rows: wall time, and user CPU time (each part's, over the step's: the work, whatever
 the kernel charges for mapping fresh memory, which moves with the allocator's state from run to run and
@@ -48,7 +49,7 @@ import credit_cost as cc  # noqa: E402
 from credit_cost import resource  # noqa: E402  (None where the platform has no getrusage)
 from lens_callbacks.credit.engines import ghost, ghost_routes  # noqa: E402
 
-PARTS = ("step", "fwd_bwd", "pass", "reductions", "products", "scans", "differences", "end")
+PARTS = ("step", "fwd_bwd", "pass", "reductions", "products", "scans", "differences", "reads", "end")
 
 
 def _now() -> tuple[float, float]:
@@ -88,11 +89,11 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
         raise ValueError(f"`repeats` must be at least 1, got {repeats!r}.")
     s = cc._real_setup(kind, m, T, ("step", "sep_shares"), **override)
     audit = s.audits["sep_shares"]
-    red, prod, scans, diffs, end = ([0.0, 0.0] for _ in range(5))
+    red, prod, scans, diffs, reads, end = ([0.0, 0.0] for _ in range(6))
     inside = [0]  # the scans and differences are counted only within a timed reduction
     outer_end = [0]  # the end's functions call each other: only the outermost call is timed
     real = {(ghost._Reducer, "param"): red, (ghost_routes, "_cut"): scans, (ghost_routes, "diff_sq64"): diffs,
-            (ghost_routes, "sq64"): diffs, (ghost, "diff_sq64"): diffs}
+            (ghost_routes, "sq64"): diffs, (ghost, "diff_sq64"): diffs, (ghost_routes, "read_piece"): reads}
     after = {(ghost._Reducer, "finish"): end, (ghost, "_sum_sq"): end, (ghost, "_grad_match"): end,
              (ghost, "build_report"): end}
     saved = {key: getattr(*key) for key in (*real, *after)}
@@ -153,11 +154,11 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
         for _ in range(repeats):
             timed_call("step", s.train_step)
             timed_call("fwd_bwd", s.fwd_bwd)  # also the backward the pass follows
-            for spent in (red, prod, scans, diffs, end):
+            for spent in (red, prod, scans, diffs, reads, end):
                 spent[:] = [0.0, 0.0]
             timed_call("pass", audit)
             for k, spent in (("reductions", red), ("products", prod), ("scans", scans), ("differences", diffs),
-                             ("end", end)):
+                             ("reads", reads), ("end", end)):
                 times[k].append(spent[0])
                 users[k].append(spent[1])
     finally:
@@ -175,9 +176,9 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
 
 
 def _cells(o: dict) -> str:
-    rest = o["reductions"] - o["products"] - o["scans"] - o["differences"]
+    rest = o["reductions"] - o["products"] - o["scans"] - o["differences"] - o["reads"]
     return (f"{o['pass']:.3f} | {o['fwd_bwd']:.3f} | {o['pass'] - o['reductions'] - o['end']:.3f} | {o['end']:.3f} | "
-            f"{o['products']:.3f} | {o['scans']:.3f} | {o['differences']:.3f} | {rest:.3f} |")
+            f"{o['products']:.3f} | {o['scans']:.3f} | {o['differences']:.3f} | {o['reads']:.3f} | {rest:.3f} |")
 
 
 def render(r: dict) -> str:
@@ -188,8 +189,8 @@ def render(r: dict) -> str:
         f"{r['kind']}, m = {r['m']}, T = {r['T']}, {r['repeats']} repeats; plain step {r['seconds']['step']:.2f} s "
         f"(conservation_error {r['conservation_error']:.1e})",
         "| time | separate `shares` pass | forward + backward alone | pass − reductions − end | end (after the backward) | "
-        "per-row products | dead-end scans | conservation differences | rest of the reductions |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "per-row products | dead-end scans | conservation differences | reads of the pieces | rest of the reductions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "(each a fraction of the plain step's wall time, and of its user CPU time)",
     ] + ([cc._cpu_text(r["cpu"])] if r.get("cpu") and r["cpu"]["step"][0] > 0 else []))

@@ -237,8 +237,9 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
     def engine():
-        return (ghost._Reducer.param, ghost.diff_sq64, ghost_routes.torch, ghost_routes._cut, ghost_routes.diff_sq64,
-                ghost_routes.sq64)
+        return (ghost._Reducer.param, ghost._Reducer.finish, ghost.diff_sq64, ghost._sum_sq, ghost._grad_match,
+                ghost.build_report, ghost_routes.torch, ghost_routes._cut, ghost_routes.diff_sq64, ghost_routes.sq64,
+                ghost_routes.read_piece)
 
     before = engine()
     torch.set_num_threads(1)
@@ -247,15 +248,15 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     s = r["seconds"]
     # the tiny head (4096 × 64 at m = 8) is read by the direct route, one part's piece at a time: its
     # products, dead-end scans and differences are parts of the reductions, which are part of the pass
-    assert s["products"] > 0 and s["scans"] > 0 and s["differences"] > 0
-    assert s["products"] + s["scans"] + s["differences"] <= s["reductions"]
+    assert s["products"] > 0 and s["scans"] > 0 and s["differences"] > 0 and s["reads"] > 0
+    assert s["products"] + s["scans"] + s["differences"] + s["reads"] <= s["reductions"]
     # what follows the backward (the batched small parameters, ‖g_full‖², grad_match, the report) is timed
     # apart from the reductions, and both lie inside the pass
     assert s["end"] > 0 and s["reductions"] + s["end"] <= s["pass"]
     # the same parts by user CPU time (what the kernel charges for fresh memory left out), each within its call
     u = r["user"]
     assert u["step"] > 0 and u["pass"] > 0
-    assert all(0 <= u[k] <= u["pass"] + 0.02 for k in ("reductions", "products", "scans", "differences", "end"))
+    assert all(0 <= u[k] <= u["pass"] + 0.02 for k in ("reductions", "products", "scans", "differences", "reads", "end"))
     assert r["conservation_error"] < 1e-5
     text = split.render(r)
     assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
