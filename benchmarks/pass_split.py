@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", action="append", default=[], type=cc._shape_override, metavar="KEY=INT",
                     help="override one field of the policy's shape, as credit_cost.py's --shape")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"`repeats` must be at least 1, got {args.repeats!r}.")
     torch.set_num_threads(1)
     kind, m, T = args.row
     print(render(measure_split(kind, m, T, args.repeats, **dict(args.shape))))

@@ -228,7 +228,7 @@ def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
         bench.measure_reading("llama", 2, 8, "mem_nothing")
 
 
-def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back():
+def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back(capsys):
     # pass_split.py wraps each parameter's reduction, the direct route's per-row products, the dead-end
     # scans and the conservation differences with timers: the last three are parts of the reductions, the
     # reductions part of the pass, and the engine is the same after the run as before it
@@ -273,6 +273,10 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
                                           f"{cpu['pass'][2] / 1e3:.0f}k")
     with pytest.raises(ValueError, match="`repeats` must be at least 1, got 0"):
         split.measure_split("llama", 8, 16, 0, **TINY)
+    # from the command line the same value is a usage error naming it, not a traceback
+    with pytest.raises(SystemExit) as exc:
+        split.main(["--repeats", "0"])
+    assert exc.value.code == 2 and "`repeats` must be at least 1, got 0." in capsys.readouterr().err
 
 
 def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers(capsys):
