@@ -124,6 +124,18 @@ def demo(tmp_path_factory):
     return DemoRun(out / "grpo_credit" / "version_0"), r.stdout
 
 
+# Readings that are counts (or sums of per-step shares that add up to 1 exactly): quoted exactly.
+EXACT = {"steps", "defined_steps", "carry_prompts_pct", "ledger_no_carry", "ledger_carry"}
+
+# The demo's arithmetic takes ATen's vectorised kernels for the CPU it runs on, and the x86 machines
+# this suite runs on differ in them: over 200 steps of training, sums and means of readings move in
+# their fourth significant digit. On an AVX2 machine the default kernels and the scalar ones
+# (ATEN_CPU_CAPABILITY=default) log top1_share 91.501 % and 91.486 %, the by_reward ledger 28.240
+# and 28.259, 67.549 and 67.555, 41.211 and 41.186: at most 7e-4 apart, relative. A quoted figure is the
+# run's, rounded, give or take that spread (2e-3 of it, about three times the largest seen).
+CPU_SPREAD = 2e-3
+
+
 @pytest.mark.slow
 def test_readings_doc_quotes_the_numbers_the_demo_logs(demo):
     run, _ = demo
@@ -132,10 +144,14 @@ def test_readings_doc_quotes_the_numbers_the_demo_logs(demo):
     marked = set(re.findall(r"<!-- demo:([a-z0-9_]+) -->", doc))
     assert marked == {k for k, _, _ in quoted}, "a mark with no number after it"
     assert marked == set(QUOTES), (sorted(marked - set(QUOTES)), sorted(set(QUOTES) - marked))
+    assert EXACT <= set(QUOTES)
+    wrong = []
     for key, got, digits in quoted:
         want = QUOTES[key](run)
-        # Equal to the digits shown: the quoted figure is the run's, rounded.
-        assert abs(got - want) <= 0.5 * 10 ** -digits + 1e-9, f"demo:{key}: docs say {got}, the run logs {want:.6g}"
+        spread = 0.0 if key in EXACT else CPU_SPREAD * abs(want)
+        if abs(got - want) > 0.5 * 10 ** -digits + spread + 1e-9:
+            wrong.append(f"demo:{key}: docs say {got}, the run logs {want:.6g}")
+    assert not wrong, wrong
 
 
 @pytest.mark.slow
