@@ -230,8 +230,9 @@ def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
 
 def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back(capsys):
     # pass_split.py wraps each parameter's reduction, the direct route's per-row products, the dead-end
-    # scans and the conservation differences with timers: the last three are parts of the reductions, the
-    # reductions part of the pass, and the engine is the same after the run as before it
+    # scans, the conservation differences, the reads of each piece and what follows the backward with
+    # timers (wall and user CPU time): the middle four are parts of the reductions, the reductions and the
+    # end parts of the pass, and the engine is the same after the run as before it
     pytest.importorskip("transformers")
     split = _module("pass_split")
     from lens_callbacks.credit.engines import ghost, ghost_routes
