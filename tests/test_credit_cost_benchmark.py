@@ -87,17 +87,18 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
     pytest.importorskip("transformers")
     bench = _bench()
     torch.set_num_threads(1)
-    row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "ride_shares", "sep_shares", "trainer", "vmap"),
+    row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "ride_shares", "sep_shares", "trainer", "trainer_all", "vmap"),
                              memory=False, drift=True, **TINY)
     assert row["tied"] and row["vocab"] == 4096 and row["step_s"] > 0
     assert row["ride_shares_over_train"] > -1.0 and row["sep_shares_over_train"] > 0 and row["vmap_over_train"] > 0
     assert row["conservation_error"] < 1e-5 and row["sum_shares_err_f64"] < 1e-12 and row["drift"] < 1e-3
     if bench.resource is not None:  # one thread: a call's CPU time cannot much exceed its wall time
-        assert set(row["cpu"]) == {"step", "ride_shares", "sep_shares", "trainer", "vmap"}
+        assert set(row["cpu"]) == {"step", "ride_shares", "sep_shares", "trainer", "trainer_all", "vmap"}
         user, sys_s, faults = row["cpu"]["step"]  # the kernel counts CPU time in ticks: slack for one
         assert 0 <= user + sys_s <= 1.5 * row["step_s"] + 0.05 and min(user, sys_s, faults) >= 0
     text = bench.real_table([row], 1, ["llama, m = 32, T = 512: dropped"]) + bench.real_verdict([row])
     assert "| qwen2 |" in text and "dropped" in text and "riding on the step" in text
+    assert row["trainer_all_over_train"] > 0 and "all readings with `g_full` from the step's `.grad`" in text
     assert ("CPU time a call" in text) == (bench.resource is not None)
     doc = tmp_path / "performance.md"
     doc.write_text("# Performance\n\n" + bench.SECTION + "\n\ntoy\n\n" + bench.GENERATED_END + "\n\nkept\n\n"
