@@ -135,10 +135,10 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
     usage: dict[str, list] = {"step": [], "fwd_bwd": [], "pass": []}
 
     def timed_call(key, fn):
-        t0 = _now()
+        t0 = None if resource is not None else _now()  # clock_usage reads the user time where it can
         t, cpu = cc.clock_usage(fn)
         times[key].append(t)
-        users[key].append(_now()[1] - t0[1])
+        users[key].append(cpu[0] if cpu is not None else _now()[1] - t0[1])
         if cpu is not None:
             usage[key].append(cpu)
 
