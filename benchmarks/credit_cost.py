@@ -671,15 +671,20 @@ def _real_setup(kind: str, m: int, T: int, modes, *, seed: int = 0, peer_budget:
             gram += (r @ r.T).double()
         return dots, gram
 
+    def audit(readings: str, trainer: bool) -> Callable[[], Any]:
+        """The one-pass audit with ``g_full`` by its own backward or from ``.grad`` as it is at the call."""
+
+        def run():
+            g = {"full_grad": [p.grad for _, p in named]} if trainer else {"reference_grads": "grad"}
+            return disintegrate(policy, batch, "by_rollout", engine="ghost", readings=readings, **g)
+
+        return run
+
     audits: dict[str, Callable[[], Any]] = {
-        "sep_shares": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad"),
-        "sep_all": lambda: disintegrate(policy, batch, "by_rollout", engine="ghost", readings="all", reference_grads="grad"),
-        "trainer": lambda: disintegrate(
-            policy, batch, "by_rollout", engine="ghost", readings="shares", full_grad=[p.grad for _, p in named]
-        ),
-        "trainer_all": lambda: disintegrate(
-            policy, batch, "by_rollout", engine="ghost", readings="all", full_grad=[p.grad for _, p in named]
-        ),
+        "sep_shares": audit("shares", trainer=False),
+        "sep_all": audit("all", trainer=False),
+        "trainer": audit("shares", trainer=True),
+        "trainer_all": audit("all", trainer=True),
         "vmap": vmap_audit,
         "opacus": opacus_audit,
     }
