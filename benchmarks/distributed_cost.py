@@ -5,13 +5,14 @@ Tiny GPT-2 policy (transformers, built in memory), each rank a batch of B sequen
 
 - ``train``: forward + backward + the all-reduce of the gradient that DDP does (``all_reduce`` of |θ|);
 - ``ddp_allreduce``: that all-reduce alone;
-- ``local``: ``disintegrate(..., project_onto=ḡ)`` on the rank's batch (the reference engine);
+- ``local``: ``disintegrate(..., project_onto=ḡ)`` on the rank's batch (``--engine``: ``auto``, the default,
+  takes the one-pass engine for ``by_rollout``; ``reference`` takes m + 1 backward passes);
 - ``global``: :func:`global_report` on top of it (3 small all-gathers + one all-reduce of 2·|θ|).
 
 Reported: medians over interleaved repeats, as ratios (``global/local``, ``global/ddp_allreduce``,
 ``(local+global)/train``), so the shared machine's noise cancels.
 
-    python benchmarks/distributed_cost.py [--layers 2 --embd 64 --T 24 --B 8 --repeats 7]
+    python benchmarks/distributed_cost.py [--layers 2 --embd 64 --T 24 --B 8 --repeats 7 --engine auto]
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, args, port: int, queue) -> None:
             i += p.numel()
         dist.barrier()
         t0 = time.perf_counter()
-        local = disintegrate(model, None, dtype="float32", terms_fn=credit_terms, keep_grads=True, project_onto=applied)
+        local = disintegrate(model, None, dtype="float32", terms_fn=credit_terms, keep_grads=True, project_onto=applied, engine=args.engine)
         times["local"].append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
@@ -94,7 +95,10 @@ def _worker(rank: int, world: int, args, port: int, queue) -> None:
         times["global"].append(time.perf_counter() - t0)
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
-        queue.put((med, sum(p.numel() for p in params), rep.share_sum, rep.grad_match))
+        queue.put((med, sum(p.numel() for p in params), rep.share_sum, rep.grad_match, local.engine))
+    # Both ranks reach the teardown together: a gloo group torn down while its peer is still mid-exchange was
+    # seen to abort a worker at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -106,12 +110,13 @@ def main() -> None:
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--port", type=int, default=29611)
+    ap.add_argument("--engine", default="auto", choices=("auto", "ghost", "reference"), help="the local audit's engine")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.spawn(_worker, args=(2, args, args.port, queue), nprocs=2, join=True)
-    med, n, share_sum, grad_match = queue.get()
-    print(f"params {n}, B={args.B} rows × T={args.T} per rank, m = {args.B} parts per rank, 2 ranks, float32")
+    med, n, share_sum, grad_match, engine = queue.get()
+    print(f"params {n}, B={args.B} rows × T={args.T} per rank, m = {args.B} parts per rank, 2 ranks, float32, engine {engine}")
     print(f"share_sum {share_sum:.9f}  grad_match {grad_match:.2e}")
     print(f"global/local {med['global'] / med['local']:.3f}  global/ddp_allreduce {med['global'] / med['ddp_allreduce']:.2f}  "
           f"(local+global)/train {(med['local'] + med['global']) / med['train']:.2f}")
