@@ -3,10 +3,10 @@
     OMP_NUM_THREADS=1 python benchmarks/readings_cost.py
 
 On the demo's policy and batch (tiny GPT-2, 2 layers, n_embd 32; 4 prompts × 8 rollouts), times in one
-process: the by_rollout audit (m + 1 backward passes), StepReadings.read with three derived extra
-partitions (by_advantage_sign, by_reward, by_source: sums, concentration, noise scale, ledger), and
-the engine run for by_advantage_sign on its own (what an extra partition costs when it is not a union
-of the primary parts). Medians over repeats; the ratios cancel the shared machine's speed.
+process: the by_rollout audit (the default engine, one pass; and the reference engine's m + 1 backward
+passes), StepReadings.read with three derived extra partitions (by_advantage_sign, by_reward, by_source:
+sums, concentration, noise scale, ledger), and the engine run for by_advantage_sign on its own (what an
+extra partition costs when it is read by an engine rather than summed from the primary parts). Medians over repeats; the ratios cancel the shared machine's speed.
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ def main() -> None:
     readings = StepReadings("by_rollout", [(n, PARTITIONS[n]) for n in names])
     report = disintegrate(m, rb, rec)
     terms, part = rec.take()
-    audit = median_time(lambda: disintegrate(m, rb, "by_rollout"), 7)
+    audit = median_time(lambda: disintegrate(m, rb, "by_rollout"), 15)
+    reference = median_time(lambda: disintegrate(m, rb, "by_rollout", engine="reference"), 7)
     extra = median_time(lambda: readings.read(report, part, terms, 0), 50)
-    engine = median_time(lambda: disintegrate(m, rb, "by_advantage_sign"), 7)
-    print(f"by_rollout audit ({report.n_parts} parts): {1e3 * audit:.1f} ms")
+    engine = median_time(lambda: disintegrate(m, rb, "by_advantage_sign"), 15)
+    print(f"by_rollout audit ({report.n_parts} parts, engine {report.engine}): {1e3 * audit:.1f} ms")
+    print(f"by_rollout audit, reference engine: {1e3 * reference:.1f} ms = {reference / audit:.1f} x the audit")
     print(f"three derived extra partitions + concentration + noise + ledger: {1e3 * extra:.2f} ms "
           f"= {extra / audit:.3f} x the audit")
-    print(f"by_advantage_sign through the engine instead: {1e3 * engine:.1f} ms = {engine / audit:.3f} x the audit")
+    eng = disintegrate(m, rb, "by_advantage_sign").engine
+    print(f"by_advantage_sign through the engine ({eng}) instead: {1e3 * engine:.1f} ms = {engine / audit:.3f} x the audit")
 
 
 if __name__ == "__main__":
