@@ -5,7 +5,8 @@
 Measures, on the tool-using example (tiny GPT-2, 8 episodes a step, single thread):
 - the training step with RunRecordCallback (checkpoint at step 0 only) / without it;
 - one replayed step of the offline audit / one training step (the replay skips sampling);
-- one by_turn audit / one by_rollout audit of the same step (one backward pass per part);
+- one by_turn audit / one by_rollout audit of the same step (by the default engines: the reference engine's
+  backward pass per turn, the one-pass engine for whole rollouts);
 - the supervised warm start (once, before RL) / one training step.
 """
 
@@ -72,7 +73,7 @@ def main() -> None:
     print(f"steps {a.steps}; plain training step {plain * 1e3:.1f} ms")
     print(f"training step with RunRecordCallback / without: {recorded / plain:.3f}")
     print(f"replayed step / training step:                 {replay / plain:.3f}")
-    print(f"by_turn audit ({r_turn.n_parts} parts) / by_rollout audit ({r_roll.n_parts} parts): {t_turn / t_roll:.2f}")
+    print(f"by_turn audit ({r_turn.n_parts} parts, {r_turn.engine}) / by_rollout audit ({r_roll.n_parts} parts, {r_roll.engine}): {t_turn / t_roll:.2f}")
     print(f"record size per step: {size / 1024:.1f} KiB of JSON Lines")
     n_ws = GRPOToolsModule().hparams.warm_start_steps
     print(f"warm start ({n_ws} steps, once before RL) / training step: {_warm_start_time() / plain:.2f}")
