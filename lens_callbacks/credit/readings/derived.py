@@ -8,7 +8,7 @@ partition ``Q`` (``by_advantage_sign``, ``by_reward``, ``by_source``: unions of 
 
 exactly. Norms do not add (``‖g_S + g_S'‖`` needs the cross term ``⟨g_S, g_S'⟩``), so a derived
 reading has no ``part_norm``; a partition that is not a union of ``P``'s parts needs the engine run
-for it (one more backward per part).
+for it (one more disintegration, at its engine's cost).
 """
 
 from __future__ import annotations

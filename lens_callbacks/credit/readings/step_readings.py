@@ -5,7 +5,7 @@ terms it was made from, and:
 
 - for every extra partition (``by_advantage_sign``, ``by_reward``, ``by_source``, …) whose parts are
   unions of the primary parts, sums the primary shares into it (exact, no backward pass); any other
-  extra partition is handed to ``run_engine`` (one more disintegration: a backward pass per part);
+  extra partition is handed to ``run_engine`` (one more disintegration, at its engine's cost);
 - summarises the primary partition's concentration (:mod:`.summaries`);
 - estimates the gradient noise scale when every primary part is made of whole rows (:mod:`.noise`),
   per step and smoothed;
