@@ -6,7 +6,8 @@ On the demo's policy and batch (tiny GPT-2, 2 layers, n_embd 32; 4 prompts × 8 
 process: the by_rollout audit (the default engine, one pass; and the reference engine's m + 1 backward
 passes), StepReadings.read with three derived extra partitions (by_advantage_sign, by_reward, by_source:
 sums, concentration, noise scale, ledger), and the engine run for by_advantage_sign on its own (what an
-extra partition costs when it is read by an engine rather than summed from the primary parts). Medians over repeats; the ratios cancel the shared machine's speed.
+extra partition costs when it is read by an engine rather than summed from the primary parts). Medians
+over repeats; the ratios cancel the shared machine's speed.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ def main() -> None:
     audit = median_time(lambda: disintegrate(m, rb, "by_rollout"), 15)
     reference = median_time(lambda: disintegrate(m, rb, "by_rollout", engine="reference"), 7)
     extra = median_time(lambda: readings.read(report, part, terms, 0), 50)
+    eng = disintegrate(m, rb, "by_advantage_sign").engine
     engine = median_time(lambda: disintegrate(m, rb, "by_advantage_sign"), 15)
     print(f"by_rollout audit ({report.n_parts} parts, engine {report.engine}): {1e3 * audit:.1f} ms")
     print(f"by_rollout audit, reference engine: {1e3 * reference:.1f} ms = {reference / audit:.1f} x the audit")
     print(f"three derived extra partitions + concentration + noise + ledger: {1e3 * extra:.2f} ms "
           f"= {extra / audit:.3f} x the audit")
-    eng = disintegrate(m, rb, "by_advantage_sign").engine
     print(f"by_advantage_sign through the engine ({eng}) instead: {1e3 * engine:.1f} ms = {engine / audit:.3f} x the audit")
 
 
