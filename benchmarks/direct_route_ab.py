@@ -74,7 +74,7 @@ def measure_ab(kind: str, m: int, T: int, repeats: int, compare: str = "paths", 
     def audit(by_part, cut: bool):
         def run():
             if by_part is not None:
-                ghost_routes._by_part = lambda device: by_part
+                ghost_routes._by_part = lambda device, numel: by_part
             if not cut:
                 ghost_routes._cut = lambda f: (f, None)
             try:

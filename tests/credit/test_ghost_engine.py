@@ -453,7 +453,7 @@ def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(
 
     if blocked:
         monkeypatch.setattr(ghost, "_WHOLE", 0)
-    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device, numel: by_part)
     module, batch = LayerPolicy(V=300, d=16, seed=3), layer_batch(V=300)
     module.float()
     ref = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", readings="shares")

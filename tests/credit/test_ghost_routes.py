@@ -272,7 +272,7 @@ def test_direct_route_with_a_part_that_has_no_rows(by_part, monkeypatch):
     from lens_callbacks.credit.inputs.partition import row_partition
 
     monkeypatch.setattr(ghost, "_WHOLE", 0)
-    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device, numel: by_part)
 
     def halves_around_an_empty_part(terms):
         B = terms.trained.shape[0]
@@ -301,7 +301,7 @@ def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budge
 
     if not whole:
         monkeypatch.setattr(ghost, "_WHOLE", 0)
-    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device, numel: by_part)
     if budget is not None:
         monkeypatch.setattr(ghost_routes, "_PART_BLOCK", budget)
     blocked = []
@@ -315,6 +315,29 @@ def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budge
     got32 = disintegrate_ghost(module.float(), batch, partition, dtype="float32", readings=readings, route="direct",
                                memory_budget=budget)
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got32.projected_share)) < 1e-5
+
+
+def test_a_cpu_reads_one_part_at_a_time_only_weights_above_the_size_that_pays(monkeypatch):
+    # With the threshold between the weights' sizes, the small ones (the embedding, 66 elements; the square
+    # layer, 36) are read with every part's piece at once and the larger ones (wide, 180; head, 330) one
+    # part at a time; every reading equals the reference's either way.
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    monkeypatch.setattr(ghost, "_WHOLE", 0)
+    monkeypatch.setattr(ghost_routes, "_PART_MIN", 100)
+    by_part = []
+    real = ghost_routes._direct_by_part
+
+    def spy(facs, g_full, *a, **k):
+        by_part.append(g_full.numel())
+        return real(facs, g_full, *a, **k)
+
+    monkeypatch.setattr(ghost_routes, "_direct_by_part", spy)
+    module, batch = TwiceLinear(), layer_batch(B=20, V=11)
+    ref = reference(module, batch, "by_rollout")
+    got = disintegrate_ghost(module, batch, "by_rollout", dtype="float64", readings="shares", route="direct")
+    assert_same_readings(ref, got, tol=TOL)
+    assert sorted(by_part) == [180, 330]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2**-6), (torch.float32, 1e-5)])
@@ -481,7 +504,7 @@ def test_the_head_multiplies_only_the_positions_its_loss_reaches(by_part, monkey
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
     monkeypatch.setattr(ghost, "_WHOLE", 0)  # every weight read a block of its rows at a time, as a real head is
-    monkeypatch.setattr(ghost_routes, "_by_part", lambda device: by_part)
+    monkeypatch.setattr(ghost_routes, "_by_part", lambda device, numel: by_part)
     seen = []
     real_cut = ghost_routes._cut
 
