@@ -118,7 +118,7 @@ class CreditAuditCallback(Callback):
             Logged as ``credit/engine/<name>`` = 1 and in the table.
         readings: ``"all"`` (default: projected and norm shares, cancellation and, from the one-pass
             engine, the interference matrix), ``"shares"`` (the same without the interference matrix,
-            whose ``m²·|θ|`` products are about a quarter of a step at m = 64) or ``"projected"``
+            whose ``m²·|θ|`` products are about half a step at m = 64 on a toy policy) or ``"projected"``
             (projected shares only; cheapest). See docs/performance.md for each one's cost.
         capture: ``"separate"`` (default: the audit re-runs ``credit_terms`` in its own pass) or
             ``"training_step"``: the one-pass engine's hooks ride on the training step's own forward
