@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from .engines.reductions import diff_sq64, sq64
+from .precision import PrecisionWatch, autocast_dtype
 from .inputs.partition import Partition
 from .inputs.terms import CreditTerms, validate_terms
 
-__all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms"]
+__all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms", "audit_passes"]
 
 DTypeSpec = Union[str, torch.dtype, None]
 
@@ -61,6 +62,62 @@ class _TermsCall(nn.Module):
 
     def forward(self, batch: Any) -> CreditTerms:
         return self._fn(batch)
+
+
+class _NonReentrantCheckpoint:
+    """Stands in for ``torch.utils.checkpoint.CheckpointFunction`` during an audit's passes.
+
+    Reentrant checkpointing (``checkpoint(..., use_reentrant=True)``, transformers'
+    ``gradient_checkpointing_kwargs={"use_reentrant": True}``) refuses ``torch.autograd.grad`` and
+    recomputes its forward inside the backward, out of sight of forward hooks. An audit's own pass runs
+    the same function through the non-reentrant implementation instead (same values, same recomputation
+    of activations in the backward); without grad (a forward-mode pass) nothing is saved, so the
+    function simply runs."""
+
+    @staticmethod
+    def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+@contextlib.contextmanager
+def audit_passes() -> Iterator[None]:
+    """What every forward of an audit runs under, so that it evaluates the function the step trained.
+
+    - ``torch.compile``: compiled modules and functions run eagerly (``torch.compiler.set_stance("force_eager")``).
+      An audit swaps parameter copies in through ``functional_call`` and takes several gradients of one
+      graph; through an inductor-compiled module that returns parts whose sum is off by percents
+      (``tests/credit/test_audit_passes.py`` keeps the plain-torch reproduction). Eager, they are exact, and
+      the compiled code and its caches are never touched by the audit.
+    - reentrant activation checkpointing runs as non-reentrant (:class:`_NonReentrantCheckpoint`).
+
+    Nothing of the module changes; both settings are restored on exit.
+    """
+    import torch.utils.checkpoint as ckpt
+
+    before = ckpt.CheckpointFunction
+    ckpt.CheckpointFunction = _NonReentrantCheckpoint  # type: ignore[misc, assignment]
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        ckpt.CheckpointFunction = before  # type: ignore[misc]
+
+
+def compiled_parts(module: nn.Module) -> list[str]:
+    """Names of the parts of ``module`` that ``torch.compile`` wraps ("" for the module itself): an
+    ``OptimizedModule``, a module compiled in place (``module.compile()``), or a LightningModule compiled
+    by Lightning (``trainer.fit(torch.compile(model))`` keeps the compile context on the module)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    out = []
+    for name, mod in module.named_modules():
+        if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None or (
+            getattr(mod, "_compiler_ctx", None) is not None
+        ):
+            out.append(name)
+    return out
 
 
 def _rng_devices(module: nn.Module) -> list[int]:
@@ -114,13 +171,16 @@ def evaluate_terms(
     dtype: DTypeSpec = "float32",
     terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
     params: Optional[Mapping[str, torch.Tensor]] = None,
+    watch: Optional[PrecisionWatch] = None,
 ) -> tuple[CreditTerms, list[str], list[torch.Tensor], str]:
     """Run ``credit_terms`` on detached (optionally cast) copies of the parameters.
 
     Returns ``(terms, names, leaves, dtype_used)`` where ``leaves`` are the trainable parameter copies the
     terms' graph hangs from. The module's own parameters, ``.grad`` and buffers are never modified: the
     copies are swapped in through :func:`torch.func.functional_call`. ``params`` (name → tensor)
-    evaluates the terms at other weights (e.g. an anchor's snapshot) instead of the live ones.
+    evaluates the terms at other weights (e.g. an anchor's snapshot) instead of the live ones. ``watch``
+    (a :class:`~lens_callbacks.credit.precision.PrecisionWatch`) records the coarsest dtype the forward
+    computed the gradient's values in.
     """
     fn = terms_fn if terms_fn is not None else getattr(module, "credit_terms", None)
     if fn is None or not callable(fn):
@@ -136,10 +196,19 @@ def evaluate_terms(
     names, leaves, state = detached_state(module, target, params)
     used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
     wrapper = _TermsCall(module, fn)
-    with torch.enable_grad():
+    with torch.enable_grad(), audit_passes(), (watch if watch is not None else contextlib.nullcontext()):
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
     validate_terms(terms)  # the contract is checked here, not at construction inside the training step
     return terms, names, leaves, used
+
+
+def compute_dtype_now(module: nn.Module) -> Optional[str]:
+    """The autocast dtype in force for ``module``'s device right now (``"bfloat16"``), or None when autocast is off.
+
+    Called inside an audit's ``forward_context``: the reading's rounding is then that of this dtype."""
+    p = next(iter(module.parameters()), None)
+    d = autocast_dtype(p.device if p is not None else None)
+    return None if d is None else str(d).replace("torch.", "")
 
 
 def _native_dtype(module: nn.Module) -> torch.dtype:

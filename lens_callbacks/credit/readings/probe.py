@@ -47,7 +47,7 @@ from ...refusal import Refusal
 from .conservation import UNIT_ROUNDOFF, trainer_preconditions
 from .derived import coarsening
 from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
-from ..primitives import detached_state
+from ..primitives import audit_passes, detached_state
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from .step_readings import RecordingPartition
 from ..inputs.terms import CreditTerms
@@ -296,7 +296,7 @@ def probe_value_and_grad(
     """
     _, leaves, state = detached_state(module, resolve_dtype(dtype), params, requires_grad=grad)
     with _seeded(module, seed), torch.set_grad_enabled(grad):
-        with forward_context() if forward_context is not None else contextlib.nullcontext():
+        with forward_context() if forward_context is not None else contextlib.nullcontext(), audit_passes():
             out = torch.func.functional_call(_TermsCall(module, probe), state, (batch,), strict=False)
         loss = _scalar_of(out, "the probe objective")
         value = float(loss.detach())
