@@ -41,6 +41,7 @@ from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.cred
     evaluate_terms,
     resolve_dtype,
 )
+from .precision import PrecisionWatch
 from .report import CreditGrads, CreditReport, share_readings
 from .inputs.terms import CreditTerms
 
@@ -122,7 +123,8 @@ def disintegrate(
         full_grad: the trainer's ``.grad`` of this very batch (one tensor per trainable parameter), to be
             ``g_full`` instead of the audit's own backward: the one-pass engine then forms no weight
             gradient of its own (``engine="ghost+grad"`` in the report; ``grad_match`` not read, since
-            ``conservation_error`` now holds the parts against ``.grad`` directly). One-pass engine only.
+            ``conservation_error`` now holds the parts against ``.grad`` directly), and the forward-mode
+            engine runs its tangent pass alone (``"jvp+grad"``). Not the reference engine.
 
     Returns:
         A :class:`CreditReport`.
@@ -150,10 +152,8 @@ def disintegrate(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
     _check_engine(engine, readings)
-    if project_onto is not None and engine not in ("auto", "reference", "ghost"):
-        raise ValueError(f"`project_onto` needs engine='reference', 'ghost' or 'auto', got engine={engine!r}.")
-    if full_grad is not None and engine not in ("auto", "ghost"):
-        raise ValueError(f"`full_grad` needs engine='ghost' (or 'auto' on a row partition), got engine={engine!r}.")
+    if full_grad is not None and engine not in ("auto", "ghost", "jvp"):
+        raise ValueError(f"`full_grad` needs engine='ghost', 'jvp' or 'auto' (the reference takes its own), got engine={engine!r}.")
     if engine != "reference":
         fast = _dispatch(
             module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
@@ -170,7 +170,9 @@ def disintegrate(
         )
     with _preserved_rng(module, preserve_rng):
         with (forward_context() if forward_context is not None else contextlib.nullcontext()):
-            terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
+            watch = PrecisionWatch()
+            terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
+            compute = watch.coarser_than(used)
         onto = _onto(leaves, project_onto)
         part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)
@@ -232,15 +234,12 @@ def disintegrate(
         engine="reference",
         readings="all",
         gram=_gram(kept) if keep_parts else None,
+        compute_dtype=compute,
     )
 
 
 def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None):
-    """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine.
-
-    ``params``, ``forward_context`` and ``project_onto`` reach the one-pass engine; the forward-mode
-    engine takes none of them, so with any set ``"auto"`` reads within-row parts with the reference engine.
-    """
+    """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
     if keep_parts and engine != "auto":
         raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
     name = "reference" if keep_parts else (choose_engine(spec, readings) if engine == "auto" else engine)
@@ -257,16 +256,17 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
             within = isinstance(err, NotRowSeparable) and readings == "projected"
             name = "jvp" if within and "jvp" in _engines_available() else "reference"
-    if name == "jvp" and (params is not None or forward_context is not None or project_onto is not None or full_grad is not None):
-        if engine != "auto":
-            raise ValueError("engine='jvp' takes none of `params`, `forward_context`, `project_onto`; use engine='reference' or 'auto'.")
+    if name == "jvp" and keep_grads:
+        # the forward-mode engine forms no part gradient, so it has no Σ g_S to keep (a global DDP reading needs it)
+        if engine == "jvp":
+            raise ValueError("`keep_grads=True` needs the parts' sum, which engine='jvp' never forms; use engine='reference'.")
         return None
     if name == "jvp":
-        report = get_engine("jvp")(
+        return get_engine("jvp")(
             module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
-            preserve_rng=preserve_rng, readings=readings,
+            preserve_rng=preserve_rng, readings=readings, params=params, forward_context=forward_context,
+            project_onto=project_onto, full_grad=full_grad,
         )
-        return dataclasses.replace(report, engine="jvp", readings=readings)
     return None
 
 

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from .precision import conservation_floor
+
 __all__ = ["CreditReport", "CreditGrads"]
 
 
@@ -40,10 +42,13 @@ class CreditReport:
     - ``norm_share[S] = ||g_S|| / Σ_S' ||g_S'||`` — not additive, reported beside it;
     - ``cancellation = Σ_S ||g_S|| / ||g_full||`` (≥ 1): 1 − 1/cancellation of the per-part mass
       cancels between parts before the optimizer sees it;
-    - ``conservation_error = ||Σ_S g_S − g_full|| / ||g_full||``;
+    - ``conservation_error = ||Σ_S g_S − g_full|| / ||g_full||``, held against ``conservation_floor``, the most
+      rounding in ``dtype`` (and ``compute_dtype``, autocast's) explains;
     - ``grad_match = ||g_full − grad|| / ||g_full||`` against the trainer's ``.grad`` when given.
 
-    When ``g_full`` is zero or not finite the shares are NaN and ``reason`` says why.
+    When ``g_full`` is zero or not finite the shares are NaN and ``reason`` says why. ``compute_dtype`` names
+    the autocast dtype the terms were computed under (None: ``dtype`` itself); ``floor_scale`` is an engine's
+    own bound on the cancellation for its conservation check (the forward-mode engine's, over positions).
 
     Example:
         >>> r = CreditReport(("a", "b"), (0.75, 0.25), (0.6, 0.4), (3.0, 2.0), 5 / 4, 1e-16, None,
@@ -70,6 +75,31 @@ class CreditReport:
     readings: str = "all"
     gram: Optional[tuple[tuple[float, ...], ...]] = field(default=None, repr=False)
     coverage: Optional[tuple[tuple[str, int], ...]] = None
+    compute_dtype: Optional[str] = None
+    floor_scale: Optional[float] = None
+
+    @property
+    def conservation_floor(self) -> float:
+        """The largest ``conservation_error`` rounding explains for this reading
+        (:func:`lens_callbacks.credit.precision.conservation_floor`): a few unit roundoffs of the coarser
+        of ``dtype`` and ``compute_dtype`` (the autocast dtype the terms were computed under), times the
+        cancellation (``floor_scale`` where the engine bounds it itself; ``Σ |projected_share|`` with
+        projected shares alone)."""
+        projected_only = self.floor_scale is None and not math.isfinite(self.cancellation)
+        if self.floor_scale is not None:
+            scale = self.floor_scale
+        elif projected_only:
+            scale = math.fsum(abs(x) for x in self.projected_share if math.isfinite(x))
+        else:
+            scale = self.cancellation
+        return conservation_floor(self.dtype, self.compute_dtype, scale, projected_only=projected_only)
+
+    @property
+    def conservation_violated(self) -> bool:
+        """Whether ``conservation_error`` exceeds its floor: the parts do not add up to ``g_full``, so the shares
+        are not a split of this step (the callbacks withhold them; see :mod:`lens_callbacks.credit.guard`)."""
+        e = self.conservation_error
+        return self.ok and not (e <= self.conservation_floor)
 
     def interference(self) -> Optional[torch.Tensor]:
         """The interference matrix: ``cos(g_S, g_S') = <g_S, g_S'> / (‖g_S‖ ‖g_S'‖)``, ``[m, m]`` float64.
@@ -133,6 +163,7 @@ class CreditReport:
             f"{prefix}n_parts": float(self.n_parts),
             f"{prefix}n_trained": float(self.n_trained),
             f"{prefix}undefined_fraction": 0.0 if self.ok else 1.0,  # the name the callbacks log per step
+            f"{prefix}conservation_floor": float(self.conservation_floor),
         }
         if self.grad_match is not None:
             out[f"{prefix}grad_match"] = float(self.grad_match)

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ...refusal import Refusal
+from ..precision import UNIT_ROUNDOFF
 
 __all__ = [
     "ConservationReading",
@@ -44,13 +45,6 @@ __all__ = [
     "UNIT_ROUNDOFF",
 ]
 
-#: Unit roundoff ``u`` (half the machine epsilon) of the dtypes parameters are stored in.
-UNIT_ROUNDOFF: dict[torch.dtype, float] = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
 
 _REMEDY = (
     "step conservation holds for plain gradient descent only: use torch.optim.SGD(params, lr) with "

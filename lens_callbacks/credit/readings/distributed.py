@@ -197,6 +197,7 @@ def global_report(
         engine=local.engine,
         readings=local.readings,
         coverage=local.coverage,
+        compute_dtype=local.compute_dtype,
     )
 
 
