@@ -421,8 +421,13 @@ def test_project_onto_equals_the_reference_engine(readings):
             for a, b in zip(ref.part_norm, got.part_norm):
                 assert abs(a - b) <= TOL * max(ref.part_norm)
             assert abs(ref.cancellation - got.cancellation) <= TOL
-    with pytest.raises(ValueError, match="`project_onto` needs engine="):
-        disintegrate(module, batch, "by_rollout", dtype="float64", engine="jvp", project_onto=onto)
+    # the forward-mode engine projects onto v too: its tangent pass runs along v instead of g_full
+    ref = disintegrate(module, batch, "by_rollout", dtype="float64", engine="reference", project_onto=onto)
+    got = disintegrate(module, batch, "by_rollout", dtype="float64", engine="jvp", project_onto=onto)
+    assert got.engine == "jvp"
+    for a, b in zip(ref.projected_share, got.projected_share):
+        assert abs(a - b) <= TOL
+    assert got.conservation_error <= 1e-13
 
 
 def test_full_grad_from_the_trainer_equals_the_own_backward_and_is_held_to_it():

@@ -25,6 +25,8 @@ pytest.importorskip("transformers")
 from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
 from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 
+from tests.credit.test_ghost_engine import llama_float64  # noqa: E402,F401  (transformers' float32 spots patched)
+
 TOL = 1e-12
 
 
@@ -263,10 +265,38 @@ def test_zero_gradient_is_an_undefined_reading_not_an_exception():
     assert all(math.isnan(x) for x in r.projected_share)
 
 
-def test_fused_attention_without_forward_derivative_is_a_clear_error():
-    m = llama_policy(attn="sdpa")
-    with pytest.raises(ForwardADUnsupportedError, match="attn_implementation='eager'"):
-        disintegrate_jvp(m, _batch(), "by_turn", dtype="float64")
+def test_a_stock_sdpa_llama_takes_the_attention_rule(llama_float64):
+    # transformers' default attention: torch's fused kernel has no forward mode, the engine's rule covers it
+    batch = _batch()
+    sdpa, eager = llama_policy(attn="sdpa"), llama_policy(attn="eager")
+    got = disintegrate_jvp(sdpa, batch, "by_turn", dtype="float64")
+    _same_shares(got, disintegrate(sdpa, batch, "by_turn", dtype="float64", engine="reference"), 1e-12)
+    _same_shares(got, disintegrate_jvp(eager, batch, "by_turn", dtype="float64"), 1e-12)
+
+
+class _NoForwardRule(torch.autograd.Function):
+    """A fused kernel with a backward and no forward-mode rule (as flash-attention-2)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_an_attention_kernel_without_a_forward_rule_is_a_clear_error():
+    m = gpt2_policy(0.0)
+    inner = m.credit_terms
+
+    def fused(batch):
+        t = inner(batch)
+        t.terms = _NoForwardRule.apply(t.terms)
+        return t
+
+    with pytest.raises(ForwardADUnsupportedError, match="flash_attention_2.*attn_implementation='sdpa'"):
+        disintegrate_jvp(m, _batch(), "by_turn", dtype="float64", terms_fn=fused)
 
 
 def test_bad_readings_and_partition_raise():

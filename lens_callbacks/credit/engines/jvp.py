@@ -8,10 +8,10 @@ later position's loss into earlier positions and no per-row hook split applies.
 
 Cost: one forward + one backward for ``g_full`` (as any engine needs) plus one forward with tangents
 (about 1.5–3 forwards of arithmetic); no parameter-sized buffer per part. The JVP needs every op of the
-module's forward to have a forward-mode derivative: math ("eager") attention has one; fused SDPA /
-flash kernels may not (torch 2.13's fused CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``
-has none, e.g. under a stock transformers Llama with ``attn_implementation="sdpa"``), which is a
-:class:`ForwardADUnsupportedError` naming the fix.
+module's forward to have a forward-mode derivative. ``scaled_dot_product_attention`` gets one from
+:mod:`.attention` while the pass runs (torch's fused kernels have none), so transformers' default
+``sdpa`` attention, ``nn.MultiheadAttention`` and eager attention are covered; another fused kernel
+(``flash_attention_2``, flex attention) is a :class:`ForwardADUnsupportedError` naming the fix.
 
 What this cannot do: it gives ``<g_S, g_full>`` and not ``‖g_S‖``. With ``readings="projected"``
 ``norm_share``, ``part_norm`` and ``cancellation`` are NaN (the shares themselves are defined, so the
@@ -34,15 +34,21 @@ from ..primitives import (
     _TermsCall,
     _diff_norm,
     _grad,
+    _dot,
     _grad_match,
+    _native_dtype,
+    _onto,
     _partition_name,
     _preserved_rng,
     _rng_devices,
     _sqnorm,
+    audit_passes,
     evaluate_terms,
     resolve_dtype,
 )
 from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..precision import PrecisionWatch
+from .attention import AttentionDropoutError, ForwardAttention
 from ..report import CreditReport
 from ..inputs.terms import CreditTerms, validate_terms
 
@@ -77,6 +83,7 @@ def terms_jvp(
     dtype: DTypeSpec = "float32",
     terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
     params: Optional[Mapping[str, torch.Tensor]] = None,
+    watch: Optional[PrecisionWatch] = None,
 ) -> tuple[CreditTerms, torch.Tensor]:
     r"""``credit_terms`` and its directional derivative along ``tangents`` in one forward-mode pass.
 
@@ -91,6 +98,8 @@ def terms_jvp(
         dtype: the audit dtype (see :func:`~lens_callbacks.credit.engine.resolve_dtype`).
         terms_fn: use this instead of ``module.credit_terms``.
         params: evaluate at these weights (name → tensor) instead of the live ones.
+        watch: a :class:`~lens_callbacks.credit.precision.PrecisionWatch` that records the coarsest dtype
+            the tangents were computed in.
 
     Returns:
         ``(terms, tangent)``: the terms (values, no graph) and ``tangent`` ``[B, T]``.
@@ -138,20 +147,34 @@ def terms_jvp(
                 if b.is_floating_point() and b.dtype != target:
                     state["inner." + name] = b.to(target)
         try:
-            with torch.no_grad():  # forward AD needs no graph: activations are freed as the pass goes
+            with torch.no_grad(), audit_passes(), (watch if watch is not None else contextlib.nullcontext()), ForwardAttention():
+                # forward AD needs no graph: activations are freed as the pass goes; sdpa takes its rule (attention.py)
                 terms = torch.func.functional_call(_TermsCall(module, fn), state, (batch,), strict=False)
+        except AttentionDropoutError as err:
+            raise ForwardADUnsupportedError(str(err)) from err
         except (NotImplementedError, RuntimeError) as err:
             text = str(err)
             if isinstance(err, NotImplementedError) or "forward AD" in text or "forward-mode" in text or "forward grad" in text:
+                first = text.splitlines()[0] if text else type(err).__name__
                 raise ForwardADUnsupportedError(
-                    f"forward-mode AD failed inside `credit_terms`: {text.splitlines()[0] if text else type(err).__name__}. "
-                    "Use math attention (transformers: attn_implementation='eager') so every op has a forward "
-                    "derivative, or audit with the reference engine."
+                    f"forward-mode AD failed inside `credit_terms`: {first}. scaled_dot_product_attention has a rule "
+                    "while the pass runs (transformers' attn_implementation='sdpa' and 'eager' are covered); another "
+                    "fused kernel (e.g. 'flash_attention_2', flex attention) has none: use attn_implementation='sdpa' "
+                    "for the audit, or audit with the reference engine."
                 ) from err
             raise
         validate_terms(terms)
         primal, tangent = fwAD.unpack_dual(terms.terms)
-        if tangent is None:  # the terms do not depend on the directions given
+        if tangent is None:
+            # No tangent reached the terms. That is a zero derivative only when every direction is zero;
+            # otherwise an op on the way dropped the forward-mode derivative (a compiled region, a custom
+            # function without a forward rule), and reading it as zero would make every share zero.
+            if any(bool(v.detach().ne(0).any()) for v in tangents.values()):
+                raise ForwardADUnsupportedError(
+                    "forward-mode AD returned no tangent for the terms although the directions are not zero: an "
+                    "op inside `credit_terms` dropped the forward-mode derivative (a torch.compile region run "
+                    "compiled, an autograd.Function without a jvp rule). Audit with the reference engine."
+                )
             tangent = torch.zeros_like(primal)
         tangent = tangent.detach().clone()  # [B, T]
         terms.terms = primal.detach().clone()  # [B, T]
@@ -178,24 +201,30 @@ def disintegrate_jvp(
     terms_fn: Optional[Callable[[Any], CreditTerms]] = None,
     preserve_rng: bool = True,
     readings: str = "projected",
+    params: Optional[Mapping[str, torch.Tensor]] = None,
+    forward_context: Optional[Callable[[], Any]] = None,
+    project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> CreditReport:
     r"""Every part's projected share from one forward-mode pass along ``g_full``.
 
-    ``g_full`` is taken by its own backward pass; then one JVP of ``credit_terms`` along ``g_full``
-    gives ``tangent[k, t] = ∇θ terms[k, t] · g_full``, and ``<g_S, g_full> = Σ_{(k,t)∈S} tangent[k, t]``
-    for every part at once, so the shares cost about one extra forward whatever the number of parts.
-    Both passes see the same dropout masks (the tangent pass replays the random state the first one
-    started from).
+    ``g_full`` is taken by its own backward pass (or given: ``full_grad``); then one JVP of ``credit_terms``
+    along ``g_full`` gives ``tangent[k, t] = ∇θ terms[k, t] · g_full``, and
+    ``<g_S, g_full> = Σ_{(k,t)∈S} tangent[k, t]`` for every part at once, so the shares cost about one extra
+    forward whatever the number of parts. Both passes see the same dropout masks (the tangent pass replays
+    the random state the first one started from).
 
     The conservation check of this engine is scalar: ``Σ_S <g_S, g_full>`` comes from the tangents and
     ``‖g_full‖²`` from the backward, two different arithmetic paths, and
     ``conservation_error = |Σ_S <g_S, g_full> − ‖g_full‖²| / ‖g_full‖²``. It catches a partition that
     misses trained positions and terms that are not what was backpropagated, as the reference's vector
-    check does, but not a change that is orthogonal to ``g_full``.
+    check does, but not a change that is orthogonal to ``g_full``. Its floor scales with
+    ``Σ_{k,t} |tangent[k, t]| / ‖g_full‖²`` (``report.floor_scale``), the cancellation over positions.
 
     Args:
         module: an ``nn.Module`` implementing ``credit_terms(batch) -> CreditTerms``. Every op of its
-            forward needs a forward-mode derivative (transformers: ``attn_implementation="eager"``).
+            forward needs a forward-mode derivative; ``scaled_dot_product_attention`` has one while the pass
+            runs (:mod:`lens_callbacks.credit.engines.attention`).
         batch: what ``credit_terms`` takes.
         partition: as for :func:`~lens_callbacks.credit.disintegrate`; any partition works, the engine is
             made for parts inside rows (``"by_segment"``, ``"by_turn"``).
@@ -209,6 +238,17 @@ def disintegrate_jvp(
             norms through one backward per part (the reference engine's cost);
             then ``conservation_error`` is the larger of the reference's ``‖Σ_S g_S − g_full‖ / ‖g_full‖``
             and the scalar check above.
+        params: name → tensor to evaluate the terms at instead of the live parameters.
+        forward_context: a zero-argument factory of a context manager entered around both passes of
+            ``credit_terms`` (a trainer's autocast).
+        project_onto: a vector ``v`` (one tensor per trainable parameter) that replaces ``g_full`` as the
+            tangent: ``projected_share[S] = <g_S, v> / ‖v‖²``; the scalar check then holds
+            ``Σ_S <g_S, v>`` against ``<g_full, v>``.
+        full_grad: the step's full gradient (one tensor per trainable parameter: the trainer's ``.grad`` of
+            this very batch) as ``g_full``: no forward and backward of the audit's own, the tangent pass
+            alone (``engine="jvp+grad"``). The scalar check then holds the terms' tangents along ``.grad``
+            against ``‖.grad‖²``, which also catches terms that are not the trained loss; ``grad_match``
+            is not read. With ``readings="all"`` the per-part backward passes still need a forward.
 
     Returns:
         A :class:`~lens_callbacks.credit.CreditReport`.
@@ -238,50 +278,83 @@ def disintegrate_jvp(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
     exact_norms = readings in ("all", "shares")
+    context = forward_context if forward_context is not None else contextlib.nullcontext
+    target = resolve_dtype(dtype)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
     with _preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
-        terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn)
-        part = apply_partition(spec, terms)
-        n_trained = terms.n_trained
-        with torch.enable_grad():
-            loss = terms.terms.sum()
-            # g_full by its own backward: the tangent pass then projects every part on it at once.
-            g_full = _grad(loss, leaves, retain=exact_norms)
-            sq: list[float] = []
-            running: Optional[list[torch.Tensor]] = None
-            if exact_norms:
-                ids = part.ids.to(terms.terms.device)  # [B, T]
-                running = [torch.zeros_like(g) for g in g_full]
-                for i in range(part.n_parts):
-                    loss_i = terms.terms.masked_select(ids == i).sum()
-                    g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
-                    sq.append(_sqnorm(g_i))
-                    for r, g in zip(running, g_i):
-                        r.add_(g)
-                    del g_i
-        loss_value = float(loss.detach())
-        del terms, loss, leaves
-        with _replayed_rng(module, start):
-            _, tangent = terms_jvp(module, batch, dict(zip(names, g_full)), dtype, terms_fn)
+        sq: list[float] = []
+        running: Optional[list[torch.Tensor]] = None
+        part: Optional[Partition] = None
+        if full_grad is None or exact_norms:
+            with context():
+                watch = PrecisionWatch()
+                terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
+                compute = watch.coarser_than(used)
+            part = apply_partition(spec, terms)
+            n_trained = terms.n_trained
+            with torch.enable_grad():
+                loss = terms.terms.sum()
+                if full_grad is None:
+                    # g_full by its own backward: the tangent pass then projects every part on it at once.
+                    g_full = _grad(loss, leaves, retain=exact_norms)
+                else:
+                    g_full = _given(leaves, full_grad)
+                if exact_norms:
+                    ids = part.ids.to(terms.terms.device)  # [B, T]
+                    running = [torch.zeros_like(g) for g in g_full]
+                    for i in range(part.n_parts):
+                        loss_i = terms.terms.masked_select(ids == i).sum()
+                        g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
+                        sq.append(_sqnorm(g_i))
+                        for r, g in zip(running, g_i):
+                            r.add_(g)
+                        del g_i
+            loss_value = float(loss.detach())
+            del terms, loss, leaves
+        else:
+            like = [p for p in module.parameters() if p.requires_grad]
+            g_full = _given(like, full_grad, target)
+            used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
+            compute, loss_value, n_trained = None, float("nan"), 0
+        onto = _onto(g_full, project_onto)
+        direction = g_full if onto is None else onto
+        with _replayed_rng(module, start), context():
+            watch = PrecisionWatch()
+            tan_terms, tangent = terms_jvp(module, batch, dict(zip(names, direction)), dtype, terms_fn, params=params,
+                                           watch=watch)
+            if full_grad is not None and not exact_norms:
+                compute = watch.coarser_than(used)
+    if part is None:  # the tangent pass was the only one: the partition is of its terms
+        part = apply_partition(spec, tan_terms)
+        n_trained = tan_terms.n_trained
+        loss_value = float(tan_terms.terms.detach().double().sum())
     if tuple(tangent.shape) != tuple(part.ids.shape):
         raise ValueError(
             f"`credit_terms` returned terms of shape {list(tangent.shape)} in the tangent pass and {list(part.ids.shape)} "
             "before: it must be a deterministic function of the batch and the parameters."
         )
     dots = part_sums(tangent, part)
-
     full_sq = _sqnorm(g_full)
     full_norm = math.sqrt(full_sq)
-    gap = abs(math.fsum(dots) - full_sq)
+    den = full_sq if onto is None else _sqnorm(onto)  # ‖v‖²: the shares' denominator
+    expected = full_sq if onto is None else _dot(g_full, onto)  # what Σ_S <g_S, v> must come to
+    gap = abs(math.fsum(dots) - expected)
+    norm = den if onto is None else math.sqrt(den) * full_norm
     nan = float("nan")
     reason: Optional[str] = None
     if not math.isfinite(full_sq):
         reason = f"the full gradient is not finite (||g_full||² = {full_sq}); shares are undefined this step."
-    elif full_sq == 0.0:
+    elif full_sq == 0.0 and onto is None:
         reason = "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step."
+    elif not (math.isfinite(den) and den > 0.0):
+        reason = f"the vector the parts are projected onto has ||v||² = {den}; shares are undefined this step."
+    scale = None
     if reason is None:
-        projected = tuple(d / full_sq for d in dots)
-        conservation = gap / full_sq
+        projected = tuple(d / den for d in dots)
+        conservation = gap / norm if norm > 0 else gap
+        keep = part.ids.to(tangent.device) >= 0  # [B, T]
+        scale = float(tangent.double().abs()[keep].sum()) / norm if norm > 0 else None
     else:
         projected = tuple(nan for _ in dots)
         conservation = nan if not math.isfinite(full_sq) else gap
@@ -290,9 +363,10 @@ def disintegrate_jvp(
         norm_total = math.fsum(part_norm)
         norm_share = tuple(n / norm_total if norm_total > 0 else nan for n in part_norm)
         assert running is not None
-        if reason is None:
+        if reason is None and full_norm > 0:
             cancellation = norm_total / full_norm
             conservation = max(conservation, _diff_norm(running, g_full) / full_norm)
+            scale = max(scale or 0.0, cancellation)
         else:
             cancellation = nan
             if math.isfinite(full_sq):
@@ -302,7 +376,7 @@ def disintegrate_jvp(
         norm_share = part_norm
         cancellation = nan
 
-    grad_match = _grad_match(module, names, reference_grads, g_full, full_norm)
+    grad_match = None if full_grad is not None else _grad_match(module, names, reference_grads, g_full, full_norm)
 
     return CreditReport(
         part_names=part.names,
@@ -318,4 +392,30 @@ def disintegrate_jvp(
         loss=loss_value,
         partition=_partition_name(partition),
         reason=reason,
+        engine="jvp" if full_grad is None else "jvp+grad",
+        readings=readings,
+        compute_dtype=compute,
+        floor_scale=scale,
     )
+
+
+def _given(
+    like: Sequence[torch.Tensor], full_grad: Sequence[Optional[torch.Tensor]], dtype: Optional[torch.dtype] = None
+) -> list[torch.Tensor]:
+    """``full_grad`` aligned with the parameters ``like`` (None entries read as zero), in ``dtype`` (theirs if None)."""
+    grads = list(full_grad)
+    if len(grads) != len(like):
+        raise ValueError(
+            f"`full_grad` must hold one tensor per trainable parameter ({len(like)}), got {len(grads)}; "
+            "align it with [p for p in module.parameters() if p.requires_grad]."
+        )
+    out = []
+    for x, g in zip(like, grads):
+        want = dtype if dtype is not None else x.dtype
+        if g is None:
+            out.append(torch.zeros(x.shape, dtype=want, device=x.device))
+        elif tuple(g.shape) != tuple(x.shape):
+            raise ValueError(f"`full_grad` entries must match their parameter's shape {list(x.shape)}, got {list(g.shape)}.")
+        else:
+            out.append(g.detach().to(device=x.device, dtype=want))
+    return out

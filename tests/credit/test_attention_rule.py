@@ -1,0 +1,179 @@
+"""The forward-mode rule for ``scaled_dot_product_attention`` against forward AD through eager attention.
+
+Reference: attention written out as ``softmax(s·QKᵀ + M) V`` with torch's own forward-mode derivatives of
+``matmul`` and ``softmax`` (float64). The rule must agree to 1e-12 over causal, boolean and additive masks,
+grouped KV heads, and blocks of queries that do and do not divide the length; no ``[B, H, L, S]`` buffer may
+exist at ``L ≥ 4 × chunk``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lens_callbacks.credit.engines.attention import ForwardAttention, attention_jvp
+from lens_callbacks.credit.engines.jvp import ForwardADUnsupportedError
+
+TOL = 1e-12
+
+
+def eager(q, k, v, mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """Math attention with torch's own forward-mode derivatives (the reference)."""
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        r = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(r, dim=-3), v.repeat_interleave(r, dim=-3)
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = q @ k.transpose(-2, -1) * s
+    L, S = scores.shape[-2:]
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def inputs(B=2, Hq=4, Hkv=4, L=11, S=11, E=5, Ev=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    return (r(B, Hq, L, E), r(B, Hkv, S, E), r(B, Hkv, S, Ev)), (r(B, Hq, L, E), r(B, Hkv, S, E), r(B, Hkv, S, Ev))
+
+
+def reference_jvp(prim, tan, **kw):
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(prim, tan)]
+        out = eager(*duals, **kw)
+        o, t = fwAD.unpack_dual(out)
+        return o.clone(), t.clone()
+
+
+def rule_jvp(prim, tan, chunk, **kw):
+    """Through the mode, as the forward-mode engine calls it: F.scaled_dot_product_attention on dual tensors."""
+    with fwAD.dual_level(), ForwardAttention(chunk=chunk) as mode:
+        duals = [fwAD.make_dual(p, t) for p, t in zip(prim, tan)]
+        out = F.scaled_dot_product_attention(*duals, **kw)
+        o, t = fwAD.unpack_dual(out)
+        assert mode.calls == 1
+        return o.clone(), t.clone()
+
+
+def _bool_mask(B, L, S, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(B, 1, L, S, generator=g) > 0.3
+    m[..., 0] = True  # every query attends to something
+    return m
+
+
+def _additive(B, L, S, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 1, L, S, generator=g, dtype=torch.float64) + torch.where(
+        _bool_mask(B, L, S, seed), 0.0, float("-inf")
+    ).double()
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "bool_mask": dict(attn_mask=_bool_mask(2, 11, 11)),
+    "additive_mask": dict(attn_mask=_additive(2, 11, 11)),
+    "scale": dict(is_causal=True, scale=0.37),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("chunk", [1, 3, 4, 11, 64])  # 3 and 4 do not divide 11, 11 is one block
+def test_the_rule_equals_eager_forward_ad(case, chunk):
+    prim, tan = inputs()
+    kw = CASES[case]
+    ref_kw = {("mask" if k == "attn_mask" else k): v for k, v in kw.items()}
+    o_ref, t_ref = reference_jvp(prim, tan, **ref_kw)
+    o, t = rule_jvp(prim, tan, chunk, **kw)
+    assert float((o - o_ref).abs().max()) <= TOL
+    assert float((t - t_ref).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [2, 5, 16])
+def test_grouped_kv_heads_and_keys_longer_than_queries(chunk):
+    prim, tan = inputs(Hq=6, Hkv=2, L=7, S=13)
+    o_ref, t_ref = reference_jvp(prim, tan, enable_gqa=True, is_causal=True)
+    o, t = rule_jvp(prim, tan, chunk, enable_gqa=True, is_causal=True)
+    assert float((t - t_ref).abs().max()) <= TOL and float((o - o_ref).abs().max()) <= TOL
+    # torch's own sdpa agrees on the values (the rule's primal is math attention too)
+    q, k, v = prim
+    assert float((o - F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)).abs().max()) <= TOL
+
+
+def test_only_some_inputs_carry_a_tangent():
+    (q, k, v), (dq, dk, dv) = inputs()
+    for which in ("q", "k", "v"):
+        tans = {"q": None, "k": None, "v": None}
+        tans[which] = {"q": dq, "k": dk, "v": dv}[which]
+        zeros = [tans[n] if tans[n] is not None else torch.zeros_like(x) for n, x in zip("qkv", (q, k, v))]
+        _, t_ref = reference_jvp((q, k, v), zeros, is_causal=True)
+        _, t = attention_jvp(q, tans["q"], k, tans["k"], v, tans["v"], is_causal=True, chunk=3)
+        assert float((t - t_ref).abs().max()) <= TOL, which
+
+
+def test_a_row_with_nothing_to_attend_to_reads_zeros_as_torch_does():
+    prim, tan = inputs(L=4, S=4)
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    mask[:, :, 1] = False  # query 1 attends to nothing
+    o, t = rule_jvp(prim, tan, 2, attn_mask=mask)
+    q, k, v = prim
+    assert torch.equal(o[:, :, 1], torch.zeros_like(o[:, :, 1])) and torch.equal(t[:, :, 1], torch.zeros_like(t[:, :, 1]))
+    assert float((o - F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).abs().max()) <= TOL
+
+
+class _Largest(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+def test_no_full_score_buffer_at_four_times_the_chunk():
+    B, H, L, E, chunk = 1, 2, 64, 8, 16  # L = 4 × chunk
+    prim, tan = inputs(B=B, Hq=H, Hkv=H, L=L, S=L, E=E, Ev=E)
+    watch = _Largest()
+    with watch:
+        attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], is_causal=True, chunk=chunk)
+    assert watch.largest < B * H * L * L, watch.largest  # the [B, H, L, L] scores never exist
+    assert watch.largest <= B * H * chunk * L
+    # the watch sees such a buffer where there is one (the test can fail)
+    with watch:
+        attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], is_causal=True, chunk=L)
+    assert watch.largest >= B * H * L * L
+
+
+def test_the_block_size_follows_the_element_budget():
+    prim, tan = inputs(B=1, Hq=2, Hkv=2, L=40, S=40)
+    watch = _Largest()
+    with watch:
+        attention_jvp(*[x for pair in zip(prim, tan) for x in pair], is_causal=True, block_elements=2 * 40 * 8)
+    assert watch.largest <= 2 * 40 * 8  # 8 queries per block
+
+
+def test_attention_dropout_is_refused_by_name():
+    from lens_callbacks.credit.engines.attention import AttentionDropoutError
+
+    prim, tan = inputs()
+    with pytest.raises(AttentionDropoutError, match="dropout_p=0.1"):
+        rule_jvp(prim, tan, 4, dropout_p=0.1)
+    assert issubclass(ForwardADUnsupportedError, RuntimeError)
+
+
+def test_calls_without_tangents_go_to_torch():
+    (q, k, v), _ = inputs()
+    with ForwardAttention() as mode:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert mode.calls == 0 and torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
