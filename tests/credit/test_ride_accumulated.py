@@ -139,11 +139,14 @@ def test_cat_terms_pads_and_keeps_only_fields_every_part_has():
         cat_terms([t1, CreditTerms(t2.terms, t2.trained, t2.rollout, t2.group, segment=t2.segment, segment_names=("u",))])
 
 
-def test_a_rollout_id_in_two_micro_batches_is_a_reason_naming_the_fix():
+def test_a_rollout_id_in_two_micro_batches_names_two_parts_keyed_by_micro_batch():
     module = MicroPolicy()
     micro = [mb[:4] + (0, 2) for mb in micro_batches()]  # both micro-batches number their rows from 0
+    ref = disintegrate(module, micro, "by_rollout", dtype="float64", engine="reference", keep_parts=True)
     out = report_accumulated(capture(module, micro), by_rollout)
-    assert isinstance(out, str) and "rollout id 0 is in micro-batches 0 and 1" in out and "run-wide" in out, out
+    assert not isinstance(out, str), out
+    assert out.part_names == ref.part_names == tuple(f"mb{j}/rollout_{i}" for j in range(2) for i in range(4))
+    assert_same(ref, out)
 
 
 def test_a_scaled_loss_rides_when_the_scale_is_declared():

@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
-from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, evaluate_terms
+from ..precision import PrecisionWatch
+from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, compute_dtype_now, evaluate_terms
 from ..report import CreditGrads, CreditReport, share_readings
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from . import READINGS
@@ -64,11 +65,16 @@ __all__ = [
     "row_interacting_modules",
     "rule_for",
     "batch_rows",
+    "RowSpan",
 ]
 
 # Elements of one chunk of per-part pieces when no budget is given: at least 16 Mi elements, and never
 # less than the parameter count (so a real policy gets one parameter-sized buffer per chunk).
 _MIN_BUDGET = 1 << 24
+
+
+#: How riding along says that a partition splits a row (the callback then reads the step by forward mode).
+SPLITS_ROWS = "the partition puts positions of one row in different parts"
 
 
 class NotRowSeparable(ValueError):
@@ -116,7 +122,7 @@ class _Use:
         self.capture: Optional["RowCapture"] = None
         self.version = a._version  # the input's in-place version when the layer read it
         self.edge: Any = None  # the output's place in the graph (a backward to it forms no weight gradient)
-        self.span: Optional[tuple[int, int]] = None  # the batch's rows this call held (see `batch_rows`)
+        self.span: Optional[tuple[int, Optional[int]]] = None  # the batch's rows this call held (see `batch_rows`)
         self.calls = 1  # the layer calls (graph edges into its parameters) this use stands for
 
     def normalised(self) -> torch.Tensor:
@@ -211,6 +217,8 @@ def stack_spans(uses: Sequence[_Use], B: int) -> tuple[list[_Use], Optional[str]
     """``uses`` with the calls made under :func:`batch_rows` stacked into one use per layer, and why they
     could not be (None: stacked, or nothing to stack). Unstacked calls hold fewer rows than the batch, so
     the engine reads their parameters by its exact fallback."""
+    if any(u.span is not None and u.span[1] is None for u in uses):
+        return list(uses), "a `batch_rows` span was left open (call `span.end(stop)` inside its block)"
     spans = sorted({u.span for u in uses if u.span is not None})
     if not spans:
         return list(uses), None
@@ -229,24 +237,52 @@ def stack_spans(uses: Sequence[_Use], B: int) -> tuple[list[_Use], Optional[str]
 _INSTALLED: list["RowCapture"] = []
 
 
+class RowSpan:
+    """The rows a :func:`batch_rows` block holds; :meth:`end` closes an open one once its row count is known."""
+
+    __slots__ = ("start", "stop")
+
+    def __init__(self, start: int, stop: Optional[int]) -> None:
+        self.start, self.stop = start, stop
+
+    def end(self, stop: int) -> None:
+        """Close an open span at ``stop`` (its calls held rows ``start:stop``)."""
+        if not isinstance(stop, int) or stop <= self.start:
+            raise ValueError(f"`stop` must be an int > start = {self.start}, got {stop!r}.")
+        if self.stop is not None and self.stop != stop:
+            raise ValueError(f"this span was opened as rows {self.start}:{self.stop}, got end({stop}).")
+        self.stop = stop
+
+
 @contextlib.contextmanager
-def batch_rows(start: int, stop: int) -> Any:
+def batch_rows(start: int, stop: Optional[int] = None) -> Iterator[RowSpan]:
     """Say that the covered layers called inside hold rows ``start:stop`` of the batch the terms stack.
 
     For a ``credit_terms`` that runs the model once per chunk of rows (a trainer's micro-batches) and
     stacks the chunks' terms in order: the one-pass engine then reads each layer's calls as one call on
     the whole batch instead of reading the layer's parameters by its fallback (one backward per part).
-    Outside an audit it does nothing."""
-    if not (isinstance(start, int) and isinstance(stop, int)) or not 0 <= start < stop:
+    With ``stop=None`` the span is open until ``span.end(stop)`` is called inside the block, once the
+    chunk's rows are known (a position embedding broadcast over an open span's rows is then read by the
+    fallback). Outside an audit it does nothing."""
+    if not (isinstance(start, int) and (stop is None or isinstance(stop, int))) or not (
+        0 <= start and (stop is None or start < stop)
+    ):
         raise ValueError(f"`batch_rows` needs 0 <= start < stop, got start={start!r}, stop={stop!r}.")
-    before = [(c, c.span) for c in _INSTALLED]
-    for c, _ in before:
+    span = RowSpan(start, stop)
+    before = [(c, c.span, len(c.uses), c._last) for c in _INSTALLED]
+    for c, *_ in before:
         c.span = (start, stop)
+        if stop is None:
+            c._last = 0  # no row count is known for an open span: nothing broadcast is expanded on a guess
     try:
-        yield
+        yield span
     finally:
-        for c, sp in before:
+        for c, sp, n0, _ in before:
             c.span = sp
+            if stop is None and span.stop is not None:
+                for u in c.uses[n0:]:
+                    if u.span == (start, None):
+                        u.span = (start, span.stop)
 
 
 #: Captures of uses made outside a module call, installed with every :class:`RowCapture`: ``ext(capture)``
@@ -271,7 +307,7 @@ class RowCapture:
         self.handles: list[Any] = []
         self.active = False
         self.batch = 0
-        self.span: Optional[tuple[int, int]] = None  # set by `batch_rows`
+        self.span: Optional[tuple[int, Optional[int]]] = None  # set by `batch_rows` (stop None: open)
         self._last = 0  # the leading size of the last covered layer's call
         self._inner = False
 
@@ -283,7 +319,8 @@ class RowCapture:
         its exact fallback, instead of changing the shape of the model's forward."""
         if self.span is None:
             return self.batch
-        n = self.span[1] - self.span[0]
+        a, b = self.span
+        n = self._last if b is None else b - a  # an open span: the rows of the calls made in it so far
         return n if n == self._last else 0
 
     def install(self) -> "RowCapture":
@@ -431,6 +468,31 @@ def _leaf_edges(root: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[int,
                 continue
             stack.append(nxt)
     return count
+
+
+def reentrant_checkpoints(root: torch.Tensor) -> bool:
+    """Whether the graph of ``root`` holds a reentrant activation checkpoint (``use_reentrant=True``): its
+    layers ran without grad in the forward and run again inside the backward, out of the hooks' sight."""
+    seen: set[int] = set()
+    stack = [root.grad_fn] if root.grad_fn is not None else []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
+
+
+REENTRANT_WORDS = (
+    "reentrant activation checkpointing (use_reentrant=True) runs the checkpointed layers without grad in the "
+    "forward and again inside the backward, out of sight of the hooks that ride along; the separate pass reads "
+    "the step instead. To ride along, checkpoint without reentrancy: "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}) in transformers, "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) elsewhere"
+)
 
 
 def _chunks(rows_per_part: Sequence[int], numel: int, budget: int) -> list[list[int]]:
@@ -626,7 +688,9 @@ def disintegrate_ghost(
         cap.active = True
         try:
             with (forward_context() if forward_context is not None else contextlib.nullcontext()):
-                terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params)
+                watch = PrecisionWatch()
+                terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
+                compute = watch.coarser_than(used)
         finally:
             cap.remove()
         onto = _onto(leaves, project_onto)
@@ -655,7 +719,7 @@ def disintegrate_ghost(
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
         loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost" if given is None else "ghost+grad",
-        keep_grads=keep_grads, onto=onto, full_sq=full_sq,
+        keep_grads=keep_grads, onto=onto, full_sq=full_sq, compute_dtype=compute,
     )
 
 
@@ -664,6 +728,7 @@ def build_report(
     dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
     onto: Optional[Sequence[torch.Tensor]] = None,
     full_sq: Optional[float] = None,
+    compute_dtype: Optional[str] = None,
 ) -> CreditReport:
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned (``onto``: what the dots were taken with;
     ``full_sq``: ``‖g_full‖²`` when the caller has it already)."""
@@ -707,6 +772,7 @@ def build_report(
         readings=readings,
         gram=None if gram is None else tuple(tuple(float(v) for v in row) for row in gram.tolist()),
         coverage=coverage,
+        compute_dtype=compute_dtype,
     )
 
 
@@ -1014,10 +1080,12 @@ class RideAlong:
         self.cap = RowCapture(module)
         self.calls = 0
         self.terms: Optional[CreditTerms] = None
+        self.compute_dtype: Optional[str] = None
         self.terms_grad_ones: Optional[bool] = None
         self.scale = 1.0  # the loss is `scale · terms.sum()` (a trainer's division by the accumulation count)
         self.loss: Optional[torch.Tensor] = None
         self.edges: Optional[dict[int, int]] = None
+        self.reentrant = False  # the loss's graph holds a reentrant activation checkpoint
         self._orig: Any = None
         self._had_attr = False
         self._plan: Any = None  # what on_loss prepared: a dict (reducing in the backward) or the reason it could not
@@ -1039,6 +1107,7 @@ class RideAlong:
                 self.cap.active = False
             self.calls += 1
             self.terms = t
+            self.compute_dtype = compute_dtype_now(self.module)  # autocast's dtype in the training step, if any
             if isinstance(t, CreditTerms) and t.terms.requires_grad:
                 t.terms.register_hook(self._terms_grad)
             return t
@@ -1074,6 +1143,7 @@ class RideAlong:
         self.loss = loss.detach()
         leaves = [p for p in self.module.parameters() if p.requires_grad]
         self.edges = _leaf_edges(loss, leaves) if loss.requires_grad else {}
+        self.reentrant = loss.requires_grad and reentrant_checkpoints(loss)
         self._plan = None
         if partition_fn is None or not loss.requires_grad:
             return
@@ -1092,7 +1162,7 @@ class RideAlong:
         ids = part.ids.to(t.terms.device)  # [B, T]
         rp = row_parts(Partition(ids, part.names))
         if rp is None:
-            return "the partition puts positions of one row in different parts; riding along needs whole rows."
+            return SPLITS_ROWS + "; riding along needs whole rows."
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
         leaves = [p for _, p in named]
@@ -1102,7 +1172,7 @@ class RideAlong:
         by_leaf = plan_uses(uses, leaves, int(t.terms.shape[0]), self.edges or {})
         missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
         if missing:
-            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+            return _uncovered(missing, self.reentrant)
         return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf, "uses": uses}
 
     def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route) -> Union[str, dict[str, Any]]:
@@ -1207,7 +1277,8 @@ class RideAlong:
                 lay["uses"], by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
                 None, route=route,
             )
-        return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads)
+        return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads,
+                            self.compute_dtype)
 
     def _contract(self) -> Optional[str]:
         """What breaks the contract of riding along (``credit_terms`` once, a backward of ``scale · terms.sum()``
@@ -1231,6 +1302,13 @@ class RideAlong:
         return None
 
 
+def _uncovered(missing: Sequence[str], reentrant: bool) -> str:
+    """Why riding along cannot read parameters the hooks did not see (``missing``)."""
+    if reentrant:
+        return f"{REENTRANT_WORDS} ({len(missing)} parameters unseen, e.g. {missing[0]!r})."
+    return f"parameters {list(missing[:3])!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+
+
 def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], torch.Tensor, float]:
     """``(g_full, ‖g‖² per parameter, ‖g_full‖²)`` from ``.grad`` (cloned when kept past the step: ``.grad`` may
     be zeroed in place later)."""
@@ -1243,18 +1321,27 @@ def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.T
 
 def _ride_report(
     reduced: tuple, full_sq: float, t: CreditTerms, loss: float, names: Sequence[str], part_names: Sequence[str],
-    readings: str, partition_name: str, keep_grads: bool,
+    readings: str, partition_name: str, keep_grads: bool, compute_dtype: Optional[str] = None,
 ) -> Union[CreditReport, str]:
-    """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``."""
-    full = math.sqrt(full_sq)
-    err = math.sqrt(reduced[4]) / full if full > 0 else 0.0
-    if not err <= 10 * _tolerance(t.terms.dtype):
-        return f"the captured pieces do not add up to `.grad` ({err:.3e} relative): the step's loss is not the terms' sum alone."
+    """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``.
+
+    They add up within the floor of the coarser of the terms' dtype and autocast's (``compute_dtype``): under
+    ``bf16-mixed`` the layers' inputs and output gradients are bfloat16, and so is their rounding. Beyond it
+    the step's loss holds a term that ``terms`` does not."""
     used = str(t.terms.dtype).replace("torch.", "")
-    return build_report(
+    report = build_report(
         reduced, names, part_names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
         loss=loss, partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads, full_sq=full_sq,
+        compute_dtype=compute_dtype,
     )
+    if report.conservation_violated:
+        where = used if compute_dtype is None else f"{used} under {compute_dtype} autocast"
+        return (
+            f"the captured pieces do not add up to `.grad` ({report.conservation_error:.3e} relative, over the "
+            f"{report.conservation_floor:.1e} that rounding in {where} explains): not rounding, a term of the step's "
+            "loss is not in `terms` (or `.grad` was changed between the backward and the optimizer step)."
+        )
+    return report
 
 
 def _merge_uses(groups: Sequence[Sequence[_Use]], batches: Sequence[int]) -> Union[list[_Use], str]:
@@ -1320,20 +1407,12 @@ def report_accumulated(
     terms = [validate_terms(r.terms) for r in riders]
     if len({int(t.terms.shape[1]) for t in terms}) != 1:
         return f"the micro-batches have {[int(t.terms.shape[1]) for t in terms]} positions per row; stacking their rows needs one length."
-    seen: dict[int, int] = {}
-    for k, x in enumerate(terms):
-        for rid in x.rollout.tolist():
-            if seen.setdefault(int(rid), k) != k:
-                return (
-                    f"rollout id {rid} is in micro-batches {seen[int(rid)]} and {k}; `CreditTerms.rollout` must be unique "
-                    "within a step, so number the rollouts run-wide (e.g. add the micro-batch's first row index)."
-                )
-    t = cat_terms(terms)
+    t = cat_terms(terms)  # rollout ids repeated across micro-batches become parts keyed by micro-batch
     part = partition_fn(t.detached())
     part.check_covers(t.trained)
     rp = row_parts(Partition(part.ids.to(t.terms.device), part.names))
     if rp is None:
-        return "the partition puts positions of one row in different parts; riding along needs whole rows."
+        return SPLITS_ROWS + "; riding along needs whole rows."
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, leaves = [n for n, _ in named], [p for _, p in named]
     batches = [int(x.terms.shape[0]) for x in terms]
@@ -1341,7 +1420,7 @@ def report_accumulated(
         by = plan_uses(r.cap.uses, leaves, batches[k], r.edges or {})
         missing = [names[i] for i in range(len(leaves)) if i not in by]
         if missing:
-            return f"parameters {missing[:3]!r} ({len(missing)} in all) are used outside the layers the hooks cover."
+            return _uncovered(missing, r.reentrant)
     uses = _merge_uses([r.cap.uses for r in riders], batches)
     if isinstance(uses, str):
         return uses
@@ -1350,7 +1429,8 @@ def report_accumulated(
     reduced = reduce_pieces(uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
                             route=route)
     loss = math.fsum(float(r.loss) for r in riders)  # type: ignore[arg-type]
-    return _ride_report(reduced, full_sq, t, loss, names, part.names, readings, partition_name, keep_grads)
+    return _ride_report(reduced, full_sq, t, loss, names, part.names, readings, partition_name, keep_grads,
+                        riders[-1].compute_dtype)
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -146,13 +146,31 @@ def _dense_ids(values: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
 
 def by_rollout(terms: CreditTerms) -> Partition:
-    """One part per rollout (row id in ``terms.rollout``)."""
-    inv, uniq = _dense_ids(terms.rollout.cpu())
-    if len(uniq) == 0:
+    """One part per rollout (row id in ``terms.rollout``).
+
+    On the rows of an accumulated step (``terms.micro_batch`` set), a rollout id that repeats across
+    micro-batches (``torch.arange(B)`` in each) names another rollout in each: the parts are then keyed by
+    micro-batch, ``mb{j}/rollout_{id}``.
+    """
+    rollout = terms.rollout.cpu().long()  # [B]
+    if len(rollout) == 0:
         raise PartitionError("`by_rollout` needs at least one rollout, got an empty batch.")
+    mb = terms.micro_batch.cpu().long() if terms.micro_batch is not None else None  # [B]
+    if mb is not None and _repeats_across(rollout, mb):
+        pairs, inv = torch.unique(torch.stack([mb, rollout], 1), dim=0, sorted=True, return_inverse=True)  # [m, 2]
+        names = tuple(f"mb{int(j)}/rollout_{int(r)}" for j, r in pairs.tolist())
+    else:
+        inv, uniq = _dense_ids(rollout)
+        names = tuple(f"rollout_{u}" for u in uniq)
     ids = inv.view(-1, 1).expand_as(terms.trained).clone()
     ids[~terms.trained.cpu()] = -1
-    return Partition(ids.to(terms.trained.device), tuple(f"rollout_{u}" for u in uniq))
+    return Partition(ids.to(terms.trained.device), names)
+
+
+def _repeats_across(rollout: torch.Tensor, mb: torch.Tensor) -> bool:
+    """Whether some rollout id appears in more than one micro-batch."""
+    pairs = torch.unique(torch.stack([rollout, mb], 1), dim=0)  # [n, 2] distinct (rollout, micro-batch)
+    return bool(torch.unique(pairs[:, 0]).numel() < pairs.shape[0])
 
 
 def by_group(terms: CreditTerms) -> Partition:

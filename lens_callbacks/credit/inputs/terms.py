@@ -51,6 +51,9 @@ class CreditTerms:
         source_names: optional names of the source ids (e.g. ``("easy", "hard")``).
         text: optional ``[B]`` completion text of each row, shown (its start) in the credit table; without
             it the table decodes ``tokens`` with the module's ``tokenizer`` when it has one.
+        micro_batch: optional ``[B]`` int, the micro-batch of the optimizer step each row came from; set by
+            :func:`cat_terms` when an accumulated step's micro-batches are read as one batch (rollout ids
+            that repeat across micro-batches are then told apart, see ``by_rollout``).
     """
 
     terms: torch.Tensor  # [B, T]
@@ -65,6 +68,7 @@ class CreditTerms:
     source: Optional[torch.Tensor] = None  # [B]
     source_names: Optional[tuple[str, ...]] = None
     text: Optional[tuple[str, ...]] = None  # [B]
+    micro_batch: Optional[torch.Tensor] = None  # [B]
 
     # No __post_init__ check: constructing the terms inside `training_step` (``loss =
     # self.credit_terms(batch).terms.sum()``) must never end a training run. The audit validates them
@@ -135,6 +139,10 @@ class CreditTerms:
                 raise CreditTermsError("segment", f"`segment` must be an integer tensor, got dtype {s.dtype}.")
         if self.rewards is not None and (not isinstance(self.rewards, torch.Tensor) or tuple(self.rewards.shape) != (B,)):
             raise CreditTermsError("rewards", f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
+        mb = self.micro_batch
+        if mb is not None and (not isinstance(mb, torch.Tensor) or tuple(mb.shape) != (B,) or mb.is_floating_point()
+                               or mb.dtype == torch.bool):
+            raise CreditTermsError("micro_batch", f"`micro_batch` must be a [B] = [{B}] int tensor or None, got {_describe(mb)}.")
         if self.tokens is not None and (not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)):
             raise CreditTermsError("tokens", f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
         # The contract says untrained positions hold exactly 0: a non-zero there would enter g_full and no part.
@@ -214,6 +222,7 @@ def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
 
     An optional field is kept when every micro-batch has it; the name tuples (``segment_names``,
     ``source_names``) must then be the same in all. Each part must already be valid (:func:`validate_terms`).
+    ``micro_batch`` numbers the rows by the part they came from.
     """
     if not parts:
         raise ValueError("`parts` must hold at least one CreditTerms, got none.")
@@ -250,6 +259,8 @@ def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
         source=rows("source"),
         source_names=names("source_names"),
         text=None if any(t is None for t in texts) else tuple(x for t in texts for x in t),
+        micro_batch=torch.cat([torch.full((int(p.terms.shape[0]),), j, dtype=torch.long, device=p.rollout.device)
+                               for j, p in enumerate(parts)]),
     )
 
 
