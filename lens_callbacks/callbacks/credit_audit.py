@@ -35,8 +35,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
+from lens_callbacks.credit.guard import Suspects, guard
+from lens_callbacks.credit.primitives import compiled_parts
+from lens_callbacks.credit.replay import StepReplay
 from lens_callbacks.credit.engines import check_engine
-from lens_callbacks.credit.engines.ghost import RideAlong, report_accumulated
+from lens_callbacks.credit.engines.ghost import SPLITS_ROWS, RideAlong, report_accumulated
 from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
 from lens_callbacks.credit.inputs.partition import (
     PARTITION_REMEDY,
@@ -238,6 +241,15 @@ class CreditAuditCallback(Callback):
         self._rides: list[RideAlong] = []  # the audited step's earlier micro-batches, captured (accumulation)
         self._rides_step: Optional[int] = None
         self._ride_blocked: Optional[str] = None  # why this run cannot ride along (set in setup)
+        self._grad_blocked: Optional[str] = None  # why `.grad` is not this batch's gradient (set in setup)
+        self._within = False  # the partition puts positions of one row in different parts (by name)
+        self._tangent_on_grad = False  # riding along on parts inside rows: the forward-mode pass along `.grad`
+        self._accumulation = 1  # the trainer's accumulate_grad_batches (set in setup)
+        self._replay = StepReplay()  # the audited step's micro-batches, replayed by the separate pass
+        self._replay_step: Optional[int] = None
+        self._replay_fn: Any = None  # the replay the latest audit read (update_shares reads it again)
+        self._compiled: Optional[list[str]] = None
+        self.last_withheld: Optional[CreditReport] = None
         self._ride_warned = False
         self.n_ride_along = 0
 
@@ -291,23 +303,28 @@ class CreditAuditCallback(Callback):
         self.metric = self.metric.to(pl_module.device)
         self._reference = "grad"
         self._mergers = grad_mergers(trainer, keep_pre_merge=True)
-        if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
-            # .grad is the rank average / the sum of micro-batches: a local audit of one batch cannot match it.
+        self._accumulation = int(trainer.accumulate_grad_batches)
+        if trainer.world_size > 1:
+            # .grad is the rank average: a local audit of one rank's batch cannot match it.
             self._reference = None
         blocked = None  # why .grad cannot be read as this batch's own gradient (riding along, full_grad="trainer")
-        if self.capture != "training_step" and self.full_grad != "trainer":
-            pass
-        elif trainer.world_size > 1:
+        if trainer.world_size > 1:
             blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
         elif not getattr(pl_module, "automatic_optimization", True):
             blocked = "manual optimization: the callback does not see the loss's backward"
         elif self._mergers:
             blocked = f"{type(self._mergers[0]).__name__} may merge `.grad` before this callback reads it"
+        self._grad_blocked = blocked
         self._ride_blocked = blocked if self.capture == "training_step" else None
-        if blocked is None and trainer.accumulate_grad_batches > 1:
-            # riding along reads every micro-batch's captures at the step's end; a separate pass sees only the last
-            blocked = "gradient accumulation: `.grad` sums several micro-batches"
+        # Parts inside rows riding on the step: `.grad` is g_full, the forward-mode pass along it is the audit.
+        self._within = _name_of(self.partition) in WITHIN_ROW_PARTITIONS
+        self._tangent_on_grad = self.capture == "training_step" and self._within and blocked is None
+        self._say_within_cost(trainer)
+        # With accumulation the separate pass replays every micro-batch of the step (credit/replay.py), whose
+        # gradient is then `.grad` itself: full_grad="trainer" holds.
         self._full_grad_blocked = blocked if self.full_grad == "trainer" else None
+        self._compiled = None  # read at the first step: configure_model may compile after setup
+        self._replay = StepReplay(scale_by=self._accumulation, skip=_lightning_internals())
         self._setup_distributed(trainer, pl_module)
 
     def _setup_distributed(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -315,8 +332,8 @@ class CreditAuditCallback(Callback):
 
         check_strategy(trainer, "CreditAuditCallback")
         self._sharded = is_sharded(pl_module)
-        # With accumulation .grad holds micro-batches the audit never saw: no global claim can be made.
-        self._global = self.scope == "global" and trainer.world_size > 1 and trainer.accumulate_grad_batches == 1
+        # With accumulation every micro-batch is replayed, so the local reading is of the rank's whole step.
+        self._global = self.scope == "global" and trainer.world_size > 1
 
     # ---- the audit --------------------------------------------------------------------------------
 
@@ -324,9 +341,15 @@ class CreditAuditCallback(Callback):
         self._batch = batch
         self._close_stale_epoch(trainer)
         self._stop_ride()
+        if self._compiled is None:
+            self._note_compiled(pl_module)
         if self._rides_step != trainer.global_step:
             self._drop_rides()  # a step that ended without its optimizer step (or a new one)
-        if self.capture == "training_step" and self._ride_blocked is None and trainer.global_step % self.every_n_steps == 0:
+        if self._replay_step != trainer.global_step:
+            self._replay.clear()  # a step that ended without its optimizer step (or a new one)
+            self._replay_step = trainer.global_step
+        if (self.capture == "training_step" and self._ride_blocked is None and not self._tangent_on_grad
+                and trainer.global_step % self.every_n_steps == 0):
             self._ride = RideAlong(pl_module).start()
             self._rides_step = trainer.global_step
 
@@ -339,6 +362,22 @@ class CreditAuditCallback(Callback):
             self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads)
         else:  # only captured: the step is read after its last micro-batch (Lightning divides the loss by k)
             self._ride.on_loss(loss, scale=1.0 / k)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Each micro-batch of an accumulated step, as it trained: its batch and what training_step cached.
+        if self._accumulation > 1 and trainer.global_step % self.every_n_steps == 0 and self._batch is not None:
+            self._replay.add(pl_module, self._batch)
+
+    def _note_compiled(self, pl_module: LightningModule) -> None:
+        """Read once, at the first step: a compiled module's riding along is blocked (its hooks would change
+        the compiled step), the separate pass runs the module eagerly."""
+        self._compiled = compiled_parts(pl_module)
+        if self._compiled and self.capture == "training_step" and self._ride_blocked is None and not self._tangent_on_grad:
+            self._ride_blocked = (
+                f"torch.compile ({self._compiled[0]}): the layer hooks riding along would break the compiled graph and "
+                f"change what it computes ({COMPILED_RIDE_DRIFT}); the separate pass, which runs the module eagerly "
+                "and leaves the compiled step as it is, audits it instead"
+            )
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._update_before is not None:
@@ -405,7 +444,12 @@ class CreditAuditCallback(Callback):
             if isinstance(got, CreditReport):
                 self.n_ride_along += 1
                 return got
+            if got.startswith(SPLITS_ROWS) and self.reading_set == "projected":
+                # parts inside rows: the contract held, so `.grad` is this step's g_full; the tangent pass reads it
+                return self.audit(pl_module, self._batch, use_grad=True)
             why = got
+        elif self._tangent_on_grad:
+            return self.audit(pl_module, self._batch, use_grad=True)
         if why is not None and not self._ride_warned:
             self._ride_warned = True
             warnings.warn(
@@ -434,7 +478,7 @@ class CreditAuditCallback(Callback):
                 f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
                 f"segment ids: {err}{fallback}"
             ) from self._last_error
-        reading = self._refuse_non_finite(reading, step)
+        reading = self._guard(trainer, self._refuse_non_finite(reading, step), step)
         self._audited_step = step
         self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), step
         self.n_audits += 1
@@ -445,7 +489,9 @@ class CreditAuditCallback(Callback):
             self.last_table = None
             self._once.refused(trainer, reading, step, what="credit audit")
             # One update per reading: forward() below adds this step to the epoch state itself.
-            values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0})
+            # A withheld reading still shows its figure and floor; its shares are not logged.
+            shown = {k: reading.numbers[k] for k in ("conservation_error", "conservation_floor") if k in reading.numbers}
+            values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0, **shown})
             text = reading.render()
             log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
         else:
@@ -484,7 +530,7 @@ class CreditAuditCallback(Callback):
             with torch.enable_grad():
                 report = _update_shares(
                     pl_module, self._batch, self._partition_fn if self._partition_fn is not None else self.partition,
-                    before, dtype=self.dtype,
+                    before, dtype=self.dtype, terms_fn=self._replay_fn,
                 )
         except Exception as err:  # a reading that cannot be made must not end the training run
             refusal = Refusal(
@@ -503,16 +549,19 @@ class CreditAuditCallback(Callback):
         self.last_values.update(values)
         log_scalars(trainer, values, step)
 
-    def audit(self, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
-        """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`."""
+    def audit(self, pl_module: LightningModule, batch: Any, use_grad: bool = False) -> Union[CreditReport, Refusal]:
+        """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`.
+
+        ``use_grad``: ``.grad`` is this step's ``g_full`` (riding along on parts inside rows), as with
+        ``full_grad="trainer"``."""
         try:
             with torch.enable_grad():  # the hook may run inside optimizer.step with grad mode off
                 kw = dict(
                     dtype=self.dtype, keep_grads=self.keep_grads, forward_context=self._forward_context(pl_module),
-                    engine=self.engine, readings=self.reading_set,
+                    engine=self.engine, readings=self.reading_set, terms_fn=self._step_terms(pl_module),
                 )
                 part = self._partition_fn if self._partition_fn is not None else self.partition
-                full = self._trainer_grad(pl_module)
+                full = self._trainer_grad(pl_module, use_grad)
                 if full is not None:
                     try:
                         return disintegrate(pl_module, batch, part, full_grad=full, **kw)
@@ -533,6 +582,50 @@ class CreditAuditCallback(Callback):
                 numbers.update(err.numbers)
             return Refusal(condition, f"{type(err).__name__}: {err}", numbers=numbers, remedy=remedy)
 
+    def _step_terms(self, pl_module: LightningModule) -> Any:
+        """With accumulation, a ``terms_fn`` that replays every micro-batch of this optimizer step (None without)."""
+        self._replay_fn = None
+        if self._accumulation > 1 and len(self._replay):
+            self._replay_fn = self._replay.terms_fn(pl_module)
+        return self._replay_fn
+
+    def _say_within_cost(self, trainer: Trainer) -> None:
+        """Parts inside rows with every reading take one backward pass per part: said once, at setup."""
+        if not self._within or self.reading_set == "projected" or self.engine not in ("auto", "reference"):
+            return
+        self._once.warn(
+            trainer, "within_cost",
+            f"partition={_name_of(self.partition)!r} with readings={self.reading_set!r}: the norm shares and the "
+            "cancellation of parts inside rows take the reference engine, one backward pass per part (m + 1 in all). "
+            "readings='projected' reads the projected shares by one forward-mode pass (with capture='training_step', "
+            "that pass alone, along the step's .grad).",
+        )
+
+    def _guard(self, trainer: Trainer, reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
+        """A reading whose parts do not add up (over its conservation floor) is withheld, by name; with
+        accumulation, so is a replay whose gradient is not the step's ``.grad``."""
+        if isinstance(reading, Refusal):
+            return reading
+        limit = grad_match_threshold(_dtype_of(reading.dtype), _compute_dtype(trainer))
+        gm = reading.grad_match
+        over = gm is not None and math.isfinite(gm) and gm > limit
+        refusal = guard(reading, Suspects(bool(self._compiled), self._accumulation, over), step)
+        if refusal is None and over and self._accumulation > 1 and reading.engine != "ghost+training_step":
+            refusal = Refusal(
+                "accumulation",
+                f"the {len(self._replay)} micro-batches replayed for this step do not add up to its .grad "
+                f"(grad_match = {gm:.4g}, rounding explains {limit:.2g}): either credit_terms reads state that a later "
+                "micro-batch changed in place, so a replay is not the micro-batch that trained, or the loss is not "
+                "terms.sum(). The readings are withheld.",
+                numbers={"step": step, "grad_match": gm, "micro_batches": len(self._replay)},
+                remedy="cache each micro-batch's rollouts in a new object in training_step (`self.last_rollout_batch = rb`, "
+                "not an in-place update), and build the loss as `self.credit_terms(batch).terms.sum()`",
+            )
+        if refusal is not None:
+            self.last_withheld = reading
+            return refusal
+        return reading
+
     @staticmethod
     def _refuse_non_finite(reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
         """A step whose loss or full gradient is not finite has no credit to split: a refusal, not an undefined reading."""
@@ -548,8 +641,10 @@ class CreditAuditCallback(Callback):
                    "torch.autograd.set_detect_anomaly(True) names the operation.",
         )
 
-    def _trainer_grad(self, pl_module: LightningModule) -> Optional[list[torch.Tensor]]:
-        """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``), or None: the audit takes its own."""
+    def _trainer_grad(self, pl_module: LightningModule, use_grad: bool = False) -> Optional[list[torch.Tensor]]:
+        """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``, or ``use_grad``), or None: the audit takes its own."""
+        if use_grad and self._grad_blocked is None and self._full_grad_blocked is None:
+            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad]
         if self.full_grad != "trainer":
             return None
         if self._full_grad_blocked is not None:
@@ -607,6 +702,7 @@ class CreditAuditCallback(Callback):
                     reference_grads=applied if self._reference is not None and not self._global else None,
                     engine=self.engine,
                     readings=self.reading_set,
+                    terms_fn=self._step_terms(pl_module),
                 )
         except Exception as err:  # a user-data failure must not end the training run
             failure = f"{type(err).__name__}: {err}"
@@ -628,7 +724,8 @@ class CreditAuditCallback(Callback):
             list(report.projected_share), list(report.norm_share), report.cancellation,
             report.conservation_error, report.grad_match, report.full_grad_norm, report.ok,
         )
-        extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0}
+        extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0,
+                 "conservation_floor": report.conservation_floor}
         extra.update(engine_values(report))
         return self._flatten(out, report.part_names, extra=extra)
 
@@ -713,7 +810,7 @@ class CreditAuditCallback(Callback):
         if gm is None or not math.isfinite(gm):
             return
         limit = grad_match_threshold(_dtype_of(report.dtype), _compute_dtype(trainer))
-        if gm > limit:
+        if gm > limit and self._accumulation == 1:  # with accumulation the guard withholds it (`_guard`)
             self._once.warn(trainer, "terms_not_loss", terms_not_loss_words(gm, limit, step))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -919,6 +1016,21 @@ class CreditAuditCallback(Callback):
         log_figure(trainer, f"{self.prefix}concentration/lorenz", self.readings.lorenz_figure(), step)
         for book, part in self.readings.ledger.books():
             log_figure(trainer, f"{self.prefix}ledger/{book}/{part}", self.readings.ledger.figure(book, part), step)
+
+
+#: Partitions known by name to put positions of one row in different parts.
+WITHIN_ROW_PARTITIONS = ("by_segment", "by_turn", "by_role")
+
+#: What riding along does to a compiled step (benchmarks/compiled_ride_drift.py, a 2-layer Llama, Adam).
+COMPILED_RIDE_DRIFT = (
+    "measured on a 2-layer Llama: 29 graph breaks, and parameters 3e-5 (inductor) and 6e-6 (aot_eager) apart from an "
+    "unaudited run after 6 steps"
+)
+
+
+def _lightning_internals() -> frozenset:
+    """The attributes every LightningModule holds for Lightning itself: not part of what a micro-batch leaves behind."""
+    return frozenset(vars(LightningModule()))
 
 
 def _dtype_of(name: str) -> Optional[torch.dtype]:

@@ -151,14 +151,27 @@ def test_accumulation_rides_along_the_whole_step():
     assert got.conservation_error < 1e-13
 
 
-def test_accumulation_with_rollout_ids_repeated_across_micro_batches_falls_back_and_says_why():
-    ride = CreditAuditCallback(capture="training_step", log_figure=False, log_table_every_n_steps=0)
-    with pytest.warns(RuntimeWarning, match="rollout id 0 is in micro-batches 0 and 1"):
+def test_accumulation_with_rollout_ids_repeated_across_micro_batches_keys_them_by_micro_batch():
+    micro = _micro(unique=False)  # every micro-batch numbers its rows from 0, as `torch.arange(B)` does
+    ride = CreditAuditCallback(capture="training_step", readings="shares", log_figure=False, log_table_every_n_steps=0)
+    module = _Accumulated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback: the step rides along
         pl.Trainer(
             max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=[ride], accumulate_grad_batches=2,
-        ).fit(_Accumulated(), torch.utils.data.DataLoader(_micro(unique=False), batch_size=None))
-    assert ride.n_ride_along == 0 and ride.last_report.engine == "ghost"
+        ).fit(module, torch.utils.data.DataLoader(micro, batch_size=None))
+    got = ride.last_report
+    assert ride.n_ride_along == 1 and got.engine == "ghost+training_step"
+    assert got.part_names == tuple(f"mb{j}/rollout_{i}" for j in range(2) for i in range(4))
+    from lens_callbacks.credit import disintegrate
+
+    # the reference: one backward per part of the step's stacked micro-batches (before the optimizer step)
+    fresh = _Accumulated()
+    ref = disintegrate(fresh.net, micro[:2], "by_rollout", dtype="float64", engine="reference")
+    assert ref.part_names == got.part_names
+    for a, b in zip(ref.projected_share, got.projected_share):
+        assert a == pytest.approx(b, abs=1e-12)
 
 
 def test_engine_and_interference_reach_tensorboard(tmp_path):
@@ -276,11 +289,24 @@ def test_full_grad_trainer_reads_the_separate_pass_against_grad():
     assert compared >= 1
 
 
-def test_full_grad_trainer_under_accumulation_takes_its_own_backward_and_says_so_once():
-    cb = CreditAuditCallback(full_grad="trainer", log_figure=False)
-    with pytest.warns(RuntimeWarning, match="full_grad='trainer' takes g_full by the audit's own backward") as rec:
-        _fit([cb], steps=2, seed=0, accumulate_grad_batches=2)
-    assert sum("full_grad='trainer'" in str(w.message) for w in rec) == 1
-    assert cb.last_report.engine == "ghost"
+def test_full_grad_trainer_under_accumulation_reads_the_accumulated_grad():
+    # The separate pass replays every micro-batch of the step, whose gradient is `.grad` itself.
+    trainer_cb = CreditAuditCallback(full_grad="trainer", log_figure=False)
+    own = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", log_figure=False)
+    pairs = _Pairs(trainer_cb, own)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
+        _fit([trainer_cb, own, pairs], steps=2, seed=0, accumulate_grad_batches=2)
+    assert trainer_cb.last_report.engine == "ghost+grad" and own.last_report.engine == "ghost"
+    compared = 0
+    for r, s in pairs.rows:
+        if r is None or s is None or not s.ok:
+            continue
+        assert s.grad_match < 1e-6  # the replayed micro-batches are the step's .grad
+        assert r.n_parts == s.n_parts and r.n_parts > 8  # every micro-batch's rollouts
+        for a, b in zip(r.projected_share, s.projected_share):
+            assert a == pytest.approx(b, abs=1e-5)
+        compared += 1
+    assert compared >= 1
     with pytest.raises(ValueError, match="`full_grad` must be 'own'"):
         CreditAuditCallback(full_grad="grad")

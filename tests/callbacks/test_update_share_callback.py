@@ -138,8 +138,22 @@ def test_off_by_default_and_skipped_steps_copy_nothing():
     assert spy.seen == [(0, True), (1, False), (2, True)]
 
 
+class _Fused(torch.autograd.Function):
+    """A fused kernel with a backward and no forward-mode rule (as flash-attention-2 or a custom op)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (1 - torch.tanh(x) ** 2)
+
+
 class _FusedAttention(pl.LightningModule):
-    """Fused SDPA: no forward-mode derivative on CPU, so update shares must be refused, not crash."""
+    """An op without a forward-mode derivative, so update shares must be refused, not crash."""
 
     def __init__(self):
         super().__init__()
@@ -152,7 +166,7 @@ class _FusedAttention(pl.LightningModule):
 
         tokens, adv = batch  # [B, T+1], [B]
         x = self.emb[tokens[:, :-1]][:, None]  # [B, 1, T, 4]
-        h = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)[:, 0]  # [B, T, 4]
+        h = _Fused.apply(torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True))[:, 0]  # [B, T, 4]
         lp = torch.log_softmax(h @ self.out, -1).gather(-1, tokens[:, 1:, None])[..., 0]  # [B, T]
         terms = -adv[:, None] * lp / lp.numel()  # [B, T]
         B = tokens.shape[0]
