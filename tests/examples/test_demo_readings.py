@@ -128,12 +128,19 @@ def demo(tmp_path_factory):
 EXACT = {"steps", "defined_steps", "carry_prompts_pct", "ledger_no_carry", "ledger_carry"}
 
 # The demo's arithmetic takes ATen's vectorised kernels for the CPU it runs on, and the x86 machines
-# this suite runs on differ in them: over 200 steps of training, sums and means of readings move in
-# their fourth significant digit. On an AVX2 machine the default kernels and the scalar ones
-# (ATEN_CPU_CAPABILITY=default) log top1_share 91.501 % and 91.486 %, the by_reward ledger 28.240
-# and 28.259, 67.549 and 67.555, 41.211 and 41.186: at most 7e-4 apart, relative. A quoted figure is the
-# run's, rounded, give or take that spread (2e-3 of it, about three times the largest seen).
-CPU_SPREAD = 2e-3
+# this suite runs on differ in them: over 200 steps of training, sums and means of readings move.
+# Measured with `python scripts/demo_spread.py` (the demo under ATEN_CPU_CAPABILITY=default, avx2 and
+# avx512 on one AMD EPYC with AVX-512, relative spread (max - min) / |max|): the largest spread of any
+# reading but the noise scale is 2.0e-3 (effective_parts_norm over the last 50 steps: 1.9705-1.9744),
+# top1_share 2.4e-4, the ledgers up to 9.1e-4; on an AVX2 machine the default and scalar kernels had put
+# top1_share 7e-4 apart. A quoted figure is the run's, rounded, give or take three times the largest
+# spread seen (6e-3 of it).
+CPU_SPREAD = 6e-3
+# The noise scale's last-50-step mean is a ratio of two small moving averages and moves percents between
+# kernel sets: 123.66 / 123.82 / 124.44 under avx512 / default / avx2 here (6.3e-3), and 122.0 on an
+# Intel Xeon with AVX-512 (1.6e-2 below the quote of 124 it then had). It is quoted to two digits and
+# held to three times the largest spread seen.
+SPREAD = {"bsimple_last50": 0.05}
 
 
 @pytest.mark.slow
@@ -148,7 +155,7 @@ def test_readings_doc_quotes_the_numbers_the_demo_logs(demo):
     wrong = []
     for key, got, digits in quoted:
         want = QUOTES[key](run)
-        spread = 0.0 if key in EXACT else CPU_SPREAD * abs(want)
+        spread = 0.0 if key in EXACT else SPREAD.get(key, CPU_SPREAD) * abs(want)
         if abs(got - want) > 0.5 * 10 ** -digits + spread + 1e-9:
             wrong.append(f"demo:{key}: docs say {got}, the run logs {want:.6g}")
     assert not wrong, wrong
