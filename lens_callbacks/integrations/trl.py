@@ -103,6 +103,8 @@ _check_versions()
 from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
 
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
+from ..credit.guard import Suspects, guard  # noqa: E402
+from ..credit.primitives import compiled_parts  # noqa: E402
 from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
 from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
@@ -1013,6 +1015,8 @@ class LensTRLCallback(TrainerCallback):
             return
         self._log = _StepLog()
         report = self.audit()
+        if isinstance(report, CreditReport):
+            report = self._guarded(tr, report, step)
         self.last_report = report
         self.history.append((step, report))
         if isinstance(report, Refusal):
@@ -1034,14 +1038,26 @@ class LensTRLCallback(TrainerCallback):
             optimizer = kwargs.get("optimizer") or tr.optimizer
             self._pending = self._snapshot(tr, optimizer, step, report)
 
+    def _grad_match_limit(self, tr: Any, report: CreditReport) -> float:
+        args = getattr(tr, "args", None)
+        auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        return grad_match_threshold(getattr(torch, str(report.dtype), None), auto)
+
+    def _guarded(self, tr: Any, report: CreditReport, step: int) -> Union[CreditReport, Refusal]:
+        """The report, or the Refusal that withholds it when its parts do not add up (``credit.guard``)."""
+        gm = report.grad_match
+        over = gm is not None and math.isfinite(gm) and gm > self._grad_match_limit(tr, report)
+        model = getattr(tr, "model", None)
+        accumulation = int(getattr(getattr(tr, "args", None), "gradient_accumulation_steps", 1) or 1)
+        suspects = Suspects(bool(compiled_parts(model)) if model is not None else False, accumulation, over)
+        return guard(report, suspects, step) or report
+
     def _check_terms_are_loss(self, tr: Any, report: CreditReport, step: int) -> None:
         """Say once, in words, when ``grad_match`` shows the re-derived terms are not the loss TRL trained."""
         gm = report.grad_match
         if gm is None or not math.isfinite(gm) or "terms_not_loss" in self._said:
             return
-        args = getattr(tr, "args", None)
-        auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
-        limit = grad_match_threshold(getattr(torch, str(report.dtype), None), auto)
+        limit = self._grad_match_limit(tr, report)
         if gm > limit:
             self._said.add("terms_not_loss")
             if _is_main(tr):
