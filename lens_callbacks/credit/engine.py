@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .engines import available_engines, check_engine, choose_engine, get_engine
-from .engines.ghost import NotRowSeparable, RowInteraction
+from .engines.ghost import NotRowSeparable, RowInteraction, SpansInteract
 from .inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
     _DTYPES,
@@ -42,7 +42,7 @@ from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.cred
     resolve_dtype,
 )
 from .precision import PrecisionWatch
-from .report import CreditGrads, CreditReport, share_readings
+from .report import CreditGrads, CreditReport, PositionSplit, share_readings
 from .inputs.terms import CreditTerms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
@@ -64,6 +64,8 @@ def disintegrate(
     engine: str = "auto",
     readings: str = "all",
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    verify_part: Union[bool, str] = False,
+    position_split: bool = False,
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts and read how each part bears on the step.
 
@@ -125,6 +127,14 @@ def disintegrate(
             gradient of its own (``engine="ghost+grad"`` in the report; ``grad_match`` not read, since
             ``conservation_error`` now holds the parts against ``.grad`` directly), and the forward-mode
             engine runs its tangent pass alone (``"jvp+grad"``). Not the reference engine.
+        verify_part: the one-pass engine also takes its largest part's gradient by its own masked backward
+            and holds its readings to it (``True``), or does so only where it read the parts as spans of rows
+            (``"spans"``: packed rollouts, where attention crossing the spans would make the reading wrong);
+            a disagreement raises :class:`~lens_callbacks.credit.engines.ghost.SpansInteract` (or
+            ``RowInteraction``).
+        position_split: also split the step by the positions its gradient was computed at, every position by
+            its segment, trained or not (``report.position_split``; the one-pass engine reads it in the same
+            pass; any other engine leaves it unread, with the reason).
 
     Returns:
         A :class:`CreditReport`.
@@ -159,10 +169,10 @@ def disintegrate(
             module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
             reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
             preserve_rng=preserve_rng, params=params, forward_context=forward_context, project_onto=project_onto,
-            full_grad=full_grad,
+            full_grad=full_grad, verify_part=verify_part, position_split=position_split,
         )
         if fast is not None:
-            return fast
+            return _position_split_unread(fast, position_split)
     if full_grad is not None:
         raise ValueError(
             f"`full_grad` needs the one-pass engine, which cannot read this partition ({_partition_name(partition)}): "
@@ -235,10 +245,15 @@ def disintegrate(
         readings="all",
         gram=_gram(kept) if keep_parts else None,
         compute_dtype=compute,
+        position_split=None if not position_split else PositionSplit(
+            (), (), float("nan"), reason="the position split is read by the one-pass engine, and the reference engine "
+            "made this reading"),
     )
 
 
-def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts, preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None):
+def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts,
+              preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None, verify_part=False,
+              position_split=False):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
     if keep_parts and engine != "auto":
         raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
@@ -249,10 +264,11 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
                 module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
                 keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
                 params=params, forward_context=forward_context, project_onto=project_onto, full_grad=full_grad,
+                verify_part=verify_part, position_split=position_split,
             )
         except (NotRowSeparable, RowInteraction) as err:
-            if engine != "auto":
-                raise
+            if engine != "auto" or isinstance(err, SpansInteract):
+                raise  # packed rollouts whose attention crosses them: the training step has a bug to name
             # auto: the documented fallback. A split row goes to the within-row engine, mixing rows to the oracle.
             within = isinstance(err, NotRowSeparable) and readings == "projected"
             name = "jvp" if within and "jvp" in _engines_available() else "reference"
@@ -268,6 +284,14 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
             project_onto=project_onto, full_grad=full_grad,
         )
     return None
+
+
+def _position_split_unread(report: CreditReport, asked: bool) -> CreditReport:
+    """The report, saying why its position split was not read when it was asked for and the engine could not."""
+    if not asked or report.position_split is not None:
+        return report
+    why = f"the position split is read by the one-pass engine, and engine {report.engine!r} made this reading"
+    return dataclasses.replace(report, position_split=PositionSplit((), (), float("nan"), reason=why))
 
 
 def _check_engine(engine: str, readings: str) -> None:

@@ -84,6 +84,10 @@ MODES = [
     Mode("mha_by_segment_jvp", arch="mha", partition="by_segment", readings="projected", expect_engine="jvp"),
     Mode("packed_rows", packed=True, partition="by_segment", engine="reference", expect_engine="reference"),
     Mode("packed_rows_jvp", packed=True, partition="by_segment", readings="projected", expect_engine="jvp"),
+    Mode("packed_rows_one_pass", packed=True, expect_engine="ghost"),
+    Mode("packed_rows_ride", packed=True, capture="training_step", expect_engine="ghost+training_step"),
+    Mode("packed_rows_accumulate2_ride", packed=True, accumulate=2, capture="training_step",
+         expect_engine="ghost+training_step"),
 ]
 COMPILED = [
     Mode(f"compile_{backend}_{engine}", compile=backend, engine=engine, partition=part, readings=readings,
@@ -156,9 +160,10 @@ class Policy(pl.LightningModule):
         self.last_rollout_batch: Optional[dict] = None
 
     def forward_logits(self, rb: dict) -> torch.Tensor:
-        out = self.net(input_ids=rb["ids"], position_ids=rb["pos"]) if self.mode.packed or self.mode.arch != "mha" else \
-            self.net(input_ids=rb["ids"])
-        return out.logits if hasattr(out, "logits") else out
+        if self.mode.arch == "mha":
+            return self.net(input_ids=rb["ids"])
+        # no attention mask and no cache: transformers makes restarting position ids a block-diagonal mask
+        return self.net(input_ids=rb["ids"], position_ids=rb["pos"], use_cache=False).logits
 
     def credit_terms(self, batch: Any = None) -> CreditTerms:
         rb = self.last_rollout_batch
@@ -194,10 +199,12 @@ def micro_batches(mode: Mode, n: int) -> list[dict]:
             rollout_of = torch.where(torch.arange(T) < cut, 0, 1)[None].expand(B, T) + 2 * torch.arange(B)[:, None]
             adv = torch.randn(2 * B, generator=g)[rollout_of]  # [B, T]: each rollout its own advantage
             segment = torch.where(trained, rollout_of, -1)
+            rollout = rollout_of.clone()  # [B, T]: one id per position, the prompt's included
         else:
             adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
             segment = torch.where(trained, torch.arange(T)[None].expand(B, T) // TURN, -1)
-        out.append(dict(ids=ids, trained=trained, adv=adv, pos=pos, segment=segment, rollout=torch.arange(B),
+            rollout = torch.arange(B)
+        out.append(dict(ids=ids, trained=trained, adv=adv, pos=pos, segment=segment, rollout=rollout,
                         group=torch.arange(B) // 2))
     return out
 
@@ -274,9 +281,10 @@ class Reference(Callback):
         """The part name of every trained position, as the audit names them (independently derived)."""
         out = {}
         if self.mode.partition == "by_rollout":
-            for r in t.rollout.tolist():
+            ids = t.rollout if t.rollout.dim() == 2 else t.rollout[:, None].expand_as(t.trained)  # [B, T]
+            for r in sorted(set(ids[t.trained].tolist())):
                 key = f"rollout_{r}" if n == 1 else f"mb{j}/rollout_{r}"  # row ids repeat in every micro-batch
-                out[key] = (t.rollout == r)[:, None] & t.trained
+                out[key] = (ids == r) & t.trained
         else:
             for s in sorted(set(t.segment[t.trained].tolist())):
                 out[f"segment_{s}"] = (t.segment == s) & t.trained

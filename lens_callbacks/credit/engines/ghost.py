@@ -46,13 +46,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 from torch import nn
 
-from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..inputs.partition import Partition, PartitionFn, apply_partition, position_parts, resolve_partition
 from ..precision import PrecisionWatch
 from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, compute_dtype_now, evaluate_terms
-from ..report import CreditGrads, CreditReport, share_readings
+from ..report import CreditGrads, CreditReport, PositionSplit, share_readings
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, sparse_only
+from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, row_dot, sparse_only, use_factors, widened
 from .rules import Rule, find_rule
 from .reductions import diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
 
@@ -61,6 +61,8 @@ __all__ = [
     "RowCapture",
     "NotRowSeparable",
     "RowInteraction",
+    "SpansInteract",
+    "PartRows",
     "row_parts",
     "row_interacting_modules",
     "rule_for",
@@ -85,6 +87,10 @@ class RowInteraction(ValueError):
     """A module mixes rows of the batch, so a row's gradient is not its own."""
 
 
+class SpansInteract(RowInteraction):
+    """Attention crosses the spans packed into one row, so a span's gradient is not its positions' pieces."""
+
+
 # ---- the rules -------------------------------------------------------------------------------------
 
 
@@ -107,7 +113,7 @@ class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
     __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge",
-                 "span", "calls")
+                 "span", "calls", "rows_ok")
 
     def __init__(self, rule: Rule, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
         self.handler = rule  # the registered rule that reads this use
@@ -124,6 +130,7 @@ class _Use:
         self.edge: Any = None  # the output's place in the graph (a backward to it forms no weight gradient)
         self.span: Optional[tuple[int, Optional[int]]] = None  # the batch's rows this call held (see `batch_rows`)
         self.calls = 1  # the layer calls (graph edges into its parameters) this use stands for
+        self.rows_ok = True  # False: its leading dimensions are not the rows the engine reads (fallback)
 
     def normalised(self) -> torch.Tensor:
         """A norm layer's ``x̂``: kept from the forward under autocast, else recomputed from the input now.
@@ -423,6 +430,106 @@ def row_parts(part: Partition) -> Optional[torch.Tensor]:
     return hi
 
 
+class PartRows:
+    """Positions regrouped into one row per part: the one-pass engine's view of parts that are spans of rows.
+
+    ``positions`` ``[B, T]`` (:attr:`Partition.positions`: the part of every position, ``-1`` none). Part ``i``'s
+    positions, in order, become row ``i`` of a ``[m, k]`` layout (``k`` its longest part, shorter parts padded
+    with zeros), so that every rule reads a part's piece as the piece of one row — with attention kept inside
+    each span, the sum of the pieces at a part's positions is its gradient.
+    """
+
+    def __init__(self, positions: torch.Tensor, m: int) -> None:
+        pos = positions.reshape(-1)  # [B·T]
+        self.shape = tuple(positions.shape)  # (B, T)
+        self.m = m
+        keep = (pos >= 0).nonzero().squeeze(1)  # [n] positions in some part, in order
+        order = keep[torch.argsort(pos[keep], stable=True)]  # [n] by part, in order within a part
+        counts = torch.bincount(pos[keep], minlength=m)  # [m]
+        self.k = max(1, int(counts.max())) if m else 1
+        start = torch.cumsum(counts, 0) - counts  # [m]
+        slot = torch.arange(order.numel(), device=pos.device) - start.repeat_interleave(counts)  # [n]
+        self.index = torch.zeros(m, self.k, dtype=torch.long, device=pos.device)  # [m, k] into B·T
+        self.valid = torch.zeros(m, self.k, dtype=torch.bool, device=pos.device)  # [m, k]
+        part = pos[order]
+        self.index[part, slot] = order
+        self.valid[part, slot] = True
+        self.positions = counts  # [m] positions per part
+
+    def eligible(self, x: Optional[torch.Tensor]) -> bool:
+        """Whether ``x`` leads with the batch's ``[B, T]`` (a layer called on every position of every row)."""
+        return x is not None and x.dim() >= 2 and tuple(x.shape[:2]) == self.shape
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, ...]`` as ``[m, k, ...]``: each part's positions in a row, zeros past its end."""
+        flat = x.reshape(self.shape[0] * self.shape[1], *x.shape[2:])
+        out = flat[self.index]  # [m, k, ...]
+        mask = self.valid.reshape(self.m, self.k, *([1] * (out.dim() - 2)))
+        return out.masked_fill(~mask, 0) if out.dtype != torch.bool else out & mask
+
+
+class _PartRowUse:
+    """A captured use seen through :class:`PartRows` (its input, output gradient and ``x̂`` regrouped)."""
+
+    _OWN = ("_use", "_rows", "_a", "_b", "_xhat")
+
+    def __init__(self, use: _Use, rows: PartRows) -> None:
+        object.__setattr__(self, "_use", use)
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_a", None)
+        object.__setattr__(self, "_b", None)
+        object.__setattr__(self, "_xhat", None)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._use, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("a", "b", "xhat") and value is None:
+            object.__setattr__(self, "_" + name, None)
+        setattr(self._use, name, value)
+
+    @property
+    def a(self) -> Optional[torch.Tensor]:
+        if self._a is None and self._use.a is not None:
+            object.__setattr__(self, "_a", self._rows.gather(self._use.a))
+        return self._a
+
+    @property
+    def b(self) -> Optional[torch.Tensor]:
+        if self._b is None and self._use.b is not None:
+            object.__setattr__(self, "_b", self._rows.gather(self._use.b))
+        return self._b
+
+    def normalised(self) -> torch.Tensor:
+        if self._xhat is None:
+            object.__setattr__(self, "_xhat", self._rows.gather(self._use.normalised()))
+        return self._xhat
+
+
+def part_rows(uses: Sequence[_Use], rows: PartRows) -> list[Any]:
+    """``uses`` seen through ``rows``; a use that does not lead with ``[B, T]`` is marked unreadable by rows."""
+    out: list[Any] = []
+    for u in uses:
+        if rows.eligible(u.a):
+            out.append(_PartRowUse(u, rows))
+        else:
+            u.rows_ok = False  # read by the fallback: its leading dimensions are not the batch's positions
+            out.append(u)
+    return out
+
+
+def layout(part: Partition, B: int) -> tuple[Optional[torch.Tensor], Optional[PartRows]]:
+    """How the one-pass engine reads ``part``: ``(rp, None)`` with ``rp`` ``[B]`` each row's part (whole rows),
+    ``(arange(m), rows)`` for spans of rows (:attr:`Partition.positions`), ``(None, None)`` when it cannot."""
+    rp = row_parts(part)
+    if rp is not None:
+        return rp, None
+    if part.positions is None:
+        return None, None
+    rows = PartRows(part.positions.to(part.ids.device), part.n_parts)
+    return torch.arange(part.n_parts, device=part.ids.device), rows
+
+
 # ---- per-part pieces of one parameter --------------------------------------------------------------
 
 
@@ -625,12 +732,13 @@ def disintegrate_ghost(
     preserve_rng: bool = True,
     readings: str = "all",
     memory_budget: Optional[int] = None,
-    verify_part: bool = False,
+    verify_part: Union[bool, str] = False,
     params: Optional[Mapping[str, torch.Tensor]] = None,
     forward_context: Optional[Callable[[], Any]] = None,
     route: str = "auto",
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    position_split: bool = False,
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -648,7 +756,9 @@ def disintegrate_ghost(
             instead of ``m²·|θ|``) or ``"projected"`` (projected shares only; norms are NaN).
         memory_budget: elements one chunk of per-part pieces may hold (default ``max(|θ|, 16 Mi)``).
         verify_part: also take the largest part's gradient by its own masked backward and check the
-            engine's ``<g_S, g_full>`` and ``‖g_S‖`` against it: catches a loss that mixes rows.
+            engine's ``<g_S, g_full>`` against it: catches a loss that mixes rows (``True``), or, with
+            ``"spans"``, only where the parts were read as spans of rows (packed rollouts: attention that
+            crosses them is :class:`SpansInteract`).
         params: name → tensor to evaluate the terms at instead of the live parameters.
         forward_context: a zero-argument factory of a context manager entered around ``credit_terms``
             (e.g. a trainer's autocast).
@@ -663,6 +773,9 @@ def disintegrate_ghost(
             ``conservation_error`` holds the parts against this gradient (which also covers what
             ``grad_match`` would check: terms that do not add up to the trained loss), and ``grad_match``
             is not read. The captured output gradients are held until the backward ends.
+        position_split: also read the step split by the positions its gradient was computed at
+            (``report.position_split``, :class:`PositionDots`): every position by its segment, trained or not;
+            about one more product the size of each layer's forward.
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -699,18 +812,21 @@ def disintegrate_ghost(
             given = [g.to(x.dtype) for g, x in zip(given, leaves)]
         part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)  # [B, T]
-        rp = row_parts(Partition(ids, part.names))
+        B = int(terms.terms.shape[0])
+        rp, spans = layout(part, B)
         if rp is None:
             raise NotRowSeparable(
                 f"`partition` ({_partition_name(partition)}) puts positions of one row in different parts; the "
-                "one-pass engine needs parts that are unions of whole rows. Use engine='reference' (or 'jvp')."
+                "one-pass engine needs parts that are unions of whole rows (or spans of rows, Partition.positions). "
+                "Use engine='reference' (or 'jvp')."
             )
         m = part.n_parts
-        B = int(terms.terms.shape[0])
+        verify = bool(verify_part) if verify_part != "spans" else spans is not None
+        pdots = PositionDots(*position_parts(terms)) if position_split else None
         with torch.enable_grad():
             loss = terms.terms.sum()
-            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify_part, route,
-                           onto=onto, full_grad=given)
+            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify, route,
+                           onto=onto, full_grad=given, spans=spans, positions=pdots)
     g_full = reduced[0]
     full_sq = _sum_sq(g_full)
     grad_match = None
@@ -719,8 +835,27 @@ def disintegrate_ghost(
     return build_report(
         reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
         loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost" if given is None else "ghost+grad",
-        keep_grads=keep_grads, onto=onto, full_sq=full_sq, compute_dtype=compute,
+        keep_grads=keep_grads, onto=onto, full_sq=full_sq, compute_dtype=compute, spans=spans is not None,
+        spans_verified=verify and spans is not None, position_split=read_position_split(pdots, g_full, onto, full_sq),
     )
+
+
+def read_position_split(
+    pdots: Optional[PositionDots], g_full: Sequence[torch.Tensor], onto: Optional[Sequence[torch.Tensor]], full_sq: float
+) -> Optional[PositionSplit]:
+    """The :class:`PositionSplit` from what :class:`PositionDots` summed (None when it was not asked for)."""
+    if pdots is None:
+        return None
+    if pdots.reason is not None:
+        return PositionSplit((), (), float("nan"), reason=pdots.reason)
+    den = full_sq if onto is None else _sum_sq(onto)
+    expected = full_sq  # Σ_P <pieces at P, v> = <g_full, v>
+    if onto is not None:
+        expected = math.fsum(float(dots64(a.reshape(1, -1), b.reshape(-1))) for a, b in zip(g_full, onto))
+    if not (math.isfinite(den) and den > 0):
+        return PositionSplit((), (), float("nan"), reason=f"||g_full||² = {den}: shares are undefined this step.")
+    dots = [float(x) for x in pdots.dots.tolist()]
+    return PositionSplit(pdots.names, tuple(d / den for d in dots), abs(math.fsum(dots) - expected) / den)
 
 
 def build_report(
@@ -729,6 +864,9 @@ def build_report(
     onto: Optional[Sequence[torch.Tensor]] = None,
     full_sq: Optional[float] = None,
     compute_dtype: Optional[str] = None,
+    spans: bool = False,
+    spans_verified: bool = False,
+    position_split: Optional[PositionSplit] = None,
 ) -> CreditReport:
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned (``onto``: what the dots were taken with;
     ``full_sq``: ``‖g_full‖²`` when the caller has it already)."""
@@ -773,6 +911,9 @@ def build_report(
         gram=None if gram is None else tuple(tuple(float(v) for v in row) for row in gram.tolist()),
         coverage=coverage,
         compute_dtype=compute_dtype,
+        spans=spans,
+        spans_verified=spans_verified,
+        position_split=position_split,
     )
 
 
@@ -793,11 +934,15 @@ def _run(
     route: str = "auto",
     onto: Optional[Sequence[torch.Tensor]] = None,
     full_grad: Optional[Sequence[torch.Tensor]] = None,
+    spans: Optional[PartRows] = None,
+    positions: Optional[PositionDots] = None,
 ):
     uses, _ = stack_spans(cap.uses, B)  # unstacked, their parameters take the fallback (coverage says so)
+    if spans is not None:  # parts are spans of rows: each part's positions read as one row
+        uses, B = part_rows(uses, spans), m
     by_leaf = plan_uses(uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto)
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto, positions=positions)
     if full_grad is not None:
         # g_full is given: a backward to the layers' outputs alone captures every output gradient the
         # pieces need and forms no weight gradient (a third of a backward's products).
@@ -821,7 +966,7 @@ def _run(
     fb = None
     if fallback and loss.requires_grad:
         fb = _fallback_parts(terms, ids, [leaves[i] for i in fallback], m, retain=verify_part)
-    return red.finish(g_full, fallback, fb, (terms, ids) if verify_part else None)
+    return red.finish(g_full, fallback, fb, (terms, ids, spans) if verify_part else None)
 
 
 def seal(uses: Iterable[_Use]) -> None:
@@ -841,7 +986,7 @@ def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edge
                 continue
             i = index[id(t)]
             seen.setdefault(i, []).append(u)
-            if u.a.shape[0] != B:
+            if not getattr(u, "rows_ok", True) or u.a.shape[0] != B:
                 bad.add(i)  # the layer saw no per-row leading dimension: rows cannot be told apart
     out = {}
     for i, us in seen.items():
@@ -881,6 +1026,7 @@ def reduce_pieces(
     fb: Optional[torch.Tensor],
     verify: Optional[tuple] = None,
     route: str = "auto",
+    positions: Optional[PositionDots] = None,
 ):
     """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
 
@@ -888,8 +1034,53 @@ def reduce_pieces(
     ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
     ghost identities; no per-row piece is formed). Other parameters always take the direct route.
     """
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route)
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, positions=positions)
     return red.finish(g_full, fallback, fb, verify)
+
+
+class PositionDots:
+    """The position split, read in the same pass: ``<piece at the positions of P, g_full>`` for every part ``P``
+    of *all* positions (a turn's prompt, tool and user tokens included), beside the loss-mask split.
+
+    Per covered parameter, the pieces at each position are dotted with the parameter's full gradient without
+    being formed (``Σ_t L_t · (W R_t)`` per position: one product the size of the layer's forward) and summed
+    into the position's part. Every parameter must be read by a layer called on every position of every row;
+    where one is not (or falls back), the split is not read and :attr:`reason` says why.
+    """
+
+    def __init__(self, ids: torch.Tensor, names: Sequence[str]) -> None:
+        self.shape = tuple(ids.shape)  # (B, T)
+        self.names = tuple(names)
+        flat = ids.reshape(-1)  # [B·T]
+        self.rows = _Rows(flat, len(self.names))
+        self.dots = torch.zeros(len(self.names), dtype=torch.float64, device=ids.device)  # [m_pos]
+        self.reason: Optional[str] = None
+
+    def add(self, uses: Sequence[Any], param: torch.Tensor, g: torch.Tensor, target: Optional[torch.Tensor]) -> None:
+        if self.reason is not None:
+            return
+        base = [getattr(u, "_use", u) for u in uses]  # through a spans view: the captured use itself
+        for u in base:
+            if u.a is None or u.a.dim() < 2 or tuple(u.a.shape[:2]) != self.shape:
+                self.reason = (f"{type(u.module).__name__} was not called on every position of every row "
+                               f"(input {list(u.a.shape) if u.a is not None else None}, batch {list(self.shape)})")
+                return
+        W = g if target is None else target
+        BT = self.shape[0] * self.shape[1]
+        if ghost_eligible(base, param):  # L^T R weights: the dots without any piece
+            for u in base:
+                f = use_factors(u, param, self.rows.sel, BT)
+                if f is not None:
+                    f = widened(f)
+                    self.dots.index_add_(0, self.rows.dst, row_dot(f, W.to(f.R.dtype)))
+            return
+        for u in base:
+            piece = _use_pieces(u, param, self.rows)  # [m_pos, *param.shape], d-sized (biases, norm weights)
+            if piece is not None:
+                self.dots += dots64(piece.reshape(piece.shape[0], -1), W.reshape(-1).to(piece.dtype))
+
+    def fail(self, why: str) -> None:
+        self.reason = self.reason or why
 
 
 class _Reducer:
@@ -903,7 +1094,9 @@ class _Reducer:
     parts and returns what :func:`build_report` takes.
     """
 
-    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=None) -> None:
+    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=None,
+                 positions: Optional[PositionDots] = None) -> None:
+        self.positions = positions
         if route not in ROUTES:
             raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
         self.onto: Optional[Sequence[torch.Tensor]] = onto  # the parts are dotted with these instead of g_full
@@ -983,6 +1176,8 @@ class _Reducer:
         else:
             chunks = _chunks(self.rows_per_part, p.numel(), half)
             self.totals[i] = acc.add(pieces, chunks, g, self.keep_sum, target)
+        if self.positions is not None:
+            self.positions.add(us, p, g, target)
         key = "+".join(sorted({u.rule for u in us}))
         self.coverage[key] = self.coverage.get(key, 0) + p.numel()
         self.done.add(i)
@@ -998,6 +1193,8 @@ class _Reducer:
             self.param(i, g_full[i])
         acc.flush()
         coverage = self.coverage
+        if fallback and self.positions is not None:
+            self.positions.fail(f"{len(fallback)} parameter(s) are read by the fallback, which has no pieces by position")
         if fallback:
             gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
             n_fb = int(gf.numel())
@@ -1027,10 +1224,11 @@ class _Reducer:
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
-    terms, ids = verify
+    terms, ids, spans = verify
     if m == 0:
         return
-    k = max(range(m), key=lambda i: rows_per_part[i])
+    weight = rows_per_part if spans is None else spans.positions.tolist()
+    k = max(range(m), key=lambda i: weight[i])
     li = terms.terms.masked_select(ids == k).sum()
     if not li.requires_grad:
         return
@@ -1042,6 +1240,13 @@ def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallba
     tol = 1e-4 if leaves and leaves[0].dtype in (torch.float32,) else (1e-10 if leaves and leaves[0].dtype == torch.float64 else 1e-2)
     err = abs(dot - float(acc.dots[k])) / (part * full or 1.0)
     if err > tol:
+        if spans is not None:
+            raise SpansInteract(
+                f"part {k}'s gradient by its own backward disagrees with the pieces at its positions ({err:.3e} "
+                "relative): attention crosses the packed rollouts (the position ids do not restart where a rollout "
+                "does, or the attention mask is not block-diagonal), so a rollout's gradient is not its own "
+                "positions'. Keep attention inside each rollout, or audit with engine='reference'."
+            )
         raise RowInteraction(
             f"part {k}'s gradient by its own backward disagrees with the one-pass pieces ({err:.3e} relative): rows "
             "of this batch interact (a cross-row term in the loss or a module that mixes rows). Use engine='reference'."
@@ -1130,6 +1335,7 @@ class RideAlong:
         keep_grads: bool = False,
         route: str = "auto",
         scale: float = 1.0,
+        position_split: bool = False,
     ) -> None:
         """Called with the loss before its backward: the graph's edges are counted while it exists.
 
@@ -1148,7 +1354,7 @@ class RideAlong:
         if partition_fn is None or not loss.requires_grad:
             return
         try:
-            self._plan = self._prepare(partition_fn, readings, memory_budget, keep_grads, route)
+            self._plan = self._prepare(partition_fn, readings, memory_budget, keep_grads, route, position_split)
         except Exception as err:  # reported by `report`, never raised into the training step
             self._plan = f"{type(err).__name__}: {err}"
 
@@ -1159,30 +1365,36 @@ class RideAlong:
         t = validate_terms(self.terms)
         part = partition_fn(t.detached())
         part.check_covers(t.trained)
-        ids = part.ids.to(t.terms.device)  # [B, T]
-        rp = row_parts(Partition(ids, part.names))
+        B = int(t.terms.shape[0])
+        rp, spans = layout(part, B)
         if rp is None:
-            return SPLITS_ROWS + "; riding along needs whole rows."
+            return SPLITS_ROWS + "; riding along needs whole rows (or spans of rows, Partition.positions)."
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         names = [n for n, _ in named]
         leaves = [p for _, p in named]
-        uses, why = stack_spans(self.cap.uses, int(t.terms.shape[0]))
+        uses, why = stack_spans(self.cap.uses, B)
         if why is not None:
             return f"`batch_rows` was used, but {why}."
-        by_leaf = plan_uses(uses, leaves, int(t.terms.shape[0]), self.edges or {})
+        if spans is not None:
+            uses, B = part_rows(uses, spans), part.n_parts
+        by_leaf = plan_uses(uses, leaves, B, self.edges or {})
         missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
         if missing:
             return _uncovered(missing, self.reentrant)
-        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf, "uses": uses}
+        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf, "uses": uses,
+                "spans": spans}
 
-    def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route) -> Union[str, dict[str, Any]]:
+    def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route, position_split=False) -> Union[str, dict[str, Any]]:
         lay = self._layout(partition_fn)
         if isinstance(lay, str):
             return lay
-        red = _Reducer(lay["by_leaf"], lay["leaves"], lay["rp"], lay["part"].n_parts, readings, keep_grads, memory_budget, route)
+        pdots = PositionDots(*position_parts(validate_terms(self.terms))) if position_split else None
+        red = _Reducer(lay["by_leaf"], lay["leaves"], lay["rp"], lay["part"].n_parts, readings, keep_grads, memory_budget,
+                       route, positions=pdots)
         # ‖g‖² of the gradient each parameter was reduced against, to hold against its `.grad` afterwards
         seen = torch.full((len(lay["leaves"]),), float("nan"), dtype=torch.float64, device=red.device)  # [n_leaves]
-        plan: dict[str, Any] = {**lay, "red": red, "seen": seen, "args": (readings, keep_grads), "error": None}
+        plan: dict[str, Any] = {**lay, "red": red, "seen": seen, "args": (readings, keep_grads), "error": None,
+                                "positions": pdots}
 
         def hook(i: int) -> Callable[[torch.Tensor], None]:
             def on_grad(g: torch.Tensor) -> None:
@@ -1277,8 +1489,9 @@ class RideAlong:
                 lay["uses"], by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
                 None, route=route,
             )
+        split = read_position_split(plan["positions"], g_full, None, full_sq) if plan is not None else None
         return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads,
-                            self.compute_dtype)
+                            self.compute_dtype, spans=lay["spans"] is not None, position_split=split)
 
     def _contract(self) -> Optional[str]:
         """What breaks the contract of riding along (``credit_terms`` once, a backward of ``scale · terms.sum()``
@@ -1321,7 +1534,8 @@ def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.T
 
 def _ride_report(
     reduced: tuple, full_sq: float, t: CreditTerms, loss: float, names: Sequence[str], part_names: Sequence[str],
-    readings: str, partition_name: str, keep_grads: bool, compute_dtype: Optional[str] = None,
+    readings: str, partition_name: str, keep_grads: bool, compute_dtype: Optional[str] = None, spans: bool = False,
+    position_split: Optional[PositionSplit] = None,
 ) -> Union[CreditReport, str]:
     """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``.
 
@@ -1332,7 +1546,7 @@ def _ride_report(
     report = build_report(
         reduced, names, part_names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
         loss=loss, partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads, full_sq=full_sq,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, spans=spans, position_split=position_split,
     )
     if report.conservation_violated:
         where = used if compute_dtype is None else f"{used} under {compute_dtype} autocast"
@@ -1372,6 +1586,7 @@ def report_accumulated(
     memory_budget: Optional[int] = None,
     keep_grads: bool = False,
     route: str = "auto",
+    position_split: bool = False,
 ) -> Union[CreditReport, str]:
     """One optimizer step's credit over its accumulated micro-batches, each captured riding on its own
     forward and backward, or the reason it cannot be read.
@@ -1410,9 +1625,9 @@ def report_accumulated(
     t = cat_terms(terms)  # rollout ids repeated across micro-batches become parts keyed by micro-batch
     part = partition_fn(t.detached())
     part.check_covers(t.trained)
-    rp = row_parts(Partition(part.ids.to(t.terms.device), part.names))
+    rp, spans = layout(part, int(t.terms.shape[0]))
     if rp is None:
-        return SPLITS_ROWS + "; riding along needs whole rows."
+        return SPLITS_ROWS + "; riding along needs whole rows (or spans of rows, Partition.positions)."
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names, leaves = [n for n, _ in named], [p for _, p in named]
     batches = [int(x.terms.shape[0]) for x in terms]
@@ -1424,13 +1639,18 @@ def report_accumulated(
     uses = _merge_uses([r.cap.uses for r in riders], batches)
     if isinstance(uses, str):
         return uses
-    by_leaf = plan_uses(uses, leaves, sum(batches), riders[0].edges or {})
+    rows = sum(batches)
+    if spans is not None:
+        uses, rows = part_rows(uses, spans), part.n_parts
+    by_leaf = plan_uses(uses, leaves, rows, riders[0].edges or {})
     g_full, _, full_sq = _grads_now(leaves, keep_grads)
+    pdots = PositionDots(*position_parts(t)) if position_split else None
     reduced = reduce_pieces(uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
-                            route=route)
+                            route=route, positions=pdots)
     loss = math.fsum(float(r.loss) for r in riders)  # type: ignore[arg-type]
     return _ride_report(reduced, full_sq, t, loss, names, part.names, readings, partition_name, keep_grads,
-                        riders[-1].compute_dtype)
+                        riders[-1].compute_dtype, spans=spans is not None,
+                        position_split=read_position_split(pdots, g_full, None, full_sq))
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -143,7 +143,7 @@ def choose_route(
     return "ghost" if ghost < direct else "direct"
 
 
-def _factors(u, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
+def use_factors(u, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
     """One use's factors on the selected rows (the piece is ``Lᵀ R``)."""
     if u.b is None:
         return None
@@ -218,7 +218,7 @@ def _cut(f: Factors) -> tuple[Factors, Optional[list]]:
     return Factors(f.L[:, a:b], f.R[:, a:b], f.index), rows
 
 
-def _widened(f: Factors) -> Factors:
+def widened(f: Factors) -> Factors:
     """``f`` in one dtype, float32 at least. Under autocast the factors are half precision (or one is and
     the other not): the ghost identities' products and dots are then taken in float32, against a g_full
     that is not rounded to half precision first (the direct route forms its pieces in the factors' dtype
@@ -229,7 +229,7 @@ def _widened(f: Factors) -> Factors:
     return Factors(f.L if f.index else f.L.to(dt), f.R.to(dt), f.index)
 
 
-def _row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
+def row_dot(f: Factors, W: torch.Tensor) -> torch.Tensor:
     """``<L_kᵀ R_k, W>`` of every row, float64 ``[r]``.
 
     ``<Lᵀ R, W> = Σ_t L_t · (W R_t)``: the product is contracted over the narrower side of ``W`` (short
@@ -375,7 +375,7 @@ def direct_param(
     Gram, whatever ``m``. Same arguments and return as :func:`ghost_param` (``m``: the number of parts).
     """
     param = uses[0].weight if param is None else param
-    facs = [f for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
+    facs = [f for f in (use_factors(u, param, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
@@ -601,15 +601,15 @@ def ghost_param(
         tensor for the second, read back later with the others).
     """
     param = uses[0].weight if param is None else param
-    facs = [_widened(f) for f in (_factors(u, param, sel, B) for u in uses) if f is not None]
+    facs = [widened(f) for f in (use_factors(u, param, sel, B) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
-    row_dot = torch.zeros(r, dtype=torch.float64, device=g_full.device)  # [r]
+    per_row = torch.zeros(r, dtype=torch.float64, device=g_full.device)  # [r]
     W = (g_full if target is None else target).to(facs[0].R.dtype)
     for f in facs:
-        row_dot += _row_dot(f, W)
-    dots.index_add_(0, dst, row_dot)
+        per_row += row_dot(f, W)
+    dots.index_add_(0, dst, per_row)
 
     def summed() -> tuple[Optional[torch.Tensor], torch.Tensor]:
         total = _total(facs, g_full)

@@ -26,6 +26,9 @@ __all__ = [
     "Partition",
     "PartitionFn",
     "by_rollout",
+    "packed_rollouts",
+    "position_parts",
+    "OUTSIDE_SEGMENTS",
     "by_group",
     "by_segment",
     "by_advantage_sign",
@@ -62,12 +65,19 @@ class Partition:
     Attributes:
         ids: ``[B, T]`` long, part id of each position in ``0 .. len(names) - 1`` or ``-1``.
         names: one name per part id.
+        positions: optional ``[B, T]`` long: the part every position belongs to, trained or not (``-1``:
+            none), for parts that are spans of a row — rollouts packed into one row, whose prompt positions
+            belong to their rollout. Where attention stays inside each span, a part's gradient is the sum of
+            the pieces at its own positions, and the one-pass engine reads it so (and checks it). A trained
+            position's span must be its part.
     """
 
     ids: torch.Tensor  # [B, T]
     names: tuple[str, ...]
+    positions: Optional[torch.Tensor] = None  # [B, T]
 
     def __post_init__(self) -> None:
+        self._check_positions()
         if not isinstance(self.ids, torch.Tensor) or self.ids.dim() != 2:
             raise PartitionError(f"`ids` must be a [B, T] integer tensor, got {_desc(self.ids)}.")
         if self.ids.is_floating_point() or self.ids.dtype == torch.bool:
@@ -84,6 +94,24 @@ class Partition:
         if lo < -1 or hi >= len(self.names):
             raise PartitionError(
                 f"`ids` must lie in -1 .. {len(self.names) - 1} (one id per name), got values in {lo} .. {hi}."
+            )
+
+    def _check_positions(self) -> None:
+        pos = self.positions
+        if pos is None:
+            return
+        if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != tuple(self.ids.shape) or pos.is_floating_point():
+            raise PartitionError(f"`positions` must be a [B, T] = {list(self.ids.shape)} integer tensor, got {_desc(pos)}.")
+        if pos.numel() and (int(pos.min()) < -1 or int(pos.max()) >= len(self.names)):
+            raise PartitionError(f"`positions` must lie in -1 .. {len(self.names) - 1}, got values in "
+                                 f"{int(pos.min())} .. {int(pos.max())}.")
+        ids = self.ids.to(pos.device)
+        off = (ids >= 0) & (pos != ids)
+        if bool(off.any()):
+            where = [tuple(q) for q in off.nonzero()[:5].tolist()]
+            raise PartitionError(
+                f"`positions` must put every position of a part in that part's span, got {int(off.sum())} position(s) "
+                f"whose span differs from their part, e.g. (row, t) = {where}."
             )
 
     @property
@@ -150,8 +178,12 @@ def by_rollout(terms: CreditTerms) -> Partition:
 
     On the rows of an accumulated step (``terms.micro_batch`` set), a rollout id that repeats across
     micro-batches (``torch.arange(B)`` in each) names another rollout in each: the parts are then keyed by
-    micro-batch, ``mb{j}/rollout_{id}``.
+    micro-batch, ``mb{j}/rollout_{id}``. Rollouts packed into rows (``terms.rollout`` of shape ``[B, T]``,
+    an id per position, ``-1`` for padding) are parts of their trained positions, with their spans as
+    :attr:`Partition.positions`.
     """
+    if terms.rollout.dim() == 2:
+        return _packed_rollouts(terms)
     rollout = terms.rollout.cpu().long()  # [B]
     if len(rollout) == 0:
         raise PartitionError("`by_rollout` needs at least one rollout, got an empty batch.")
@@ -165,6 +197,95 @@ def by_rollout(terms: CreditTerms) -> Partition:
     ids = inv.view(-1, 1).expand_as(terms.trained).clone()
     ids[~terms.trained.cpu()] = -1
     return Partition(ids.to(terms.trained.device), names)
+
+
+def _packed_rollouts(terms: CreditTerms) -> Partition:
+    """``by_rollout`` on rollouts packed into rows: a part per rollout id, its span every position with that id."""
+    rollout = terms.rollout.cpu().long()  # [B, T]
+    trained = terms.trained.cpu()  # [B, T]
+    if bool((trained & (rollout < 0)).any()):
+        pos = [tuple(q) for q in (trained & (rollout < 0)).nonzero()[:5].tolist()]
+        raise PartitionError(f"packed `rollout` ids must be >= 0 at every trained position, got -1 at (row, t) = {pos}.")
+    key = rollout
+    mb = terms.micro_batch.cpu().long()[:, None].expand_as(rollout) if terms.micro_batch is not None else None
+    keyed = mb is not None and _repeats_across(rollout[rollout >= 0], mb[rollout >= 0])
+    if keyed:
+        key = torch.where(rollout >= 0, mb * (int(rollout.max()) + 1) + rollout, -1)
+    uniq = torch.unique(key[key >= 0], sorted=True)  # [m]
+    if uniq.numel() == 0:
+        raise PartitionError("`by_rollout` needs at least one rollout, got none (every packed id is -1).")
+    spans = torch.where(key >= 0, torch.searchsorted(uniq, key.clamp(min=0)), -1)  # [B, T]
+    ids = torch.where(trained, spans, -1)
+    if keyed:
+        width = int(rollout.max()) + 1
+        names = tuple(f"mb{int(u) // width}/rollout_{int(u) % width}" for u in uniq)
+    else:
+        names = tuple(f"rollout_{int(u)}" for u in uniq)
+    dev = terms.trained.device
+    return Partition(ids.to(dev), names, positions=spans.to(dev))
+
+
+def packed_rollouts(position_ids: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-position rollout ids ``[B, T]`` of rows that pack several rollouts, from their position ids.
+
+    A rollout starts wherever ``position_ids`` does not grow by one (a restart at 0, as TRL's padding-free
+    collator, verl's remove-padding and OpenRLHF's packing write them); ids count rollouts over the whole
+    batch, row by row. ``valid`` (``[B, T]`` bool) marks the positions that hold a token (``-1`` elsewhere).
+
+    Example:
+        >>> packed_rollouts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])).tolist()
+        [[0, 0, 0, 1, 1], [2, 2, 3, 3, 3]]
+    """
+    pos = position_ids.long()
+    if pos.dim() != 2:
+        raise ValueError(f"`position_ids` must be [B, T], got a tensor of shape {list(pos.shape)}.")
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    ids = start.reshape(-1).cumsum(0).reshape(pos.shape) - 1  # [B, T]
+    if valid is not None:
+        ids = torch.where(valid.to(ids.device), ids, -1)
+    return ids
+
+
+#: The position split's part for positions outside every segment (a BOS token, a system prefix).
+OUTSIDE_SEGMENTS = "outside_segments"
+
+
+def position_parts(terms: CreditTerms) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """The parts of the position split: every position by its segment, trained or not.
+
+    ``(ids [B, T], names)``: segment ``j`` is named ``terms.segment_names[j]`` (``segment_{j}`` without names);
+    positions whose segment is ``-1`` form one more part, :data:`OUTSIDE_SEGMENTS`, so the split covers every
+    position and its shares sum to 1.
+
+    Example:
+        >>> from lens_callbacks.credit.inputs.terms import CreditTerms
+        >>> t = CreditTerms(torch.zeros(1, 4), torch.tensor([[False, False, True, True]]), torch.arange(1),
+        ...                 torch.zeros(1, dtype=torch.long), segment=torch.tensor([[-1, 0, 1, 1]]),
+        ...                 segment_names=("user", "assistant"))
+        >>> ids, names = position_parts(t)
+        >>> ids.tolist(), names
+        ([[2, 0, 1, 1]], ('user', 'assistant', 'outside_segments'))
+    """
+    if terms.segment is None:
+        raise MissingSegmentsError(
+            "the position split needs `CreditTerms.segment` ([B, T] turn ids at every position), got None. Return "
+            "segment ids from `credit_terms` (see `turn_segments`), or turn the position split off."
+        )
+    seg = terms.segment.cpu().long()  # [B, T]
+    if terms.segment_names is not None:
+        names = list(terms.segment_names)
+        ids = seg.clone()
+    else:
+        present = torch.unique(seg[seg >= 0], sorted=True)
+        names = [f"segment_{int(u)}" for u in present]
+        ids = torch.where(seg >= 0, torch.searchsorted(present, seg.clamp(min=0)), -1)
+    if bool((seg < 0).any()):
+        ids = torch.where(seg >= 0, ids, len(names))
+        names.append(OUTSIDE_SEGMENTS)
+    if ids.numel() and int(ids.max()) >= len(names):
+        raise PartitionError(f"`segment` ids must be < len(segment_names) = {len(names)}, got {int(ids.max())}.")
+    return ids.to(terms.trained.device), tuple(names)
 
 
 def _repeats_across(rollout: torch.Tensor, mb: torch.Tensor) -> bool:

@@ -38,7 +38,9 @@ class CreditTerms:
             PPO ratio, clipping, KL or entropy contributions belong in ``terms`` too, at the position
             they come from. Positions that are not trained must hold exactly zero.
         trained: ``[B, T]`` bool, the positions that carry a trained token.
-        rollout: ``[B]`` int, the rollout id of each row (unique per row within a step).
+        rollout: ``[B]`` int, the rollout id of each row (unique per row within a step); or ``[B, T]``, one
+            id per position, for rows that pack several rollouts (``-1`` where no rollout: padding), with
+            attention kept inside each (see :func:`~lens_callbacks.credit.inputs.partition.packed_rollouts`).
         group: ``[B]`` int, the prompt group of each row (GRPO: the rollouts of one prompt).
         segment: ``[B, T]`` int, the turn id of each position, ``-1`` where none; ``None`` when the
             module has no turn structure.
@@ -127,8 +129,10 @@ class CreditTerms:
             raise CreditTermsError("trained", f"`trained` must be bool, got dtype {tr.dtype}; use `mask.bool()`.")
         for name in ("rollout", "group"):
             v = getattr(self, name)
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (B,):
-                raise CreditTermsError(name, f"`{name}` must be a [B] = [{B}] int tensor, got {_describe(v)}.")
+            packed = name == "rollout" and isinstance(v, torch.Tensor) and tuple(v.shape) == (B, T)
+            if not isinstance(v, torch.Tensor) or (tuple(v.shape) != (B,) and not packed):
+                shapes = f"[B] = [{B}]" + (f" (or [B, T] = [{B}, {T}] for packed rows)" if name == "rollout" else "")
+                raise CreditTermsError(name, f"`{name}` must be a {shapes} int tensor, got {_describe(v)}.")
             if v.is_floating_point() or v.dtype == torch.bool:
                 raise CreditTermsError(name, f"`{name}` must be an integer tensor, got dtype {v.dtype}.")
         if self.segment is not None:
@@ -249,7 +253,7 @@ def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
     return CreditTerms(
         terms=rows("terms", 0.0),  # [B, T]
         trained=rows("trained", False),  # [B, T]
-        rollout=rows("rollout"),  # [B]
+        rollout=_rollouts([p.rollout for p in parts], pad),  # [B] or [B, T]
         group=rows("group"),  # [B]
         segment=rows("segment", -1),
         segment_names=names("segment_names"),
@@ -262,6 +266,15 @@ def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
         micro_batch=torch.cat([torch.full((int(p.terms.shape[0]),), j, dtype=torch.long, device=p.rollout.device)
                                for j, p in enumerate(parts)]),
     )
+
+
+def _rollouts(xs: Sequence[torch.Tensor], pad: Any) -> torch.Tensor:
+    """The micro-batches' rollout ids stacked: ``[B]``, or ``[B, T]`` (padded with -1) when any is packed."""
+    if all(x.dim() == 1 for x in xs):
+        return torch.cat(xs)
+    if not all(x.dim() == 2 for x in xs):
+        raise ValueError("`rollout` must be [B] in every micro-batch or [B, T] in every one, got both kinds.")
+    return torch.cat([pad(x, -1) for x in xs])
 
 
 def _odd_one_out(ct: CreditTerms, terms_shape: tuple, trained_shape: tuple) -> str:
