@@ -39,7 +39,7 @@ from lens_callbacks.credit.guard import Suspects, guard
 from lens_callbacks.credit.primitives import compiled_parts
 from lens_callbacks.credit.replay import StepReplay
 from lens_callbacks.credit.engines import check_engine
-from lens_callbacks.credit.engines.ghost import SPLITS_ROWS, RideAlong, report_accumulated
+from lens_callbacks.credit.engines.ghost import SPLITS_ROWS, RideAlong, SpansInteract, report_accumulated
 from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
 from lens_callbacks.credit.inputs.partition import (
     PARTITION_REMEDY,
@@ -67,6 +67,7 @@ LAST_REPORT_FILE = "credit_last.txt"
 
 
 class CreditAuditCallback(Callback):
+
     """Exact credit per part of every ``every_n_steps``-th optimizer step, logged as it trains.
 
     Logged (``prefix`` = ``credit/``): ``cancellation``, ``cancelled_fraction``, ``conservation_error``,
@@ -141,6 +142,12 @@ class CreditAuditCallback(Callback):
             optimization, a merger, or a partition the one-pass engine cannot read, the audit takes its
             own ``g_full`` and a warning says so once.
 
+        position_split: also split each step by the positions its gradient was computed at — every position by
+            its segment (``CreditTerms.segment``), a turn's prompt, user and tool tokens included — beside the
+            loss-mask split, in the same one-pass reading (riding along too): logged as
+            ``position_split/projected_share/<segment>`` and tabled under the report. About one more product the
+            size of each layer's forward. See docs/multi_turn.md.
+
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
     per extra partition, and ``credit/ledger/<book>/<partition>/<part>`` for every stable-name
@@ -160,6 +167,11 @@ class CreditAuditCallback(Callback):
     Scalars go to ``trainer.loggers`` at the audited step itself (``trainer.global_step``), from rank 0;
     steps that ``every_n_steps`` skips get no value rather than a repeated one.
     """
+
+    #: Packed rollouts are read position by position, exact where attention stays inside each rollout; every
+    #: this-many-th such reading (the first included) holds its largest rollout to its own masked backward
+    #: (one backward; riding along, one separate pass). 0: never.
+    verify_spans_every: int = 10
 
     def __init__(
         self,
@@ -185,6 +197,7 @@ class CreditAuditCallback(Callback):
         capture: str = "separate",
         full_grad: str = "own",
         log_figure_every_n_steps: int = 100,
+        position_split: bool = False,
     ) -> None:
         super().__init__()
         check_engine(engine, readings)  # raises, naming the valid engines and readings
@@ -231,6 +244,9 @@ class CreditAuditCallback(Callback):
         self.precision_context = bool(precision_context)
         self._global = False  # set in setup: a multi-rank run read as one global step
         self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
+        if not isinstance(position_split, bool):
+            raise ValueError(f"`position_split` must be True or False, got {position_split!r}.")
+        self.position_split = position_split
         self.engine = engine
         self.reading_set = readings  # which readings the engine makes ("all" | "shares" | "projected")
         self.capture = capture
@@ -250,6 +266,9 @@ class CreditAuditCallback(Callback):
         self._replay_fn: Any = None  # the replay the latest audit read (update_shares reads it again)
         self._compiled: Optional[list[str]] = None
         self.last_withheld: Optional[CreditReport] = None
+        self.n_spans_readings = 0  # readings of packed rollouts (parts read as spans of rows)
+        self.n_spans_checks = 0  # of which held to one part's own backward
+        self._spans_failed = False  # the latest check of packed rollouts failed
         self._ride_warned = False
         self.n_ride_along = 0
 
@@ -359,7 +378,8 @@ class CreditAuditCallback(Callback):
         k = int(trainer.accumulate_grad_batches)
         if k == 1:
             # With the partition known now, each parameter is reduced inside the training backward.
-            self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads)
+            self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads,
+                               position_split=self.position_split)
         else:  # only captured: the step is read after its last micro-batch (Lightning divides the loss by k)
             self._ride.on_loss(loss, scale=1.0 / k)
 
@@ -432,7 +452,8 @@ class CreditAuditCallback(Callback):
             try:
                 if trainer.accumulate_grad_batches > 1:
                     got = report_accumulated(earlier + [ride], self._ride_partition(), partition_name=name,
-                                             readings=self.reading_set, keep_grads=self.keep_grads)
+                                             readings=self.reading_set, keep_grads=self.keep_grads,
+                                             position_split=self.position_split)
                 else:
                     got = ride.report(self._ride_partition(), partition_name=name, readings=self.reading_set,
                                       keep_grads=self.keep_grads)
@@ -478,7 +499,7 @@ class CreditAuditCallback(Callback):
                 f"`partition` must match what credit_terms returns, got partition={self.partition!r} on terms without "
                 f"segment ids: {err}{fallback}"
             ) from self._last_error
-        reading = self._guard(trainer, self._refuse_non_finite(reading, step), step)
+        reading = self._guard(trainer, self._refuse_non_finite(self._checked_spans(pl_module, reading), step), step)
         self._audited_step = step
         self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), step
         self.n_audits += 1
@@ -549,16 +570,21 @@ class CreditAuditCallback(Callback):
         self.last_values.update(values)
         log_scalars(trainer, values, step)
 
-    def audit(self, pl_module: LightningModule, batch: Any, use_grad: bool = False) -> Union[CreditReport, Refusal]:
+    def audit(
+        self, pl_module: LightningModule, batch: Any, use_grad: bool = False, verify: Optional[bool] = None
+    ) -> Union[CreditReport, Refusal]:
         """One disintegration of the step; a reading that cannot be made is a :class:`Refusal`.
 
         ``use_grad``: ``.grad`` is this step's ``g_full`` (riding along on parts inside rows), as with
-        ``full_grad="trainer"``."""
+        ``full_grad="trainer"``. ``verify``: hold one part of packed rollouts to its own masked backward
+        (default: every ``verify_spans_every``-th reading of packed rollouts)."""
+        due = self._spans_due() if verify is None else verify
         try:
             with torch.enable_grad():  # the hook may run inside optimizer.step with grad mode off
                 kw = dict(
                     dtype=self.dtype, keep_grads=self.keep_grads, forward_context=self._forward_context(pl_module),
                     engine=self.engine, readings=self.reading_set, terms_fn=self._step_terms(pl_module),
+                    verify_part="spans" if due else False, position_split=self.position_split,
                 )
                 part = self._partition_fn if self._partition_fn is not None else self.partition
                 full = self._trainer_grad(pl_module, use_grad)
@@ -575,12 +601,40 @@ class CreditAuditCallback(Callback):
             self._last_error = err
             numbers: dict[str, Any] = {"step": self._step_of(pl_module)}
             condition, remedy = "credit_audit", "check what credit_terms returns for this step's batch (see docs/credit_audit.md)"
-            if isinstance(err, PartitionError):
+            if isinstance(err, SpansInteract):
+                condition, remedy = "packed_attention", PACKED_REMEDY
+                self._spans_failed = True  # every later reading of packed rollouts is checked, until one passes
+            elif isinstance(err, PartitionError):
                 condition, remedy = "partition", PARTITION_REMEDY
             elif isinstance(err, CreditTermsError):
                 condition = f"credit_terms.{err.field}"
                 numbers.update(err.numbers)
             return Refusal(condition, f"{type(err).__name__}: {err}", numbers=numbers, remedy=remedy)
+
+    def _spans_due(self) -> bool:
+        """Whether this reading, if it is of packed rollouts, holds one part to its own backward (every reading
+        after a check that failed, until one passes)."""
+        if self._spans_failed:
+            return True
+        return self.verify_spans_every > 0 and self.n_spans_readings % self.verify_spans_every == 0
+
+    def _checked_spans(self, pl_module: LightningModule, reading: Union[CreditReport, Refusal]) -> Union[CreditReport, Refusal]:
+        """A reading of packed rollouts, held (when due) to one part's own backward; counted."""
+        if not isinstance(reading, CreditReport) or not reading.spans:
+            return reading
+        passed = reading.spans_verified
+        if not passed and self._spans_due():
+            checked = self.audit(pl_module, self._batch, verify=True)  # riding along: a separate pass checks it
+            if isinstance(checked, Refusal):
+                self.n_spans_checks += 1
+                reading = checked  # `audit` set `_spans_failed`
+            else:
+                passed = checked.spans_verified
+        if passed:
+            self.n_spans_checks += 1
+            self._spans_failed = False
+        self.n_spans_readings += 1
+        return reading
 
     def _step_terms(self, pl_module: LightningModule) -> Any:
         """With accumulation, a ``terms_fn`` that replays every micro-batch of this optimizer step (None without)."""
@@ -726,6 +780,8 @@ class CreditAuditCallback(Callback):
         )
         extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0,
                  "conservation_floor": report.conservation_floor}
+        if report.position_split is not None:
+            extra.update(report.position_split.to_dict("", self.max_logged_parts))
         extra.update(engine_values(report))
         return self._flatten(out, report.part_names, extra=extra)
 
@@ -1017,6 +1073,12 @@ class CreditAuditCallback(Callback):
         for book, part in self.readings.ledger.books():
             log_figure(trainer, f"{self.prefix}ledger/{book}/{part}", self.readings.ledger.figure(book, part), step)
 
+
+PACKED_REMEDY = (
+    "keep attention inside each packed rollout: restart position_ids at every rollout and pass no attention_mask "
+    "(transformers then builds a block-diagonal mask; pass use_cache=False), or audit with engine='reference' "
+    "(exact whatever the attention)"
+)
 
 #: Partitions known by name to put positions of one row in different parts.
 WITHIN_ROW_PARTITIONS = ("by_segment", "by_turn", "by_role")

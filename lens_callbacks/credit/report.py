@@ -10,7 +10,7 @@ import torch
 
 from .precision import conservation_floor
 
-__all__ = ["CreditReport", "CreditGrads"]
+__all__ = ["CreditReport", "CreditGrads", "PositionSplit"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,41 @@ class CreditGrads:
 
 
 @dataclass(frozen=True)
+class PositionSplit:
+    r"""The position split of a step: ``<piece of g_full at the positions of P, g_full> / ‖g_full‖²`` per part ``P``.
+
+    Beside the loss-mask split (whose part ``S`` is the gradient of the terms *at* ``S``), the position split
+    asks where the gradient was *computed*: every position's own pieces (the layers' weights as they were
+    used at that position), the prompt, user and tool tokens of a turn included — a later turn's loss reaches
+    them through attention. The shares sum to 1; ``conservation_error`` is ``|Σ_P dots_P − ‖g_full‖²| / ‖g_full‖²``.
+    When it could not be read, the shares are empty and ``reason`` says why.
+
+    Example:
+        >>> PositionSplit(("user", "assistant"), (0.25, 0.75), 0.0).to_dict("credit/")["credit/position_split/projected_share/user"]
+        0.25
+    """
+
+    part_names: tuple[str, ...]
+    projected_share: tuple[float, ...]
+    conservation_error: float
+    reason: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    def to_dict(self, prefix: str = "credit/", max_parts: Optional[int] = None) -> dict[str, float]:
+        if not self.ok:
+            return {f"{prefix}position_split/read": 0.0}
+        out = {f"{prefix}position_split/read": 1.0, f"{prefix}position_split/share_sum": math.fsum(self.projected_share),
+               f"{prefix}position_split/conservation_error": float(self.conservation_error)}
+        k = len(self.part_names) if max_parts is None else min(max_parts, len(self.part_names))
+        for name, v in zip(self.part_names[:k], self.projected_share[:k]):
+            out[f"{prefix}position_split/projected_share/{name}"] = float(v)
+        return out
+
+
+@dataclass(frozen=True)
 class CreditReport:
     r"""Which part of a step got the credit, and the proof that the parts add up.
 
@@ -49,6 +84,9 @@ class CreditReport:
     When ``g_full`` is zero or not finite the shares are NaN and ``reason`` says why. ``compute_dtype`` names
     the autocast dtype the terms were computed under (None: ``dtype`` itself); ``floor_scale`` is an engine's
     own bound on the cancellation for its conservation check (the forward-mode engine's, over positions).
+    ``spans``: the one-pass engine read the parts as spans of rows (packed rollouts), position by position;
+    ``spans_verified``: this reading also held one part to its own masked backward. ``position_split``: the
+    same step split by the positions the gradient was computed at (:class:`PositionSplit`), when asked for.
 
     Example:
         >>> r = CreditReport(("a", "b"), (0.75, 0.25), (0.6, 0.4), (3.0, 2.0), 5 / 4, 1e-16, None,
@@ -77,6 +115,9 @@ class CreditReport:
     coverage: Optional[tuple[tuple[str, int], ...]] = None
     compute_dtype: Optional[str] = None
     floor_scale: Optional[float] = None
+    spans: bool = False
+    spans_verified: bool = False
+    position_split: Optional[PositionSplit] = field(default=None, repr=False)
 
     @property
     def conservation_floor(self) -> float:
@@ -176,6 +217,8 @@ class CreditReport:
             name = self.part_names[i]
             out[f"{prefix}projected_share/{name}"] = float(self.projected_share[i])
             out[f"{prefix}norm_share/{name}"] = float(self.norm_share[i])
+        if self.position_split is not None:
+            out.update(self.position_split.to_dict(prefix, max_parts))
         return out
 
     def render(self, max_rows: int = 10) -> str:

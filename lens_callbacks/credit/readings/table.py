@@ -199,6 +199,22 @@ def _closing_lines(rep: CreditReport) -> list[str]:
     if rep.grad_match is not None:
         lines.append(f"grad_match {rep.grad_match:.3e} (g_full vs the trainer's .grad)")
     lines.append(rep._engine_line())
+    lines += _position_lines(rep)
+    return lines
+
+
+def _position_lines(rep: CreditReport) -> list[str]:
+    """The position split beside the loss-mask split: where the gradient was computed, by segment."""
+    split = rep.position_split
+    if split is None:
+        return []
+    if not split.ok:
+        return [f"position split: not read ({split.reason})"]
+    w = max([len("position part")] + [len(n) for n in split.part_names])
+    lines = ["position split (the gradient computed at each segment's positions, trained or not):"]
+    lines += [f"  {n:<{w}}  {v:>10.6f}" for n, v in zip(split.part_names, split.projected_share)]
+    lines.append(f"  {'sum':<{w}}  {math.fsum(split.projected_share):>10.6f}  (conservation_error "
+                 f"{split.conservation_error:.3e})")
     return lines
 
 
