@@ -1,17 +1,24 @@
 """Cost of one probe-credit reading against the plain training step it reads.
 
 A GRPO-shaped objective (``terms[k, t] = −A_k · log π(x_{k,t+1}) / (B·T)``, parts by rollout) on a causal
-LM, Adam, and one probe batch of ``P`` held-out sequences. Measured in one run, as ratios of medians:
+LM, Adam, and one probe batch of ``P`` held-out sequences. Measured in one run, as ratios of medians to
+the plain step (forward + backward + ``optimizer.step()``), each piece of the reading by its own name:
 
-- ``step``: forward + backward + ``optimizer.step()`` (the plain training step);
-- ``reading``: what the callback adds per probe and step: the optimizer's update map, ``g_probe`` (one
-  forward and backward of the probe), the engine's pass projected onto ``D ⊙ g_probe``, the copy of θ,
-  and after the step one probe forward and ``⟨Δθ, g_probe⟩``.
+- ``update_map``: the optimizer's update as ``Δθ = −D ⊙ g + carried`` (:func:`optimizer_update_map`);
+- ``probe_forward_backward``: ``L_probe`` and ``g_probe`` at θ_before (:func:`probe_value_and_grad`);
+- ``parts_dots``: every part's ``⟨g_S, D ⊙ g_probe⟩`` — the engine's pass (the step's ``.grad`` is ``g_full``:
+  ``ghost+grad`` is a forward and a backward to the layers' outputs, ``jvp+grad`` the tangent pass alone);
+- ``readings``: the rest of :func:`probe_credit` (``v = D ⊙ g_probe``, the carried term, ``from_grad``, the
+  norms and splits, in float64 sums of blocks: no parameter-sized float64 copy);
+- ``theta_copy``: the copy of θ_before; ``probe_forward_after``: ``L_probe(θ_after)``; ``applied_dot``:
+  ``⟨θ_after − θ_before, g_probe⟩``.
 
 Policies: ``toy`` (GPT-2, 2 layers, width 64, vocabulary 64) and ``llama`` (a LlamaConfig of vocabulary
-32000, width 512, 2 layers, eager attention: a real vocabulary and head at a small depth).
+32000, width 512, 2 layers, sdpa attention: a real vocabulary and head at a small depth).
 
-    python benchmarks/probe_cost.py [--policy toy|llama|both --B 8 --T 64 --P 8 --repeats 5]
+    python benchmarks/probe_cost.py [--policy toy|llama|both --engine auto|jvp --B 8 --T 64 --P 8 --repeats 5]
+
+The table and the per-piece line are written to ``benchmarks/results/probe_cost-<date>.txt``.
 """
 
 from __future__ import annotations
@@ -66,11 +73,13 @@ def build(kind: str) -> tuple[nn.Module, int]:
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg), 32000
 
 
-def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
+def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -> dict:
+    import lens_callbacks.credit.readings.probe as probe_mod
+
     lm, V = build(kind)
     m = Policy(lm).train()
     params = [p for p in m.parameters() if p.requires_grad]
@@ -84,7 +93,9 @@ def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
         m.credit_terms(batch).terms.sum().backward()
         opt.step()
 
-    parts: dict[str, list[float]] = {k: [] for k in ("update_map", "probe_grad", "engine", "copy", "after")}
+    names = ("update_map", "probe_forward_backward", "parts_dots", "readings", "theta_copy", "probe_forward_after",
+             "applied_dot")
+    parts: dict[str, list[float]] = {k: [] for k in names}
 
     def clock(key, fn, *a, **k):
         t0 = time.perf_counter()
@@ -92,18 +103,27 @@ def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
         parts[key].append(time.perf_counter() - t0)
         return out
 
+    real = probe_mod.disintegrate
+
+    def timed_disintegrate(*a, **k):  # the engine's pass inside probe_credit, by its own name
+        return clock("parts_dots", real, *a, **k)
+
     def reading_before():
         update = clock("update_map", optimizer_update_map, opt, params)
-        loss, gp = clock("probe_grad", probe_value_and_grad, m, m.probe_loss, probe)
-        rep = clock("engine", probe_credit, m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",))
-        return rep, gp, clock("copy", lambda: [p.detach().clone() for p in params])
+        loss, gp = clock("probe_forward_backward", probe_value_and_grad, m, m.probe_loss, probe)
+        probe_mod.disintegrate = timed_disintegrate
+        try:
+            t0 = time.perf_counter()
+            rep = probe_credit(m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",),
+                               engine=engine)
+            parts["readings"].append(time.perf_counter() - t0 - parts["parts_dots"][-1])
+        finally:
+            probe_mod.disintegrate = real
+        return rep, gp, clock("theta_copy", lambda: [p.detach().clone() for p in params])
 
     def reading_after(rep, gp, before):
-        def after_step():
-            after, _ = probe_value_and_grad(m, m.probe_loss, probe, grad=False)
-            return with_actual(rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
-
-        return clock("after", after_step)
+        after, _ = clock("probe_forward_after", probe_value_and_grad, m, m.probe_loss, probe, grad=False)
+        return clock("applied_dot", with_actual, rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
 
     step()  # warm-up: Adam's state exists from here on
     plain, extra = [], []
@@ -131,25 +151,41 @@ def run(kind: str, B: int, T: int, P: int, repeats: int) -> dict:
 
 
 def main() -> None:
+    import datetime
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", default="both", choices=["toy", "llama", "both"])
+    ap.add_argument("--engine", default="auto", choices=["auto", "ghost", "jvp"])
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--P", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    for name in ("B", "T", "P", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     kinds = ["toy", "llama"] if args.policy == "both" else [args.policy]
+    lines = ["| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines))
     rows = []
-    print("| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
-        r = run(kind, args.B, args.T, args.P, args.repeats)
-        print(f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
-              f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |")
+        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine)
+        lines.append(f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
+                     f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |")
+        print(lines[-1], flush=True)
         rows.append((r["policy"], r["breakdown"]))
-    print("\nper piece, / plain step: " + "; ".join(
+    lines.append("")
+    lines.append("per piece, / plain step: " + "; ".join(
         f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for kind, b in rows))
+    print(lines[-1])
+    out = Path(__file__).resolve().parent / "results" / f"probe_cost-{datetime.date.today().isoformat()}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = " ".join(["python benchmarks/probe_cost.py"] + sys.argv[1:])
+    with out.open("a") as fh:
+        fh.write(f"{cmd}\n\n" + "\n".join(lines) + "\n\n")
+    print(f"appended: {out}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .engines.reductions import diff_sq64, sq64
+from .engines.reductions import diff_sq64, dot64, sq64
 from .precision import PrecisionWatch, autocast_dtype
 from .inputs.partition import Partition
 from .inputs.terms import CreditTerms, validate_terms
@@ -211,6 +211,12 @@ def compute_dtype_now(module: nn.Module) -> Optional[str]:
     return None if d is None else str(d).replace("torch.", "")
 
 
+def precision_watch(module: nn.Module, dtype: DTypeSpec) -> PrecisionWatch:
+    """A :class:`~lens_callbacks.credit.precision.PrecisionWatch` that knows the audit's own dtype (ops in it, or
+    finer, are passed over at once)."""
+    return PrecisionWatch(resolve_dtype(dtype) or _native_dtype(module))
+
+
 def _native_dtype(module: nn.Module) -> torch.dtype:
     for p in module.parameters():
         if p.is_floating_point():
@@ -226,15 +232,19 @@ def _grad(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> l
 
 
 def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(torch.sum(x.double() * y.double())) for x, y in zip(a, b))
+    """``<a, b>`` over parameter lists, every product in float64 (block by block: no float64 copy of a parameter)."""
+    xs = [dot64(x, y) for x, y in zip(a, b)]
+    return float(torch.stack([x.cpu() for x in xs]).sum()) if xs else 0.0
 
 
 def _sqnorm(a: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(torch.sum(x.double() ** 2)) for x in a)
+    return _dot(a, a)
 
 
 def _diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(torch.sum((x.double() - y.double()) ** 2)) for x, y in zip(a, b)))
+    """``‖a − b‖`` over parameter lists, the differences in the wider dtype, their squares summed in float64."""
+    xs = [diff_sq64(x, y) for x, y in zip(a, b)]
+    return math.sqrt(float(torch.stack([x.cpu() for x in xs]).sum())) if xs else 0.0
 
 
 def _partition_name(spec: Any) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64", "row_sum", "sum_dtype"]
+__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64", "row_sum", "sum_dtype", "dot64", "WIDE_BLOCK"]
 
 # Elements per block of a float32 product; the blocks' results are summed in float64.
 BLOCK = 1 << 16
@@ -111,4 +111,43 @@ def row_sq64(P: torch.Tensor) -> torch.Tensor:
     for s, e in _blocks(P.shape[1], step):
         blk = P[:, s:e]  # [c, e-s]
         out += (blk * blk).sum(1).double()
+    return out
+
+
+#: Elements per block where products are taken in float64 (:func:`dot64`): 8 MiB of float64 at a time.
+WIDE_BLOCK = 1 << 20
+
+
+def dot64(a: torch.Tensor, b: torch.Tensor, c: "torch.Tensor | None" = None, exact: bool = True) -> torch.Tensor:
+    """``Σ a·b`` (``Σ a·b·c`` with ``c``) as a float64 0-d tensor, without a float64 copy of the operands.
+
+    ``exact`` (default): every product taken in float64, block by block (:data:`WIDE_BLOCK` elements) — the
+    products of float32 values are exact in float64. ``exact=False``: products in the operands' dtype, one
+    ``torch.dot`` per block of :data:`BLOCK` elements, the blocks summed in float64 (~1e-7 relative; several
+    times faster). A 0-d (scalar) operand is broadcast.
+    """
+    n = max(a.numel(), b.numel(), 0 if c is None else c.numel())
+    dev = a.device if a.numel() == n else b.device
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1).to(dev) if x.numel() == n else x.reshape(()).to(dev).expand(n)
+
+    u, v, w = flat(a), flat(b), None if c is None else flat(c)
+    if not exact and u.dtype == v.dtype and (w is None or w.dtype == u.dtype) and u.dtype != torch.float64:
+        parts = []
+        for s, e in _blocks(n, 16 * BLOCK):
+            x = u[s:e] if w is None else u[s:e] * w[s:e]
+            y = v[s:e]
+            if x.stride(0) == 0 or y.stride(0) == 0:  # a broadcast scalar: a plain sum of products
+                parts.append((x * y).sum())
+            else:
+                parts.append(torch.stack([torch.dot(x[i:j], y[i:j]) for i, j in _blocks(e - s)]).sum(dtype=torch.float64)
+                             if e - s > BLOCK else torch.dot(x, y))
+        return torch.stack([q.double() for q in parts]).sum() if parts else torch.zeros((), dtype=torch.float64, device=dev)
+    out = torch.zeros((), dtype=torch.float64, device=dev)
+    for s, e in _blocks(n, WIDE_BLOCK):
+        prod = u[s:e].double() * v[s:e].double()
+        if w is not None:
+            prod *= w[s:e].double()
+        out += prod.sum()
     return out

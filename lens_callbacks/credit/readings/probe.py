@@ -47,6 +47,7 @@ from ...refusal import Refusal
 from .conservation import UNIT_ROUNDOFF, trainer_preconditions
 from .derived import coarsening
 from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
+from ..engines.reductions import dot64
 from ..primitives import audit_passes, detached_state
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from .step_readings import RecordingPartition
@@ -229,22 +230,25 @@ def _sgd_map(lr, wd, mom, damp, nest, theta, buf) -> tuple[torch.Tensor, Optiona
 
 
 def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    # Two parameter-sized tensors are made (D and the carried term) and worked on in place: a map of a
+    # real policy is memory-bound, and every temporary is a fresh mapping of the parameter's size.
     step = _f(state["step"]) if "step" in state else 0.0
     t = step + 1.0
-    m = state["exp_avg"].detach().to(theta.dtype) if "exp_avg" in state else torch.zeros_like(theta)
-    v = state["exp_avg_sq"].detach().to(theta.dtype) if "exp_avg_sq" in state else torch.zeros_like(theta)
+    m = state["exp_avg"].detach().to(theta.dtype) if "exp_avg" in state else None
+    v = state["exp_avg_sq"].detach().to(theta.dtype) if "exp_avg_sq" in state else None
     d_in = g if (decoupled or wd == 0) else g + wd * theta  # what the moments see
-    v_new = b2 * v + (1.0 - b2) * d_in * d_in
-    if ams:
-        prev = state["max_exp_avg_sq"].detach().to(theta.dtype) if "max_exp_avg_sq" in state else torch.zeros_like(theta)
-        v_new = torch.maximum(prev, v_new)
+    # v_new = β2·v + (1 − β2)·d_in², in the buffer that becomes D
+    d = torch.mul(d_in, d_in).mul_(1.0 - b2) if v is None else torch.mul(v, b2).addcmul_(d_in, d_in, value=1.0 - b2)
+    if ams and "max_exp_avg_sq" in state:
+        torch.maximum(state["max_exp_avg_sq"].detach().to(theta.dtype), d, out=d)
     bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-    denom = v_new.sqrt() / math.sqrt(bc2) + eps
-    k = (lr / bc1) / denom  # Δθ = −k ⊙ m_new (+ decoupled decay), m_new = β1·m + (1 − β1)·d_in
-    d = k * (1.0 - b1)
-    carried = -(k * b1) * m
+    # k = (lr / bc1) / (sqrt(v_new) / sqrt(bc2) + eps): Δθ = −k ⊙ m_new (+ decoupled decay), m_new = β1·m + (1 − β1)·d_in
+    d.sqrt_().div_(math.sqrt(bc2)).add_(eps).reciprocal_().mul_(lr / bc1)
+    carried = None if m is None else torch.mul(d, m).mul_(-b1)
+    d.mul_(1.0 - b1)
     if wd != 0:
-        carried = carried - (lr * wd) * theta if decoupled else carried - (d * wd) * theta
+        decay = (lr * wd) * theta if decoupled else d * (wd * theta)
+        carried = -decay if carried is None else carried.sub_(decay)
     return d, carried
 
 
@@ -514,7 +518,14 @@ class ProbeCreditReport:
 
 
 def _dot64(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    return math.fsum(float(torch.sum(x.detach().double() * y.detach().double().to(x.device))) for x, y in zip(a, b))
+    """``<a, b>`` over parameter lists: products in the tensors' dtype, blocks summed in float64."""
+    return _sum64(dot64(x.detach(), y.detach().to(x.dtype), exact=False) for x, y in zip(a, b))
+
+
+def _sum64(xs: Any) -> float:
+    """The sum of float64 0-d tensors, read back once (0.0 for none)."""
+    xs = [x.cpu() for x in xs]
+    return float(torch.stack(xs).sum()) if xs else 0.0
 
 
 def _part_info(terms: Optional[CreditTerms], part: Optional[Partition], texts: Optional[Sequence[Optional[str]]]) -> tuple[PartInfo, ...]:
@@ -580,6 +591,7 @@ def probe_credit(
     texts: Optional[Sequence[Optional[str]]] = None,
     scale: float = 1.0,
     step: Optional[int] = None,
+    use_grad: bool = True,
 ) -> ProbeCreditReport:
     r"""Each part's first-order contribution ``c_S = −⟨D ⊙ g_S, g_probe⟩`` to the change of a probe objective.
 
@@ -599,23 +611,32 @@ def probe_credit(
         scale: multiplies the parts (``1/W`` for one rank's batch of a ``W``-rank data-parallel step); the
             carried term and ``from_grad`` are whole-step values (from the applied gradient) and are not scaled.
         step: the optimizer step, for the report.
+        use_grad: with ``scale`` 1, ``params`` None and every ``applied_grad`` present, take it as the batch's
+            ``g_full`` (the engine's tangent pass alone); False: the engine's own forward and backward.
     """
     trainable = [p for p in module.parameters() if p.requires_grad]
     for name, xs in (("probe_grad", probe_grad), ("update.coeff", update.coeff)):
         if len(xs) != len(trainable):
             raise ValueError(f"`{name}` must hold one entry per trainable parameter ({len(trainable)}), got {len(xs)}.")
     target = resolve_dtype(dtype) or _native_dtype(module)
-    onto = [(d * gp.detach().double()).to(target) for d, gp in zip(update.coeff, probe_grad)]
-    for v, p in zip(onto, trainable):
-        if tuple(v.shape) != tuple(p.shape):
-            raise ValueError(f"`probe_grad` entries must match their parameter's shape {list(p.shape)}, got {list(v.shape)}.")
-    onto_sq = math.fsum(float(torch.sum(v.double() ** 2)) for v in onto)
+    for gp, p in zip(probe_grad, trainable):
+        if tuple(gp.shape) != tuple(p.shape):
+            raise ValueError(f"`probe_grad` entries must match their parameter's shape {list(p.shape)}, got {list(gp.shape)}.")
+    # v = D ⊙ g_probe in the audit's dtype (D is kept in the parameter's own precision, as the optimizer steps)
+    onto = [(d.to(target) * gp.detach().to(target)).expand(p.shape) for d, gp, p in zip(update.coeff, probe_grad, trainable)]
+    onto_sq = _sum64(dot64(v, v, exact=False) for v in onto)
     spec = resolve_partition(partition)
     name = _partition_name(partition)
     recorder = RecordingPartition(spec, name)
+    applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
+    # The step's own gradient is g_full when this batch's gradient is what the optimizer applies (one process,
+    # `scale` 1): the engine then takes no forward and backward of its own (the forward-mode engine: its
+    # tangent pass along v alone; the one-pass engine: a backward to the layers' outputs).
+    given = applied if (use_grad and engine != "reference" and scale == 1.0 and params is None
+                        and all(g is not None for g in applied)) else None
     rep = disintegrate(
         module, batch, recorder, dtype=dtype, terms_fn=terms_fn, forward_context=forward_context, params=params,
-        project_onto=onto, engine=engine, readings="projected",
+        project_onto=onto, engine=engine, readings="projected", full_grad=given,
     )
     terms, part = recorder.take()
     reason = None
@@ -626,19 +647,20 @@ def probe_credit(
         reason = f"D ⊙ g_probe is not finite (||v||² = {onto_sq}); contributions are undefined this step."
     else:
         contribution = tuple(-scale * s * onto_sq for s in rep.projected_share)
-    applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
-    # One parameter at a time in float64: the reading never holds a float64 copy of the whole model.
-    acc: dict[str, list[float]] = {"carried": [], "from_grad": [], "gg": [], "pp": [], "gp": []}
-    for d, c, g, gp in zip(update.coeff, update.carried, applied, probe_grad):
-        gp = gp.detach().double()
-        g = torch.zeros_like(gp) if g is None else g.detach().double().to(gp.device)
-        carry = 0.0 if c is None else float(torch.sum(c.double().to(gp.device) * gp))
-        acc["carried"].append(carry)
-        acc["from_grad"].append(carry - float(torch.sum(d.double().to(gp.device) * g * gp)))
-        acc["gg"].append(float(torch.sum(g * g)))
-        acc["pp"].append(float(torch.sum(gp * gp)))
-        acc["gp"].append(float(torch.sum(g * gp)))
-    carried, from_grad, gg, pp, gdotp = (math.fsum(acc[k]) for k in ("carried", "from_grad", "gg", "pp", "gp"))
+    # Every product in float64, block by block: no float64 copy of a parameter (dot64).
+    acc: dict[str, list[torch.Tensor]] = {"carried": [], "dgp": [], "gg": [], "pp": [], "gp": []}
+    for d, c, g, gp, v in zip(update.coeff, update.carried, applied, probe_grad, onto):
+        gp = gp.detach()
+        if c is not None:
+            acc["carried"].append(dot64(c, gp, exact=False))
+        acc["pp"].append(dot64(gp, gp, exact=False))
+        if g is not None:
+            g = g.detach().to(v.dtype)
+            acc["dgp"].append(dot64(v, g, exact=False))  # <D ⊙ g_probe, g>
+            acc["gg"].append(dot64(g, g, exact=False))
+            acc["gp"].append(dot64(g, gp.to(g.dtype), exact=False))
+    carried, dgp, gg, pp, gdotp = (_sum64(acc[k]) for k in ("carried", "dgp", "gg", "pp", "gp"))
+    from_grad = carried - dgp
     gn, pn = math.sqrt(gg), math.sqrt(pp)
     align = gdotp / (gn * pn) if gn > 0 and pn > 0 else float("nan")
     if reason is None and not all(math.isfinite(c) for c in contribution):
