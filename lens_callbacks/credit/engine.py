@@ -39,9 +39,9 @@ from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.cred
     _sqnorm,
     _TermsCall,
     evaluate_terms,
+    precision_watch,
     resolve_dtype,
 )
-from .precision import PrecisionWatch
 from .report import CreditGrads, CreditReport, PositionSplit, share_readings
 from .inputs.terms import CreditTerms
 
@@ -180,7 +180,7 @@ def disintegrate(
         )
     with _preserved_rng(module, preserve_rng):
         with (forward_context() if forward_context is not None else contextlib.nullcontext()):
-            watch = PrecisionWatch()
+            watch = precision_watch(module, dtype)
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
             compute = watch.coarser_than(used)
         onto = _onto(leaves, project_onto)

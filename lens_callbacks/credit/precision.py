@@ -165,19 +165,28 @@ class PrecisionWatch(TorchFunctionMode):
         'float32'
     """
 
-    def __init__(self) -> None:
+    def __init__(self, baseline: Union[str, torch.dtype, None] = None) -> None:
         super().__init__()
         self.coarsest: Optional[torch.dtype] = None
+        self._fine: set = set()  # dtypes no coarser than what is known: skipped at once (most ops' outputs)
+        self._raise_to(dtype_named(baseline))
+
+    def _raise_to(self, d: Optional[torch.dtype]) -> None:
+        if d is None or d not in UNIT_ROUNDOFF:
+            return
+        if self.coarsest is None or UNIT_ROUNDOFF[d] > UNIT_ROUNDOFF[self.coarsest]:
+            self.coarsest = d
+        self._fine = {x for x, u in UNIT_ROUNDOFF.items() if u <= UNIT_ROUNDOFF[self.coarsest]}
 
     def _see(self, x: Any) -> None:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype in UNIT_ROUNDOFF:
-            if x.requires_grad or fwAD.unpack_dual(x).tangent is not None:
-                if self.coarsest is None or UNIT_ROUNDOFF[x.dtype] > UNIT_ROUNDOFF[self.coarsest]:
-                    self.coarsest = x.dtype
+        if not isinstance(x, torch.Tensor) or x.dtype in self._fine or x.dtype not in UNIT_ROUNDOFF:
+            return
+        if x.requires_grad or fwAD.unpack_dual(x).tangent is not None:
+            self._raise_to(x.dtype)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, (tuple, list)):
+        if type(out) is tuple or type(out) is list:
             for x in out:
                 self._see(x)
         else:

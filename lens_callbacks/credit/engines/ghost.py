@@ -47,12 +47,11 @@ import torch
 from torch import nn
 
 from ..inputs.partition import Partition, PartitionFn, apply_partition, position_parts, resolve_partition
-from ..precision import PrecisionWatch
-from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, compute_dtype_now, evaluate_terms
+from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, compute_dtype_now, evaluate_terms, precision_watch
 from ..report import CreditGrads, CreditReport, PositionSplit, share_readings
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, ghost_param, row_dot, sparse_only, use_factors, widened
+from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, fine_products, ghost_param, row_dot, sparse_only, use_factors, widened
 from .rules import Rule, find_rule
 from .reductions import diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
 
@@ -659,10 +658,14 @@ class _Accum:
 
     def _reduce(self, P: torch.Tensor, tg: torch.Tensor, gf: torch.Tensor) -> torch.Tensor:
         """Every part's dot, norm (or Gram row) and the parts' sum of one ``[m, n]`` block; returns the sum."""
-        self.dots += dots64(P, tg)
+        # The dots, where the parts nearly cancel against g_full (a head's p − e_y), by float32 products over 2^10
+        # columns at a time summed in float64 (fine_products); the Gram, whose diagonal sums squares (nothing
+        # cancels there), by one float32 product: the norms keep float32's ~1e-7 either way.
+        d, _ = fine_products(P, tg, False, False)
+        self.dots += d
         if self.gram is not None:
-            self.gram += gram64(P, P)
-        if self.sq is not None:
+            self.gram += (P @ P.T).double() if P.dtype != torch.float64 else P @ P.T
+        elif self.sq is not None:
             self.sq += _row_sq(P)
         total = row_sum(P)  # [n]
         self.diff_sq += diff_sq64(total, gf)
@@ -801,7 +804,7 @@ def disintegrate_ghost(
         cap.active = True
         try:
             with (forward_context() if forward_context is not None else contextlib.nullcontext()):
-                watch = PrecisionWatch()
+                watch = precision_watch(module, dtype)
                 terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
                 compute = watch.coarser_than(used)
         finally:

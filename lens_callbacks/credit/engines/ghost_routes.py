@@ -59,6 +59,8 @@ _DOT_BLOCK = 1 << 22
 # dropped while they are still in cache).
 _PIECE_BLOCK = 1 << 21
 _SMALL_BLOCK = 1 << 18  # a small weight's pieces are formed whole, whatever its size against the block
+#: Every part's pieces of an embedding together at most this many elements: read densely (the direct route).
+SMALL_PIECES = 1 << 20
 _MIN_ROWS = 128  # weight rows per block below which the per-part products lose their rate
 
 
@@ -132,11 +134,13 @@ def choose_route(
     uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, route: str, diag: bool = False
 ) -> str:
     """``"direct"`` or ``"ghost"`` for this parameter (``route`` forces one where the ghost identities apply;
-    a parameter whose every use is an embedding's is always read by the ghost route: a gather per token)."""
+    a parameter whose every use is an embedding's is read by the ghost route, a gather per token, unless every
+    part's dense piece of it together is small: a position embedding's ``m × [T, d]`` pieces cost less than the
+    token-equality Gram of its ``m·T`` positions)."""
     if not ghost_eligible(uses, param):
         return "direct"
     if all(_index_use(u, param) for u in uses):
-        return "ghost"
+        return "direct" if m * param.numel() <= SMALL_PIECES and route != "ghost" else "ghost"
     if route in ("direct", "ghost"):
         return route
     direct, ghost = route_costs(uses, param, rows, m, gram, diag)
@@ -313,7 +317,7 @@ def _col_blocks(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return P[:, : nb * _COLS].view(m, nb, _COLS).transpose(0, 1), P[:, nb * _COLS :]
 
 
-def _fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``P w`` (``[m]``) and ``P Pᵀ`` (``[m, m]``, or its diagonal with ``diag``; None with neither) of a
     ``[m, N]`` block, float64: float32 products (norms with ``diag``) over ``2¹⁰`` columns at a time,
     summed in float64.
@@ -429,7 +433,7 @@ def direct_param(
             if b > a:  # the tokens of this block, each into its part's row of the piece
                 P.view(-1, dR).index_add_(0, part[a:b] * (hi - lo) + (ids_s[a:b] - lo), vals[a:b].to(P.dtype))
         P2 = P.view(m, -1)  # [m, (hi-lo)·d_R]
-        d, G = _fine_products(P2, W[lo:hi], gram is not None, gram is None and sq is not None)
+        d, G = fine_products(P2, W[lo:hi], gram is not None, gram is None and sq is not None)
         dots += d
         if gram is not None:
             gram += G

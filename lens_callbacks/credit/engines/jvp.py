@@ -44,6 +44,7 @@ from ..primitives import (
     _sqnorm,
     audit_passes,
     evaluate_terms,
+    precision_watch,
     resolve_dtype,
 )
 from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
@@ -288,7 +289,7 @@ def disintegrate_jvp(
         part: Optional[Partition] = None
         if full_grad is None or exact_norms:
             with context():
-                watch = PrecisionWatch()
+                watch = precision_watch(module, dtype)
                 terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
                 compute = watch.coarser_than(used)
             part = apply_partition(spec, terms)
@@ -320,7 +321,7 @@ def disintegrate_jvp(
         onto = _onto(g_full, project_onto)
         direction = g_full if onto is None else onto
         with _replayed_rng(module, start), context():
-            watch = PrecisionWatch()
+            watch = precision_watch(module, dtype)
             tan_terms, tangent = terms_jvp(module, batch, dict(zip(names, direction)), dtype, terms_fn, params=params,
                                            watch=watch)
             if full_grad is not None and not exact_norms:
