@@ -58,6 +58,8 @@ _HASHING_CONSTRUCTORS = {
 }
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.:/\-]{1,64}$")
+#: A special attribute's name (``__del__``, ``__class__``): never a field of the state a dump or checkpoint holds.
+_DUNDER = re.compile(r"^__\w+__$")
 
 # Item kinds.
 _ATOM, _GLOBAL, _TUPLE, _FSET, _OBJ, _LIST, _DICT, _SET, _MARK = range(9)
@@ -72,7 +74,8 @@ class PickleRefused(ValueError):
 class _Item:
     """What one stack slot or memo entry would hold: own weight, kept children, and (for keys) nesting."""
 
-    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state", "en", "eb")
+    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state", "en", "eb",
+                 "dunder")
 
     def __init__(self, kind: int, b: int = 0, name: Optional[str] = None) -> None:
         self.kind = kind
@@ -88,6 +91,7 @@ class _Item:
         # The expansion so far, summed as children are added: a lower bound of the final one (containers only
         # grow), so a stream is refused as soon as it passes a limit, not after the rest is read.
         self.en, self.eb = 1, b
+        self.dunder: Optional[str] = None  # dicts: a key of theirs that names a special attribute (``__del__``)
 
 
 _MARK_ITEM = _Item(_MARK)
@@ -422,6 +426,16 @@ class _Scan:
         elif name == "BUILD":
             (state,) = self.pop(1)
             obj = self.top()
+            if obj.kind == _GLOBAL:
+                # BUILD on what find_class handed out sets attributes of a class or function the reader itself
+                # runs (a `__del__` that builds another instance when one is freed never stops).
+                self.refuse(f"applies BUILD (attribute state) to the global {obj.name or '(unnamed)'} at byte {pos}: that "
+                            "would set attributes of a class the reader runs; no SkyRL dump or checkpoint does so.")
+            for part in [state] + (list(state.kids or []) if state.kind == _TUPLE else []):
+                if part.dunder is not None:
+                    self.refuse(f"sets the special attribute {part.dunder} through BUILD at byte {pos}: state that names "
+                                "__del__, __class__, __reduce__, __setstate__ or the like is refused (it changes how an "
+                                "object behaves, not what it holds).")
             # A dict-like's __dict__.update(state) hashes the first item of each pair of a list state.
             s = state.first if state.kind == _TUPLE and state.first is not None else state
             if s.kind == _LIST:
@@ -442,6 +456,8 @@ class _Scan:
         for i in range(0, len(items), 2):
             k, v = items[i], items[i + 1]
             self.check_key(k, in_dict=True)
+            if k.kind == _ATOM and k.name is not None and _DUNDER.match(k.name):
+                d.dunder = k.name
             _add(d, k)
             _add(d, v, k.name if k.kind == _ATOM else None)
             if d.en > self.max_nodes or d.eb > self.max_bytes:  # name the entry that passed the limit

@@ -88,11 +88,34 @@ class ForbiddenGlobalError(SkyRLDumpError):
 # Stand-ins. Each allowed global resolves to one of these, never to the object it names.
 
 
-class _TrainingInputBatch(dict):
+class _Sealed(type):
+    """The type of the reader's stand-in classes: nothing can be set on one once it exists.
+
+    BUILD applied to a class that ``find_class`` hands out would set its attributes — a ``__del__`` that builds
+    another instance whenever one is freed never stops — so a stand-in class takes none (the static scan
+    refuses such a stream first; this holds whatever the scan misses)."""
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"the stand-in {cls.__name__} takes no attributes (a pickle tried to set {name[:40]!r})")
+
+    def __delattr__(cls, name: str) -> None:
+        raise pickle.UnpicklingError(f"the stand-in {cls.__name__} takes no attributes (a pickle tried to delete {name[:40]!r})")
+
+
+class _SealedInstance:
+    """Instances of the stand-ins: a special attribute (``__class__``, ``__del__``) cannot be set on one."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__") and name.endswith("__"):
+            raise pickle.UnpicklingError(f"a pickle tried to set the special attribute {name[:40]!r} of a {type(self).__name__}")
+        object.__setattr__(self, name, value)
+
+
+class _TrainingInputBatch(_SealedInstance, dict, metaclass=_Sealed):
     """Stands in for SkyRL's ``TrainingInputBatch`` (a dict subclass with ``__getstate__``)."""
 
     def __setstate__(self, state: Any) -> None:
-        self.state = state
+        object.__setattr__(self, "state", state)
 
 
 def _rebuild_tensor_batch(cls: Any, state: Any) -> Any:
@@ -120,7 +143,7 @@ def _device(*args: Any) -> str:
     return ":".join(str(a) for a in args)
 
 
-class _OrderedDict(collections.OrderedDict):
+class _OrderedDict(_SealedInstance, collections.OrderedDict, metaclass=_Sealed):
     pass
 
 
@@ -178,11 +201,11 @@ class _OuterUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _OUTER_GLOBALS:
             raise ForbiddenGlobalError(module, name, self._path)
-        # A fresh stand-in per read: BUILD can set attributes on what find_class returns, and that must
-        # not reach the module-level objects the next read uses.
+        # Sealed classes (nothing can be set on them) and a fresh partial per read for functions: BUILD never
+        # reaches an object the reader runs, nor the module-level ones the next read uses.
         obj = _OUTER_GLOBALS[(module, name)]
         if isinstance(obj, type):
-            return type(obj.__name__, (obj,), {})
+            return obj
         return functools.partial(obj)
 
     def persistent_load(self, pid: Any) -> Any:
@@ -203,7 +226,7 @@ class _ZipTensorUnpickler(pickle.Unpickler):
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return functools.partial(_rebuild_tensor_from_storage, budget=self._budget, key=self._key, path=self._path)
         if (module, name) == ("collections", "OrderedDict"):
-            return type("OrderedDict", (_OrderedDict,), {})
+            return _OrderedDict
         if module == "torch" and name in _STORAGES:
             st = _STORAGES[name]
             return _Storage(st.name, st.np_dtype.str, st.torch_dtype)

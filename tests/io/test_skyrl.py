@@ -393,7 +393,7 @@ def test_a_dump_cannot_tamper_with_the_stand_ins_of_the_next_read(tmp_path):
     )
     p = tmp_path / "global_step_0_training_input.pkl"
     p.write_bytes(tamper)
-    with pytest.raises(SkyRLDumpError, match="expected a TrainingInputBatch state"):
+    with pytest.raises(SkyRLDumpError, match="applies BUILD .* to the global collections.OrderedDict"):
         read_skyrl_dump(p)
     d = read_skyrl_dump(LEGACY)  # the legacy layout calls the OrderedDict stand-in
     assert d.n_rows == 12 and d.layout == "legacy"
