@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..anchor.arms import GATED_ON_TOL, GRAD_NORM_FACTOR, REGRESSION_FLOOR, run_arms
-from ._errors import one_line
+from ._errors import one_line, print_safely
 
 __all__ = ["main", "build_parser"]
 
@@ -85,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ValueError, OSError) as e:  # a bad argument or config file: one line naming it, never a traceback
         print(one_line(f"anchor-arms: {e}"), file=sys.stderr)
         return 2
-    print(report.render())
+    print_safely(report.render())
     print(f"\nwritten: {args.out / 'decision.json'}, {args.out / 'decision.md'}", file=sys.stderr)
     return 0
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..anchor import Rank1TrajProjector, load_checkpoints, replay
-from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+from ._errors import OneLineArgumentParser, add_debug_flag, one_line, print_safely, report_error, shown_path
 
 __all__ = ["main", "build_parser"]
 
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.directory.is_dir():
-        print(f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {str(args.directory)!r}.", file=sys.stderr)
+        print(one_line(f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {shown_path(args.directory)!r}."),
+              file=sys.stderr)
         return 2
     try:
         weights = load_checkpoints(args.directory, args.prefix)
@@ -70,7 +71,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             report = replay(weights, args.cadence, args.delay_K, projector=projector, progress=progress)
         except ValueError as err:  # about the folder's checkpoints as a whole: name the folder
             raise ValueError(f"{args.directory}: {err}") from None
-        print(report.render())
+        print_safely(report.render())
         if args.json is not None:
             payload = {
                 "summary": {**report.to_dict(""), "decision": report.decision, "reason": report.reason,

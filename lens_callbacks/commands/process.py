@@ -7,7 +7,7 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+    from ._errors import OneLineArgumentParser, add_debug_flag, print_safely, report_error
 
     parser = OneLineArgumentParser(
         prog="lens-callbacks process",
@@ -30,7 +30,7 @@ def main(argv: Sequence[str]) -> int:
             text = json.dumps(audit.numbers(), indent=2, sort_keys=True)
         else:
             text = "\n".join([audit.render(), *("\n" + r.render() for r in audit.readings[: max(args.groups, 0)])])
+        print_safely(text)
     except Exception as err:
         return report_error("lens-callbacks process", err, args.debug)
-    print(text)
     return 0

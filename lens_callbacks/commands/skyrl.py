@@ -7,7 +7,7 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from ._errors import OneLineArgumentParser, add_debug_flag, report_error
+    from ._errors import OneLineArgumentParser, add_debug_flag, print_safely, report_error
 
     parser = OneLineArgumentParser(
         prog="lens-callbacks skyrl",
@@ -24,7 +24,7 @@ def main(argv: Sequence[str]) -> int:
     try:  # a bad dump is one line naming the file and field (or the limit it exceeded), exit 2
         dump = read_skyrl_dump(args.path)
         text = json.dumps(dump.summary(), indent=2) if args.json else dump.render()
+        print_safely(text)
     except Exception as err:
         return report_error("lens-callbacks skyrl", err, args.debug)
-    print(text)
     return 0

@@ -451,8 +451,10 @@ def check_step_meta(meta: Any, where: str) -> dict[str, Any]:
         for i, x in enumerate(lr):
             if not _is_number(x) or x < 0:
                 raise ValueError(f"{where}: field `lr[{i}]` must be a finite number >= 0, got {shown_value(x)}.")
-    if "dropout_seed" in meta and not _is_int(meta["dropout_seed"]):
-        raise ValueError(f"{where}: field `dropout_seed` must be an int, got {shown_value(meta['dropout_seed'])}.")
+    seed = meta.get("dropout_seed", 0)
+    if not _is_int(seed) or not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"{where}: field `dropout_seed` must be an int in [-2**63, 2**64) (a torch seed), got "
+                         f"{shown_value(seed)}.")
     return meta
 
 

@@ -48,6 +48,11 @@ class BoundedReadError(ValueError):
     """A file refused before it could hang the reader or exhaust memory; the message names file and limit."""
 
 
+#: The largest value an environment knob takes: a factor of a billion, a billion MiB (a petabyte). Past it a
+#: budget is no bound at all, and the byte counts built from it overflow.
+_ENV_MAX = 1e9
+
+
 def _env_number(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -55,10 +60,20 @@ def _env_number(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise BoundedReadError(f"`{name}` must be a number, got {raw!r}; unset it to use the default {default:g}.") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise BoundedReadError(f"`{name}` must be a finite number > 0, got {raw!r}.")
+        raise BoundedReadError(f"`{name}` must be a number, got {raw[:40]!r}; unset it to use the default {default:g}.") from None
+    if not 0 < value <= _ENV_MAX:  # NaN fails this too
+        raise BoundedReadError(f"`{name}` must be a number > 0 and at most {_ENV_MAX:g}, got {raw[:40]!r}; unset it to use "
+                               f"the default {default:g}.")
     return value
+
+
+def _env_bytes(name: str, default_bytes: int) -> int:
+    """An environment knob given in MiB, as bytes: at least one byte, or one line naming the variable."""
+    n = int(_env_number(name, default_bytes / _MiB) * _MiB)
+    if n < 1:
+        raise BoundedReadError(f"`{name}` must be at least one byte ({1 / _MiB:.2g} MiB), got {os.environ.get(name)!r}; "
+                               "it is a size in MiB.")
+    return n
 
 
 @dataclass(frozen=True)
@@ -106,17 +121,17 @@ class ReadLimits:
         """The defaults, overridden by ``LENS_MAX_FILE_MB``, ``LENS_READ_BUDGET_FACTOR``, ``LENS_READ_BUDGET_FLOOR_MB``."""
         d = cls()
         return cls(
-            max_file_bytes=int(_env_number("LENS_MAX_FILE_MB", d.max_file_bytes / _MiB) * _MiB),
+            max_file_bytes=_env_bytes("LENS_MAX_FILE_MB", d.max_file_bytes),
             budget_factor=_env_number("LENS_READ_BUDGET_FACTOR", d.budget_factor),
-            budget_floor=int(_env_number("LENS_READ_BUDGET_FLOOR_MB", d.budget_floor / _MiB) * _MiB),
+            budget_floor=_env_bytes("LENS_READ_BUDGET_FLOOR_MB", d.budget_floor),
             max_pickle_opcodes=d.max_pickle_opcodes,
             max_zip_members=d.max_zip_members,
             max_pickle_nodes=d.max_pickle_nodes,
-            memory_bytes=int(_env_number("LENS_MEMORY_MB", d.memory_bytes / _MiB) * _MiB),
+            memory_bytes=_env_bytes("LENS_MEMORY_MB", d.memory_bytes),
         )
 
     def budget_for(self, file_bytes: int, path: str) -> "ReadBudget":
-        return ReadBudget(min(int(self.budget_factor * file_bytes) + self.budget_floor, self.memory_bytes), path, self)
+        return ReadBudget(int(min(self.budget_factor * file_bytes + self.budget_floor, self.memory_bytes)), path, self)
 
 
 def _mib(n: float) -> str:
