@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
-from lens_callbacks.credit.guard import Suspects, guard
+from lens_callbacks.credit.guard import Suspects, guard, non_finite
 from lens_callbacks.credit.primitives import compiled_parts
 from lens_callbacks.credit.replay import StepReplay
 from lens_callbacks.credit.engines import check_engine
@@ -683,17 +683,9 @@ class CreditAuditCallback(Callback):
     @staticmethod
     def _refuse_non_finite(reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
         """A step whose loss or full gradient is not finite has no credit to split: a refusal, not an undefined reading."""
-        if isinstance(reading, Refusal) or (math.isfinite(reading.loss) and math.isfinite(reading.full_grad_norm)):
+        if isinstance(reading, Refusal):
             return reading
-        what = "loss" if not math.isfinite(reading.loss) else "full gradient"
-        return Refusal(
-            "non_finite_loss" if what == "loss" else "non_finite_gradient",
-            f"the {what} of this step is not finite (loss = {reading.loss!r}, ||g_full|| = {reading.full_grad_norm!r}); "
-            "credit is undefined and the optimizer step is likely corrupt.",
-            numbers={"step": step, "loss": reading.loss, "full_grad_norm": reading.full_grad_norm},
-            remedy="find where the loss becomes non-finite (log of 0, an overflow, a division by a zero count); "
-                   "torch.autograd.set_detect_anomaly(True) names the operation.",
-        )
+        return non_finite(reading, step) or reading
 
     def _trainer_grad(self, pl_module: LightningModule, use_grad: bool = False) -> Optional[list[torch.Tensor]]:
         """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``, or ``use_grad``), or None: the audit takes its own."""

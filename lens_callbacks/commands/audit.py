@@ -33,16 +33,18 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..credit.engine import disintegrate
-from ..credit.inputs.partition import PARTITIONS, resolve_partition
+from ..credit.inputs.partition import PARTITIONS, Partition, resolve_partition
 from ..credit.report import CreditReport
 from ..credit.readings.step_readings import RecordingPartition
 from ..credit.readings.table import CreditTable, credit_table, module_decoder
 from ..credit.inputs.trajectories import by_role, by_turn
 from ..io.budget import shown_value
-from ..io.records import RunRecord
+from ..credit.guard import non_finite
+from ..io.records import RunRecord, step_path
+from ..io.safe import ReadLimits
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
-from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, one_line, report_error
+from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, one_line, print_safely, report_error, shown_path
 
 __all__ = ["audit_record", "audit_record_table", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
 
@@ -93,6 +95,15 @@ _SIZE_NAME = re.compile(r"^(n_(layer|layers|embd|embed|head|heads|positions|inne
                         r"num_(layers|hidden_layers|heads|attention_heads|key_value_heads|experts)|"
                         r"(hidden|intermediate|vocab|embed|embedding|model|ffn|head)_(size|dim)|d_(model|ff|head)|"
                         r"max_position_embeddings)$")
+#: init args that count repeated blocks (layers, experts): each one is tensors of its own in the checkpoint.
+_COUNT_NAME = re.compile(r"^(n_(layer|layers)|num_(layers|hidden_layers|experts))$")
+
+
+def _block_count(state: dict) -> int:
+    """How many repeated blocks the checkpoint holds tensors for: the distinct indices in its keys (``h.3.attn``
+    is block 3), counted from what the file holds — never from a size a tensor declares."""
+    seen = {c for k in state for c in str(k).split(".") if c.isdigit() and len(c) <= 9}
+    return max(1, len(seen))
 
 
 def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: str, record: RunRecord, step: int) -> None:
@@ -109,8 +120,17 @@ def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: st
     ckpt = policy_path(record.run_dir, step)
     dims = [int(d) for v in state.values() for d in v.shape]
     ceiling = max([len(state), *dims]) if state else 0
+    blocks = _block_count(state)
     for name, v in args.items():
-        if isinstance(v, int) and not isinstance(v, bool) and _SIZE_NAME.search(name) and v > ceiling:
+        if not isinstance(v, int) or isinstance(v, bool) or not _SIZE_NAME.search(name):
+            continue
+        if _COUNT_NAME.search(name) and v > blocks:
+            # a count of blocks is bounded by the blocks the file holds tensors for: one large tensor added to the
+            # checkpoint lifts the dimensions' ceiling, not this one
+            raise ValueError(f"{where}: field `init_args.{name}` is {shown_value(v)}, more blocks than {ckpt} holds tensors for "
+                             f"({blocks:,} distinct indices in its keys): the module it builds is not the checkpoint's; nothing "
+                             "was built.")
+        if v > ceiling:
             raise ValueError(f"{where}: field `init_args.{name}` is {shown_value(v)}, larger than every dimension and the tensor count "
                              f"of {ckpt} (at most {ceiling:,}): the module it builds is not the checkpoint's; nothing was built.")
     try:
@@ -176,23 +196,113 @@ def _max_positions(module: torch.nn.Module) -> Optional[int]:
     return None
 
 
-def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where: str) -> None:
-    """Refuse recorded token ids the policy cannot embed (negative or beyond its vocabulary), and sequences longer
-    than its positions."""
+#: The longest text turn, in characters per position of the policy: a text turn is tokenised before it is
+#: checked, and no tokenizer makes fewer than one token of this many characters.
+TEXT_CHARS_PER_POSITION = 64
+#: Bytes per position and vocabulary entry a forward and backward hold at once (float32 logits, their
+#: log-softmax, the gradient of each).
+LOGIT_BYTES = 16
+#: Bytes per position, hidden unit and layer a forward and backward hold (activations kept for the backward).
+ACTIVATION_BYTES = 64
+
+
+def _hidden_and_layers(module: torch.nn.Module) -> tuple[int, int]:
+    """The policy's embedding width and its repeated blocks (the distinct indices of its parameter names)."""
+    width = 1
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding):
+            width = max(width, int(m.embedding_dim))
+    blocks = {c for name, _ in module.named_parameters() for c in name.split(".") if c.isdigit() and len(c) <= 9}
+    return width, max(1, len(blocks))
+
+
+def _turn_length(module: torch.nn.Module, turn: Any, positions: Optional[int], where: str) -> int:
+    """The tokens a turn holds: its ids, or its text tokenised by the module's tokenizer (or its UTF-8 bytes, an
+    upper bound for byte-level tokenizers) once its length is bounded by the policy's positions."""
+    if turn.token_ids is not None:
+        return len(turn.token_ids)
+    text = turn.text
+    if positions is not None and len(text) > TEXT_CHARS_PER_POSITION * positions:
+        raise ValueError(f"{where}: field `text` holds {len(text):,} characters with `token_ids: null`, more than "
+                         f"{TEXT_CHARS_PER_POSITION} per position of the policy's {positions:,} positions; record the "
+                         "turn's token ids, or shorten it.")
+    tok = getattr(module, "tokenizer", None)
+    if callable(tok):
+        try:
+            ids = tok(text)["input_ids"]
+            return len(ids)
+        except Exception:  # the builder names its own failure; here the bytes bound the count
+            pass
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where: str,
+                    limits: Optional[ReadLimits] = None, what: str = "the batch") -> None:
+    """Refuse what the policy cannot embed, before anything is built from it: token ids outside its vocabulary,
+    sequences (text turns tokenised) longer than its positions, and a padded batch whose forward and backward
+    would hold more than the memory budget (``LENS_MEMORY_MB``: rows × longest row × (vocabulary + hidden ×
+    layers) bytes, counted from the trajectories the reader has checked)."""
     vocab = _vocab_size(module)
     positions = _max_positions(module)
+    longest = 0
     for k, traj in enumerate(trajectories):
         total = 0
         for j, turn in enumerate(traj.turns):
             ids = turn.token_ids or ()
-            total += len(ids)
             bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
             if bad:
                 raise ValueError(f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {shown_value(bad[0])}, outside the policy's "
                                  f"vocabulary 0..{vocab - 1 if vocab is not None else '?'}.")
+            total += _turn_length(module, turn, positions, f"{where}, trajectory {k}, turn {j}")
         if positions is not None and total > positions:
-            raise ValueError(f"{where}, trajectory {k}: field `token_ids` holds {total:,} tokens over its turns, more than the "
-                             f"policy's {positions:,} positions.")
+            raise ValueError(f"{where}, trajectory {k}: its turns hold {total:,} tokens (field `token_ids`, or `text` "
+                             f"tokenised), more than the policy's {positions:,} positions.")
+        longest = max(longest, total)
+    limits = limits or ReadLimits.from_env()
+    width, layers = _hidden_and_layers(module)
+    need = len(trajectories) * longest * (LOGIT_BYTES * (vocab or 1) + ACTIVATION_BYTES * width * layers)
+    if need > limits.memory_bytes:
+        raise ValueError(f"{where}: {what} pads {len(trajectories):,} trajectories to {longest:,} positions, whose forward and "
+                         f"backward would hold about {need / (1 << 20):,.0f} MiB (vocabulary {vocab or '?'}, width {width}, "
+                         f"{layers} blocks), beyond the memory budget of {limits.memory_bytes / (1 << 20):,.0f} MiB "
+                         "(LENS_MEMORY_MB); nothing was built. Raise LENS_MEMORY_MB only for a file you trust.")
+
+
+def check_part_count(n_parts: int, where: str, field: str, limits: Optional[ReadLimits] = None) -> None:
+    """Refuse an audit whose parts' ``m × m`` interference matrix (float64, with the engines' copies of it) would
+    pass the memory budget, before any part is built."""
+    limits = limits or ReadLimits.from_env()
+    need = 32 * n_parts * n_parts
+    if need > limits.memory_bytes:
+        most = int((limits.memory_bytes / 32) ** 0.5)
+        raise ValueError(f"{where}: field `{field}` makes {n_parts:,} parts; their {n_parts:,} x {n_parts:,} interference "
+                         f"matrix would need {need / (1 << 20):,.0f} MiB, beyond the memory budget "
+                         f"(LENS_MEMORY_MB = {limits.memory_bytes / (1 << 20):,.0f} MiB, at most {most:,} parts); nothing was "
+                         "built. Audit a coarser partition (by_group), or raise LENS_MEMORY_MB for a file you trust.")
+
+
+class _PartCountBound:
+    """A partition whose part count is checked (:func:`check_part_count`) before the engine builds a gradient per
+    part or their ``m × m`` interference matrix: the parts of the partition asked for, not the rollouts."""
+
+    def __init__(self, fn: Any, where: str, limits: ReadLimits) -> None:
+        self.fn, self.where, self.limits = fn, where, limits
+        self.__name__ = getattr(fn, "__name__", "custom")
+
+    def __call__(self, terms: Any) -> Any:
+        part = self.fn if isinstance(self.fn, Partition) else self.fn(terms)
+        if isinstance(part, Partition):
+            check_part_count(len(part.names), self.where, "trajectories", self.limits)
+        return part
+
+
+def _check_built_positions(module: torch.nn.Module, batch: Any, where: str) -> None:
+    """The built batch's rows against the policy's positions (a template's tokens are only counted here)."""
+    positions = _max_positions(module)
+    ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
+    if positions is not None and isinstance(ids, torch.Tensor) and ids.dim() >= 1 and ids.shape[-1] > positions:
+        raise ValueError(f"{where}: the batch built from its trajectories holds rows of {ids.shape[-1]:,} tokens, more "
+                         f"than the policy's {positions:,} positions; shorten the turns.")
 
 
 def _make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -261,33 +371,50 @@ def _plain_value(v: Any) -> Any:
     return v
 
 
-def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
-    """The module's rollout batch of a recorded step (``make_rollout_batch`` or the record's builder)."""
-    from ..io.records import step_path
+def set_recorded_lrs(record: RunRecord, step: int, opt: torch.optim.Optimizer) -> None:
+    """Give ``opt`` the learning rates step ``step`` used (an LR scheduler may have moved them); a list of the wrong
+    length is an error naming the field, never a silently different update."""
+    lrs = record.step_meta(step).get("lr")
+    if lrs is None:
+        return
+    if len(lrs) != len(opt.param_groups):
+        from ..io.records import meta_path
 
+        raise ValueError(f"{meta_path(record.run_dir, step)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
+                         f"{len(opt.param_groups)} param groups; re-record the step with the module's own optimizer.")
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+
+
+def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
+    """The module's rollout batch of a recorded step (``make_rollout_batch`` or the record's builder), checked
+    before it is built (:func:`check_token_ids`) and after (its rows' length)."""
     trajs = record.trajectories(step)
-    check_token_ids(module, trajs, str(step_path(record.run_dir, step)))
-    builder = record.manifest.get("batch_builder")
     where = step_path(record.run_dir, step)
+    check_token_ids(module, trajs, str(where), record.limits, "the step's batch")
+    meta = record.step_meta(step)
+    builder = record.manifest.get("batch_builder")
     if builder:
         fn = resolve_batch_builder(builder, _trust(record), _manifest_where(record))
-        meta = record.step_meta(step)
         try:
-            return fn(module, trajs, meta)
+            batch = fn(module, trajs, meta)
         except Exception as err:  # trusted code, but not this module's builder
             raise ValueError(f"{_manifest_where(record)}: field `batch_builder` ({builder}) failed on the trajectories of {where} "
                              f"with {type(module).__name__} ({type(err).__name__}: {one_line(str(err), 300)}).") from None
-    make = getattr(module, "make_rollout_batch", None)
-    if make is None:
-        raise ValueError(
-            f"{type(module).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`; "
-            "record with RunRecordCallback(batch_builder='pkg.mod.fn')."
-        )
-    try:
-        return make(trajs)
-    except Exception as err:
-        raise ValueError(f"{where}: {type(module).__name__}.make_rollout_batch failed on the recorded trajectories "
-                         f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
+    else:
+        make = getattr(module, "make_rollout_batch", None)
+        if make is None:
+            raise ValueError(
+                f"{type(module).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`; "
+                "record with RunRecordCallback(batch_builder='pkg.mod.fn')."
+            )
+        try:
+            batch = make(trajs)
+        except Exception as err:
+            raise ValueError(f"{where}: {type(module).__name__}.make_rollout_batch failed on the recorded trajectories "
+                             f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
+    _check_built_positions(module, batch, str(where))
+    return batch
 
 
 def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusal]:
@@ -310,6 +437,23 @@ def _with_policy(record: RunRecord, step: int, module: Optional[torch.nn.Module]
     return module
 
 
+def _missing_steps(steps: Sequence[int], start: int, step: int, shown: int = 5) -> tuple[int, list[int]]:
+    """How many of ``start .. step - 1`` the record lacks, and the first ``shown`` of them: work in the number of
+    recorded steps, never in the distance between two step numbers (``step`` may be 10**12)."""
+    inside = sorted({s for s in steps if start <= s < step})
+    n_missing = (step - start) - len(inside)
+    first: list[int] = []
+    expect = start
+    for s in inside + [step]:
+        while expect < s and len(first) < shown:
+            first.append(expect)
+            expect += 1
+        if len(first) >= shown:
+            break
+        expect = s + 1
+    return n_missing, first
+
+
 def replay_to(
     record: RunRecord, step: int, module: Optional[torch.nn.Module] = None, progress: bool = True
 ) -> Union[torch.nn.Module, Refusal]:
@@ -325,11 +469,10 @@ def replay_to(
     if not _stateless(opt) and start != 0:
         start = 0
         _load_policy_into(m, record, 0)
-    have = set(record.steps)  # once: a set per step made this check quadratic
-    missing = [s for s in range(start, step) if s not in have]
-    if missing:
-        return Refusal("missing_steps", f"steps {missing[:5]} between checkpoint {start} and step {step} are not recorded.",
-                       {"start": start, "step": step, "n_missing": len(missing)},
+    n_missing, missing = _missing_steps(record.steps, start, step)
+    if n_missing:
+        return Refusal("missing_steps", f"steps {missing} between checkpoint {start} and step {step} are not recorded.",
+                       {"start": start, "step": step, "n_missing": n_missing},
                        remedy="record every step (RunRecordCallback on the whole run), or audit at a checkpoint")
     record.check_step_files(range(start, step))
     blocker = _dropout_blocker(record, range(start, step))
@@ -350,26 +493,24 @@ def replay_to(
     with torch.random.fork_rng():
         for s in it:
             batch = rebuild_batch(m, record, s)
-            lrs = record.step_meta(s).get("lr")
-            if lrs is not None and len(lrs) != len(opt.param_groups):
-                from ..io.records import meta_path
-
-                raise ValueError(f"{meta_path(record.run_dir, s)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
-                                 f"{len(opt.param_groups)} param groups.")
-            if lrs is not None:  # the rates the recorded step used (an LR scheduler may have moved them)
-                for g, lr in zip(opt.param_groups, lrs):
-                    g["lr"] = lr
+            set_recorded_lrs(record, s, opt)
             opt.zero_grad(set_to_none=True)
             try:
                 loss = m.credit_terms(batch).terms.sum()
                 loss.backward()
             except Exception as err:  # the module's own code on a batch it rebuilt: name the step it failed on
-                from ..io.records import step_path
-
                 raise ValueError(f"{step_path(record.run_dir, s)}: replaying the step failed in {type(m).__name__}.credit_terms "
                                  f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
             _clip_like_lightning(opt, clip_val, clip_algo)
-            opt.step()
+            try:
+                opt.step()
+            except (RuntimeError, OverflowError) as err:  # an lr that overflows the weights' dtype: no weights, no reading
+                if "overflow" not in str(err):
+                    raise
+                return Refusal("non_finite_update", f"replaying step {s} overflowed the weights' dtype "
+                               f"({one_line(str(err), 200)}); the weights at step {step} cannot be rebuilt.",
+                               {"step": s, "lr": [g["lr"] for g in opt.param_groups]},
+                               remedy="check field `lr` of the step's metadata (steps/step_NNNNNN.json)")
     opt.zero_grad(set_to_none=True)
     return m
 
@@ -424,7 +565,7 @@ def audit_record_table(
     """:func:`audit_record`, and the credit table of its report (``table=True``): each part with its group,
     reward, advantage, trained length and, when the module has a ``tokenizer`` (or ``decode_completion``),
     the start of its completion; ``table_parts`` parts shown, the rest summarised."""
-    record = RunRecord(run_dir, trust=trust)
+    record = run_dir if isinstance(run_dir, RunRecord) else RunRecord(run_dir, trust=trust)  # the manifest read once
     if step not in set(record.steps):
         raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
     start = record.nearest_checkpoint(step)  # every listed step from there on needs its file: checked before anything is built
@@ -434,19 +575,22 @@ def audit_record_table(
     m = replay_to(record, step, module, progress)
     if isinstance(m, Refusal):
         return m
+    set_recorded_lrs(record, step, _make_optimizer(m))  # the audited step's own metadata is checked too
     batch = rebuild_batch(m, record, step)
+    part = _PartCountBound(part, str(step_path(record.run_dir, step)), record.limits)
     recorder = RecordingPartition(part, partition if isinstance(partition, str) else "custom")
     try:
         report = disintegrate(m, batch, recorder if table else part, dtype=dtype, keep_grads=keep_grads)
     except (TypeError, IndexError, KeyError, AttributeError, RuntimeError, OverflowError) as err:
         # The module's own code on the batch rebuilt from the record: name the step file (and the builder, if any).
-        from ..io.records import step_path
-
         via = f" (batch from field `batch_builder` of {_manifest_where(record)})" if record.manifest.get("batch_builder") else ""
         raise ValueError(f"{step_path(record.run_dir, step)}: auditing the step failed in {type(m).__name__}.credit_terms{via} "
                          f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)
+    refused = non_finite(report, step)  # NaN weights, an overflowing learning rate: no reading (exit status 3)
+    if refused is not None:
+        return refused
     if not table:
         return report
     terms, parts = recorder.take()
@@ -526,19 +670,19 @@ def main(argv: Sequence[str]) -> int:
         if a.probe is not None:
             from .probe_audit import probe_audit
 
-            got = probe_audit(a.run_dir, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
+            got = probe_audit(record, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
         else:
-            got = audit_record_table(a.run_dir, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust,
+            got = audit_record_table(record, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust,
                                      table_parts=a.table_parts)
         if isinstance(got, Refusal):
-            print(got.render())
+            print_safely(got.render())
             return EXIT_REFUSED
         if a.json:
             d = got.to_dict() if a.probe is not None else got.report.to_dict("credit/")
             text = json.dumps({k: (v if math.isfinite(v) else None) for k, v in d.items()}, indent=2)
         else:
-            text = f"step {step} of {a.run_dir}\n" + got.render()
+            text = f"step {step} of {shown_path(a.run_dir)}\n" + got.render()
+        print_safely(text)
     except Exception as err:
         return report_error(prog, err, a.debug)
-    print(text)
     return 0

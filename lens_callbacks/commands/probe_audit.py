@@ -14,6 +14,7 @@ the reading holds the prediction, the real change of the probe, and the update a
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,26 +22,43 @@ from typing import Any, Optional, Union
 import torch
 
 from ..credit.readings.probe import ProbeCreditReport, optimizer_update_map, probe_credit, probe_value_and_grad, with_actual
-from ..io.records import RunRecord, read_trajectories
+from ..io.records import RunRecord, read_trajectories, step_path
 from ..io.trust import TrustPolicy
 from ..refusal import Refusal
+from ._errors import one_line
 
 __all__ = ["probe_audit"]
 
 
-def _probe_fn(module: Any) -> Any:
+def _probe_fn(module: Any, record: RunRecord) -> Any:
     for name in ("probe_terms", "probe_loss"):
         fn = getattr(module, name, None)
         if callable(fn):
             return fn
     raise ValueError(
-        f"{type(module).__name__} has neither `probe_terms(probe_batch)` nor `probe_loss(probe_batch)`; give the module "
-        "one of them to audit against a probe (see docs/probe_credit.md)."
+        f"{record.run_dir}/record.json: field `module` names {type(module).__name__}, which has neither "
+        "`probe_terms(probe_batch)` nor `probe_loss(probe_batch)`; give the module one of them to audit against a probe "
+        "(see docs/probe_credit.md)."
+    )
+
+
+def _non_finite(report: ProbeCreditReport, step: int) -> Optional[Refusal]:
+    values = {"loss_before": report.loss_before, "grad_norm": report.grad_norm, "probe_grad_norm": report.probe_grad_norm}
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if not bad:
+        return None
+    return Refusal(
+        "non_finite_gradient",
+        f"the step's or the probe's {', '.join(bad)} is not finite ({', '.join(f'{k} = {values[k]!r}' for k in bad)}); "
+        "probe credit is undefined.",
+        numbers={"step": step, **values},
+        remedy="find where the loss becomes non-finite (NaN weights in the checkpoint, an overflowing learning rate); "
+        "torch.autograd.set_detect_anomaly(True) names the operation.",
     )
 
 
 def probe_audit(
-    run_dir: Union[str, os.PathLike],
+    run_dir: Union[str, os.PathLike, RunRecord],
     step: int,
     probe_file: Union[str, os.PathLike],
     partition: str = "by_rollout",
@@ -58,16 +76,19 @@ def probe_audit(
         AUDIT_PARTITIONS,
         _make_optimizer,
         _replay_blocker,
+        _check_built_positions,
+        _PartCountBound,
         _stateless,
         check_token_ids,
         load_module,
         rebuild_batch,
         replay_to,
+        set_recorded_lrs,
     )
     from ..credit.inputs.partition import resolve_partition
 
-    record = RunRecord(run_dir, trust=trust)
-    if step not in record.steps:
+    record = run_dir if isinstance(run_dir, RunRecord) else RunRecord(run_dir, trust=trust)
+    if step not in set(record.steps):
         raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
     probe_file = Path(probe_file)
     trajectories = read_trajectories(probe_file, record.limits)
@@ -77,8 +98,8 @@ def probe_audit(
     part = part if part is not None else resolve_partition(partition)
 
     module = load_module(record, record.nearest_checkpoint(step))
-    fn = _probe_fn(module)
-    check_token_ids(module, trajectories, str(probe_file))
+    fn = _probe_fn(module, record)
+    check_token_ids(module, trajectories, str(probe_file), record.limits, "the probe batch")
     made: list[torch.optim.Optimizer] = []
     own = module.configure_optimizers
 
@@ -108,14 +129,18 @@ def probe_audit(
     blocker = _replay_blocker(record, opt)
     if blocker is not None:
         return blocker
-    lrs = record.step_meta(step).get("lr")
-    if lrs is not None and len(lrs) == len(opt.param_groups):
-        for g, lr in zip(opt.param_groups, lrs):
-            g["lr"] = lr
+    set_recorded_lrs(record, step, opt)
     tr = record.manifest.get("trainer", {})
     batch = rebuild_batch(m, record, step)
+    part = _PartCountBound(part, str(step_path(record.run_dir, step)), record.limits)
     make = getattr(m, "make_probe_batch", None)
-    probe_batch = make(trajectories) if callable(make) else trajectories
+    try:
+        probe_batch = make(trajectories) if callable(make) else trajectories
+    except (ValueError, TypeError, KeyError, IndexError) as err:
+        raise ValueError(f"{probe_file}: the module's make_probe_batch cannot build a probe batch from these trajectories "
+                         f"({type(err).__name__}: {one_line(str(err), 300)}); write probe turns in the form the module's "
+                         "docs name.") from None
+    _check_built_positions(m, probe_batch, str(probe_file))
     params = [p for p in m.parameters() if p.requires_grad]
     m.train()
     with torch.random.fork_rng():
@@ -130,6 +155,10 @@ def probe_audit(
         m.train()
         report = probe_credit(m, batch, part, update, gp, probe=probe_file.stem, loss_before=loss, dtype=dtype, step=step,
                               texts=[_text(t) for t in record.trajectories(step)])
+        refused = _non_finite(report, step)
+        if refused is not None:
+            opt.zero_grad(set_to_none=True)
+            return refused
         before = [p.detach().clone() for p in params]
         opt.step()
         m.eval()

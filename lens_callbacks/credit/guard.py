@@ -11,13 +11,14 @@ Pure torch; never imports lightning.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from ..refusal import Refusal
 from .report import CreditReport
 
-__all__ = ["Suspects", "guard", "CONSERVATION"]
+__all__ = ["Suspects", "guard", "non_finite", "CONSERVATION"]
 
 #: The condition a withheld reading is refused under (``conservation`` or ``conservation/<causes>``).
 CONSERVATION = "conservation"
@@ -90,4 +91,29 @@ def guard(report: CreditReport, suspects: Suspects = Suspects(), step: Optional[
         numbers=numbers,
         remedy="audit this step with engine='reference' and dtype='float64' to see whether the parts add up there; "
         "if they do not, report it with the module and the training mode (compile, accumulation, checkpointing)",
+    )
+
+
+def non_finite(report: CreditReport, step: Optional[int] = None) -> Optional[Refusal]:
+    """A Refusal when the step's loss or full gradient is not finite (credit is undefined and the step itself is
+    likely corrupt), else None.
+
+    Example:
+        >>> r = CreditReport(("a",), (float("nan"),), (float("nan"),), (1.0,), 1.0, 0.0, None, "float32", 1, float("nan"), 1.0)
+        >>> non_finite(r, step=2).condition
+        'non_finite_gradient'
+    """
+    if math.isfinite(report.loss) and math.isfinite(report.full_grad_norm):
+        return None
+    what = "loss" if not math.isfinite(report.loss) else "full gradient"
+    numbers: dict = {"loss": report.loss, "full_grad_norm": report.full_grad_norm}
+    if step is not None:
+        numbers = {"step": step, **numbers}
+    return Refusal(
+        "non_finite_loss" if what == "loss" else "non_finite_gradient",
+        f"the {what} of this step is not finite (loss = {report.loss!r}, ||g_full|| = {report.full_grad_norm!r}); "
+        "credit is undefined and the optimizer step is likely corrupt.",
+        numbers=numbers,
+        remedy="find where the loss becomes non-finite (log of 0, an overflow, a division by a zero count); "
+        "torch.autograd.set_detect_anomaly(True) names the operation.",
     )

@@ -11,6 +11,7 @@ YAML class path: ``lens_callbacks.examples.grpo.probe.GRPOProbeModule`` (see cli
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
@@ -19,6 +20,9 @@ from .module import GRPOModule
 from .task import prompt_text
 
 __all__ = ["GRPOProbeModule", "probe_pairs"]
+
+#: An addition prompt as :func:`~lens_callbacks.examples.grpo.task.prompt_text` writes it.
+_ADDITION = re.compile(r"^\s*([0-9]{1,3})\s*\+\s*([0-9]{1,3})\s*=\s*$")
 
 
 def probe_pairs(n: int = 16, seed: int = 12345, max_operand: int = 9) -> dict[str, torch.Tensor]:
@@ -51,6 +55,25 @@ class GRPOProbeModule(GRPOModule):
         self.n_probe = n_probe
         self._probe = probe_pairs(n_probe, probe_seed)
 
+    def make_probe_batch(self, trajectories) -> torch.Tensor:
+        """Operand pairs ``[n, 2]`` of probe trajectories (a probe file for ``lens-callbacks audit --probe``): each
+        trajectory's first user turn is an addition prompt ``"a+b="`` (the reference answer is the probe's own).
+
+        >>> from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn
+        >>> GRPOProbeModule.make_probe_batch(None, [Trajectory((Turn("user", "3+4="),), 0.0, 0, 0)]).tolist()
+        [[3, 4]]
+        """
+        pairs = []
+        for k, traj in enumerate(trajectories):
+            user = next((t for t in traj.turns if t.role == "user"), None)
+            m = _ADDITION.match(user.text) if user is not None else None
+            if m is None:
+                shown = repr(user.text[:40]) if user is not None else "no user turn"
+                raise ValueError(f"trajectory {k} (rollout {traj.rollout}): its first user turn must be an addition prompt "
+                                 f"'a+b=' (operands of at most three digits), got {shown}.")
+            pairs.append((int(m.group(1)), int(m.group(2))))
+        return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+
     def probe_batches(self) -> dict[str, torch.Tensor]:
         """The named probe batches: operand pairs ``[n, 2]`` per name."""
         return {name: pairs.to(self.device) for name, pairs in self._probe.items()}
@@ -60,6 +83,8 @@ class GRPOProbeModule(GRPOModule):
 
         ``reduction=None`` returns one value per prompt ``[n]``.
         """
+        if not isinstance(pairs, torch.Tensor):  # probe trajectories, as an offline probe file holds them
+            pairs = self.make_probe_batch(pairs)
         pairs = pairs.long().cpu()
         rows = []
         for a, b in pairs.tolist():
