@@ -73,6 +73,35 @@ def help_text() -> str:
     return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
 
 
+def config_paths(argv: Sequence[str]) -> list[str]:
+    """The files named by ``--config X``, ``--config=X`` and ``-c X`` (LightningCLI's spellings), in order."""
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg[len("--config="):])
+    return paths
+
+
+def check_configs(argv: Sequence[str]) -> Optional[int]:
+    """Read every ``--config`` file bounded before LightningCLI parses it (jsonargparse reads YAML unbounded:
+    an alias bomb, a FIFO or a 200,000-digit number would hang it or end in a traceback). Exit status 2 and
+    one line for a config that fails; ``None`` when all pass. ``class_path`` names in a config are imported,
+    as LightningCLI always does: a config from someone else is code, checked here only for its size and shape."""
+    from lens_callbacks.commands._errors import report_error
+    from lens_callbacks.io.config import read_config_yaml
+
+    for path in config_paths(argv):
+        if path.lstrip().startswith(("{", "[")) or "\n" in path:
+            continue  # an inline YAML/JSON string (jsonargparse accepts those too), not a file
+        try:
+            read_config_yaml(path)
+        except (ValueError, OSError) as err:
+            return report_error("lens-callbacks", err)
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
@@ -81,6 +110,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in OFFLINE_COMMANDS:
         mod = importlib.import_module(OFFLINE_COMMANDS[argv[0]])
         return int(mod.main(argv[1:]) or 0)
+    bad = check_configs(argv)
+    if bad is not None:
+        return bad
     # Arguments reach LightningCLI one way only: from sys.argv when they are the process's own (it reads
     # them itself), as ``args`` otherwise; both at once make it warn that one of them may be a mistake.
     cli_main(None if argv == sys.argv[1:] else argv)

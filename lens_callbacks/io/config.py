@@ -107,10 +107,17 @@ def read_config_yaml(path: PathLike, limits: Optional[ReadLimits] = None) -> Any
         raise _yaml_error(shown, err) from None
     except RecursionError:
         raise ValueError(f"{shown}: the config nests too deeply; refused.") from None
+    except ValueError as err:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
+        raise ValueError(f"{shown}: the config holds a value that cannot be read ({one_line_reason(err)}).") from None
     finally:
         loader.dispose()
     _check_keys(doc, shown)
     return doc
+
+
+def one_line_reason(err: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _check_keys(doc: Any, path: str) -> None:
