@@ -25,7 +25,8 @@ matched by address), at the largest ``m``.
 
 Real shapes (``--only real``): a Qwen2-shaped policy (vocabulary 151,936, tied embedding / LM head, width
 896, 2 layers, MLP 4864) and a Llama-shaped one (vocabulary 32,000, untied, width 512, 4 layers), random
-weights from their transformers configs, float32, ``by_rollout`` at m rows of T positions (``--real-rows``,
+weights from their transformers configs with their default (sdpa) attention, float32, ``by_rollout`` at m rows of T
+positions (``--real-rows``,
 default ``llama:8:128 qwen2:8:128 llama:32:128 llama:8:512``; the other (m, T) of {8, 32} × {128, 512} are
 listed with their estimated peak memory and work). Modes, interleaved in one process: the plain step,
 riding along with ``readings="shares"``, separate ``shares`` and all readings, ``full_grad="trainer"`` (with
@@ -576,14 +577,11 @@ def make_real_model(kind: str, T: int, seed: int = 0, **override: Any) -> nn.Mod
         if kind == "qwen2":
             from transformers import Qwen2Config, Qwen2ForCausalLM
 
-            cfg = Qwen2Config(**common, attention_dropout=0.0)
-            cfg._attn_implementation = "eager"
-            return Qwen2ForCausalLM(cfg)
+            # transformers' default attention (sdpa): the step the user runs is every ratio's denominator
+            return Qwen2ForCausalLM(Qwen2Config(**common, attention_dropout=0.0))
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(**common)
-        cfg._attn_implementation = "eager"
-        return LlamaForCausalLM(cfg)
+        return LlamaForCausalLM(LlamaConfig(**common))
 
 
 def real_estimate(kind: str, m: int, T: int, **override: Any) -> dict:
@@ -869,7 +867,7 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
             f"{sh['intermediate']}, {sh['heads']} heads / {sh['kv_heads']} KV heads"
         )
     lines = [
-        "Policies (transformers configs, random weights, float32, eager attention, nothing downloaded): "
+        "Policies (transformers configs, random weights, float32, their default sdpa attention, nothing downloaded): "
         + "; ".join(shapes) + ".",
         f"`by_rollout`, m rows of T positions (the first T/8 untrained); {reps} interleaved repeats in one",
         "process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam (its wall time",
