@@ -28,15 +28,23 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-
 SIZE = {"n_layer": 2, "n_embd": 32}
 
 
 def _model():
     from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
-    return GRPOModule(n_layer=SIZE["n_layer"], n_embd=SIZE["n_embd"], n_head=2, group_size=4, max_new_tokens=3,
-                      optimizer="adam", lr=3e-3, dropout=0.1, seed=0), AdditionDataModule(batch_size=4)
+    return GRPOModule(
+        n_layer=SIZE["n_layer"],
+        n_embd=SIZE["n_embd"],
+        n_head=2,
+        group_size=4,
+        max_new_tokens=3,
+        optimizer="adam",
+        lr=3e-3,
+        dropout=0.1,
+        seed=0,
+    ), AdditionDataModule(batch_size=4)
 
 
 def _step_times(steps: int, callbacks) -> list[float]:
@@ -55,8 +63,16 @@ def _step_times(steps: int, callbacks) -> list[float]:
     seed_everything(0, verbose=False)
     model, data = _model()
     clock = Clock()
-    Trainer(max_steps=steps, callbacks=[*callbacks, clock], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1).fit(model, data)
+    Trainer(
+        max_steps=steps,
+        callbacks=[*callbacks, clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+    ).fit(model, data)
     return clock.t[2:]  # the first steps pay one-off costs
 
 
@@ -130,15 +146,21 @@ def main(argv=None) -> int:
         times.append(time.perf_counter() - t0)
     grad_t = statistics.median(times)
 
-    print(f"GRPO example (n_layer={args.n_layer}, n_embd={args.n_embd}): {n_params} trainable parameters, "
-          f"{torch.get_num_threads()} thread(s); plain step {1e3 * step:.1f} ms (median of {len(plain)})\n")
-    print("| W | observe (Gram row + eigh + OLS) / step | project (θ̂ + readings) / step | fire / step "
-          f"| fire / (cadence {args.cadence} × step) | ring bytes / params | Gram bytes / params |")
+    print(
+        f"GRPO example (n_layer={args.n_layer}, n_embd={args.n_embd}): {n_params} trainable parameters, "
+        f"{torch.get_num_threads()} thread(s); plain step {1e3 * step:.1f} ms (median of {len(plain)})\n"
+    )
+    print(
+        "| W | observe (Gram row + eigh + OLS) / step | project (θ̂ + readings) / step | fire / step "
+        f"| fire / (cadence {args.cadence} × step) | ring bytes / params | Gram bytes / params |"
+    )
     print("|---|---|---|---|---|---|---|")
     pbytes = n_params * 4
     for W, o, p_, rb, gb in rows:
-        print(f"| {W} | {o / step:.3f} | {p_ / step:.3f} | {(o + p_) / step:.3f} | {(o + p_) / step / args.cadence:.4f} "
-              f"| {rb / pbytes:.1f} | {gb / pbytes:.2e} |")
+        print(
+            f"| {W} | {o / step:.3f} | {p_ / step:.3f} | {(o + p_) / step:.3f} | {(o + p_) / step / args.cadence:.4f} "
+            f"| {rb / pbytes:.1f} | {gb / pbytes:.2e} |"
+        )
     print()
     print(f"| per-step anchor gradient (forward + backward at θ̂) / step | {grad_t / step:.3f} |")
     print(f"| Trainer step with projected mode (cadence 2, delay 2, w_cap 8) / plain step | {step_anchor / step:.3f} |")

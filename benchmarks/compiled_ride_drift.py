@@ -41,8 +41,16 @@ def run(backend: str, audited: bool, steps: int):
         cb = CreditAuditCallback(capture="training_step", log_figure=False, log_table_every_n_steps=0)
         cb._note_compiled = lambda pl_module: setattr(cb, "_compiled", [])  # lift the block: ride along anyway
         callbacks = [cb]
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, torch.utils.data.DataLoader(micro_batches(mode, steps), batch_size=None))
@@ -65,8 +73,10 @@ def main(argv=None) -> None:
         rode, b1, rides = run(backend, True, args.steps)
         drift = max(float((plain[n] - rode[n]).abs().max()) for n in plain)
         rel = max(float((plain[n] - rode[n]).norm() / plain[n].norm()) for n in plain)
-        lines.append(f"{backend}: graph breaks {b0} unaudited, {b1} riding along ({rides}/{args.steps} steps rode); "
-                     f"parameters after {args.steps} steps: max |Δθ| {drift:.2g}, largest relative change {rel:.2g}")
+        lines.append(
+            f"{backend}: graph breaks {b0} unaudited, {b1} riding along ({rides}/{args.steps} steps rode); "
+            f"parameters after {args.steps} steps: max |Δθ| {drift:.2g}, largest relative change {rel:.2g}"
+        )
         print(lines[-1], flush=True)
     out = ROOT / "benchmarks" / "results" / f"compiled_ride_drift-{datetime.date.today().isoformat()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)

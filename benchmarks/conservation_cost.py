@@ -72,13 +72,17 @@ def main() -> None:
         read.append(timed(lambda: out.append(step_conservation(before, [p.detach() for p in params], 1e-2, grads))))
     base = statistics.median(plain)
     r = out[0]
-    print(f"GPT-2 {args.layers} layers, n_embd {args.embd}, {n_params} params, B={args.B}, T={args.T}, {args.dtype}, 1 thread")
+    print(
+        f"GPT-2 {args.layers} layers, n_embd {args.embd}, {n_params} params, B={args.B}, T={args.T}, {args.dtype}, 1 thread"
+    )
     print(f"plain step (median of {args.repeats}): {base * 1e3:.2f} ms")
     print(f"record θ_before        / plain step: {statistics.median(record) / base:.4f}")
     print(f"record .grad copy      / plain step: {statistics.median(record_grad) / base:.4f}")
     print(f"read (step_conservation) / plain step: {statistics.median(read) / base:.4f}")
     print("extra memory: 1 parameter-sized buffer with the audit's parts at hand, 2 with the .grad copy")
-    print(f"last reading: error {r.relative_error:.3e}, floor {r.update_precision_floor:.3e}, limited {r.update_precision_limited}")
+    print(
+        f"last reading: error {r.relative_error:.3e}, floor {r.update_precision_floor:.3e}, limited {r.update_precision_limited}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,22 +42,51 @@ def hf(kind: str, attn: str, seed: int) -> nn.Module:
 
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = tf.LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         cls = tf.LlamaForCausalLM
     elif kind == "llama-32k":
-        cfg = tf.LlamaConfig(vocab_size=LARGE["vocab"], hidden_size=LARGE["width"], intermediate_size=4 * LARGE["width"],
-                             num_hidden_layers=LARGE["layers"], num_attention_heads=8, num_key_value_heads=4,
-                             max_position_embeddings=LARGE["T"], tie_word_embeddings=True)
+        cfg = tf.LlamaConfig(
+            vocab_size=LARGE["vocab"],
+            hidden_size=LARGE["width"],
+            intermediate_size=4 * LARGE["width"],
+            num_hidden_layers=LARGE["layers"],
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=LARGE["T"],
+            tie_word_embeddings=True,
+        )
         cls = tf.LlamaForCausalLM
     elif kind == "qwen2":
-        cfg = tf.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             tie_word_embeddings=True)
+        cfg = tf.Qwen2Config(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
         cls = tf.Qwen2ForCausalLM
     else:
-        cfg = tf.GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = tf.GPT2Config(
+            vocab_size=V,
+            n_positions=64,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         cls = tf.GPT2LMHeadModel
     cfg._attn_implementation = attn
     return cls(cfg)
@@ -164,8 +193,15 @@ def rows(seeds: int):
                             print(f"  ride refused on {name} {dtype} {amp}: {r}", file=sys.stderr)
                             continue
                     else:
-                        r = disintegrate(module, b, part, dtype=dtype, engine=engine, readings=readings,
-                                         forward_context=ctx if amp else None)
+                        r = disintegrate(
+                            module,
+                            b,
+                            part,
+                            dtype=dtype,
+                            engine=engine,
+                            readings=readings,
+                            forward_context=ctx if amp else None,
+                        )
                     projected = r.floor_scale is None and r.readings == "projected"
                     units = floor_units(r.dtype, r.compute_dtype, projected)
                     used = r.conservation_error / r.conservation_floor * units
@@ -173,9 +209,18 @@ def rows(seeds: int):
                 if last is None:
                     continue
                 r = last
-                yield dict(model=name, dtype=dtype, autocast=amp or "-", engine=r.engine, readings=readings,
-                           partition=part, units=worst, floor_units=units, projected=projected,
-                           coarsest=str(r.compute_dtype or r.dtype))
+                yield dict(
+                    model=name,
+                    dtype=dtype,
+                    autocast=amp or "-",
+                    engine=r.engine,
+                    readings=readings,
+                    partition=part,
+                    units=worst,
+                    floor_units=units,
+                    projected=projected,
+                    coarsest=str(r.compute_dtype or r.dtype),
+                )
 
 
 def main(argv=None) -> None:
@@ -185,7 +230,9 @@ def main(argv=None) -> None:
     if args.seeds < 1:
         ap.error(f"--seeds must be at least 1, got {args.seeds}")
     torch.set_num_threads(1)
-    lines = [f"{'model':11s} {'dtype':9s} {'autocast':13s} {'engine':20s} {'readings':9s} {'units used':>10s} {'of':>6s}"]
+    lines = [
+        f"{'model':11s} {'dtype':9s} {'autocast':13s} {'engine':20s} {'readings':9s} {'units used':>10s} {'of':>6s}"
+    ]
     worst: dict[str, float] = {}
     for row in rows(args.seeds):
         lines.append(
@@ -197,7 +244,9 @@ def main(argv=None) -> None:
         print(lines[-1], flush=True)
     lines.append("")
     units = {str(k).replace("torch.", ""): v for k, v in FLOOR_UNITS.items()}
-    lines.append(f"largest rounding units used: {worst}  (FLOOR_UNITS = {units}, PROJECTED_FACTOR = {PROJECTED_FACTOR:g})")
+    lines.append(
+        f"largest rounding units used: {worst}  (FLOOR_UNITS = {units}, PROJECTED_FACTOR = {PROJECTED_FACTOR:g})"
+    )
     print(lines[-1])
     out = ROOT / "benchmarks" / "results" / f"conservation_floor-{datetime.date.today().isoformat()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,8 +82,18 @@ from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost  #
 
 SECTION = "## Credit audit (`benchmarks/credit_cost.py`)"
 GENERATED_END = "<!-- the tables above are written by benchmarks/credit_cost.py --write; the text below is not -->"
-ENGINES = ("reference", "ghost", "ghost_shares", "ghost_projected", "ghost_grad", "ride", "ride_shares", "ride_projected", "vmap",
-           "opacus")
+ENGINES = (
+    "reference",
+    "ghost",
+    "ghost_shares",
+    "ghost_projected",
+    "ghost_grad",
+    "ride",
+    "ride_shares",
+    "ride_projected",
+    "vmap",
+    "opacus",
+)
 RIDES = {"ride": "all", "ride_shares": "shares", "ride_projected": "projected"}
 VOCAB, T, PROMPT = 64, 48, 8
 
@@ -99,7 +109,9 @@ def peak_alloc_bytes(fn) -> int:
         prof.export_chrome_trace(path)
         with open(path) as fh:
             events = json.load(fh)["traceEvents"]
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    mem = sorted(
+        (e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0))
+    )
     live: dict[int, int] = {}
     cur = peak = 0
     for e in mem:
@@ -124,8 +136,16 @@ def make_model(kind: str, seed: int = 0, positions: int = 64) -> nn.Module:
             from transformers import GPT2Config, GPT2LMHeadModel
 
             cfg = GPT2Config(
-                vocab_size=VOCAB, n_positions=positions, n_embd=128, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                vocab_size=VOCAB,
+                n_positions=positions,
+                n_embd=128,
+                n_layer=2,
+                n_head=4,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             )
             cfg._attn_implementation = "eager"
             return GPT2LMHeadModel(cfg)
@@ -133,8 +153,16 @@ def make_model(kind: str, seed: int = 0, positions: int = 64) -> nn.Module:
             from transformers import LlamaConfig, LlamaForCausalLM
 
             cfg = LlamaConfig(
-                vocab_size=VOCAB, hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                vocab_size=VOCAB,
+                hidden_size=128,
+                intermediate_size=344,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                max_position_embeddings=positions,
+                tie_word_embeddings=False,
+                bos_token_id=0,
+                eos_token_id=0,
             )
             cfg._attn_implementation = "eager"
             return LlamaForCausalLM(cfg)
@@ -170,17 +198,23 @@ def make_batch(m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch
     return ids, adv, trained
 
 
-def vmap_row_grads(policy: "Policy", named, ids: torch.Tensor, adv: torch.Tensor, trained: torch.Tensor, z) -> dict[str, torch.Tensor]:
+def vmap_row_grads(
+    policy: "Policy", named, ids: torch.Tensor, adv: torch.Tensor, trained: torch.Tensor, z
+) -> dict[str, torch.Tensor]:
     """The peer torch.func offers: every row's gradient by ``vmap(grad)`` of the row's own loss, name → ``[m, *shape]``."""
     params = {n: p.detach() for n, p in named}
 
     def row_loss(p, row_ids, a, tr):
-        logits = torch.func.functional_call(policy.model, {k[len("model."):]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}).logits
+        logits = torch.func.functional_call(
+            policy.model, {k[len("model.") :]: v for k, v in p.items()}, (), {"input_ids": row_ids[None]}
+        ).logits
         lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, row_ids[1:, None])[..., 0]  # [T-1]
         return -(a * lp * tr[1:]).sum() / z
 
     with torch.random.fork_rng(devices=[]):
-        return torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(params, ids, adv, trained)
+        return torch.func.vmap(torch.func.grad(row_loss), in_dims=(None, 0, 0, 0), randomness="different")(
+            params, ids, adv, trained
+        )
 
 
 def readings_from_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,7 +338,11 @@ def measure(
     audits = {k: v for k, v in audits.items() if k in engines}
     if memory and "ghost" in engines:
         # The memory goal's setting: chunks of per-part pieces held to |θ|/2 elements (budget = |θ|).
-        for k, r in (("ghost_lowmem", "all"), ("ghost_lowmem_shares", "shares"), ("ghost_lowmem_projected", "projected")):
+        for k, r in (
+            ("ghost_lowmem", "all"),
+            ("ghost_lowmem_shares", "shares"),
+            ("ghost_lowmem_projected", "projected"),
+        ):
             audits[k] = lambda r=r: disintegrate_ghost(
                 policy, batch, "by_rollout", reference_grads="grad", readings=r, route=route, memory_budget=n_params
             )
@@ -412,7 +450,7 @@ def episode_table(rows: list[dict]) -> str:
         "",
         "Within-row parts: one 40-turn episode (one row, 40 × 12 positions, `by_segment`, 40 parts); audit time /",
         "step time. The one-pass engine does not apply here (all parts lie in one row); `jvp` is the forward-mode",
-        "engine (`readings=\"projected\"`), shown where installed.",
+        'engine (`readings="projected"`), shown where installed.',
         "",
         "| policy | turns | T | reference | jvp |",
         "|---|---:|---:|---:|---:|",
@@ -430,14 +468,14 @@ def table(rows: list[dict], repeats: int) -> str:
         "Policies: transformers GPT-2 (2 layers, width 128, tied embeddings, eager attention) and Llama-style",
         "(LlamaForCausalLM, 2 layers, width 128, RMSNorm, rotary), random weights, float32; one rollout per row,",
         f"T = {T} (40 trained positions per row), `by_rollout` with m parts = m rows; {repeats} interleaved repeats",
-        "in one process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam on the",
+        'in one process, ratios of medians, `torch.set_num_threads(1)`. "step" = forward + backward + Adam on the',
         "same batch. Columns: audit time / step time for a separate pass; for `ride`, the extra time of the",
         "audited step over the plain step, (audited − plain) / plain. `vmap` = torch.func `vmap(grad)` per-row",
         "gradients + the same readings; `opacus` = Opacus `GradSampleModule` per-sample gradients + the same",
         "readings. `reference`, `ghost`, `ride`, `vmap` and `opacus` make all readings (projected and norm shares,",
         "cancellation, the interference matrix); `shares` = the same without the interference matrix",
-        "(`readings=\"shares\"`); `projected` = projected shares only; `shares, g = .grad` = `shares` with",
-        "`full_grad` = the step's `.grad` (`CreditAuditCallback(full_grad=\"trainer\")`: no weight gradient in the pass).",
+        '(`readings="shares"`); `projected` = projected shares only; `shares, g = .grad` = `shares` with',
+        '`full_grad` = the step\'s `.grad` (`CreditAuditCallback(full_grad="trainer")`: no weight gradient in the pass).',
         "",
         "| policy | m | params | reference | ghost | ghost, shares | ghost, projected | ghost, shares, g = .grad | ride (extra) | ride, shares (extra) | ride, projected (extra) | vmap | opacus | ghost conservation_error | ghost vs reference, max share gap |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -476,7 +514,11 @@ def table(rows: list[dict], repeats: int) -> str:
             )
         low = [r for r in mem_rows if "ghost_lowmem_over_train" in r]
         if low:
-            lines += ["", "`ghost, budget |θ|`: `memory_budget=|θ|` (chunks of per-part pieces of at most |θ|/2 elements); its time:", ""]
+            lines += [
+                "",
+                "`ghost, budget |θ|`: `memory_budget=|θ|` (chunks of per-part pieces of at most |θ|/2 elements); its time:",
+                "",
+            ]
             lines += [
                 f"- {r['kind']}, m = {r['m']}: {r['ghost_lowmem_over_train']:.2f}× a step with all readings, "
                 f"{r['ghost_lowmem_shares_over_train']:.2f}× with `shares`, "
@@ -496,10 +538,22 @@ def verdict(rows: list[dict]) -> str:
     lines = ["", "Against the goal (exact readings for `by_rollout` at m = 8, 32, 64):", ""]
     for key, goal, label in (
         ("ghost_over_train", 1.3, "separate pass, all readings with the interference matrix (`ghost`)"),
-        ("ghost_shares_over_train", 1.3, "separate pass, `shares` (the readings the goal was set on: projected and norm shares, cancellation, conservation)"),
+        (
+            "ghost_shares_over_train",
+            1.3,
+            "separate pass, `shares` (the readings the goal was set on: projected and norm shares, cancellation, conservation)",
+        ),
         ("ghost_projected_over_train", 1.3, "separate pass, projected shares only"),
-        ("ghost_grad_over_train", 1.3, "separate pass, `shares`, `g_full` = the step's `.grad` (`full_grad=\"trainer\"`)"),
-        ("ride_over_train", 0.5, "riding on the training step, all readings with the interference matrix (extra over the plain step)"),
+        (
+            "ghost_grad_over_train",
+            1.3,
+            'separate pass, `shares`, `g_full` = the step\'s `.grad` (`full_grad="trainer"`)',
+        ),
+        (
+            "ride_over_train",
+            0.5,
+            "riding on the training step, all readings with the interference matrix (extra over the plain step)",
+        ),
         ("ride_shares_over_train", 0.5, "riding on the training step, `shares` (extra)"),
         ("ride_projected_over_train", 0.5, "riding on the training step, projected shares only (extra)"),
     ):
@@ -539,7 +593,9 @@ REAL_SECTION = "## Credit audit at real shapes (`benchmarks/credit_cost.py --onl
 REAL_END = "<!-- the block above is written by benchmarks/credit_cost.py --only real --write; the text below is not -->"
 #: The real-shape policies: transformers configs built from random weights (nothing downloaded).
 REAL_SHAPES = {
-    "qwen2": dict(vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True),
+    "qwen2": dict(
+        vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True
+    ),
     "llama": dict(vocab=32000, hidden=512, layers=4, intermediate=1376, heads=8, kv_heads=8, tied=False),
 }
 #: (policy, m, T) rows run by default; the issue's other combinations are listed with why they are not run.
@@ -550,8 +606,8 @@ REAL_LABELS = {
     "ride_shares": "ride-along `shares` (extra over a step)",
     "sep_shares": "separate `shares`",
     "sep_all": "separate, all readings",
-    "trainer": "`full_grad=\"trainer\"` (`shares`)",
-    "trainer_all": "`full_grad=\"trainer\"`, all readings",
+    "trainer": '`full_grad="trainer"` (`shares`)',
+    "trainer_all": '`full_grad="trainer"`, all readings',
     "vmap": "torch.func vmap(grad)",
     "opacus": "Opacus",
 }
@@ -568,9 +624,16 @@ def make_real_model(kind: str, T: int, seed: int = 0, **override: Any) -> nn.Mod
     if not sh.get("qkv_bias", kind == "qwen2") == (kind == "qwen2"):
         raise ValueError(f"`qkv_bias` follows the policy's family ({kind}: {kind == 'qwen2'}), got {sh['qkv_bias']!r}.")
     common = dict(
-        vocab_size=sh["vocab"], hidden_size=sh["hidden"], intermediate_size=sh["intermediate"],
-        num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"], num_key_value_heads=sh["kv_heads"],
-        max_position_embeddings=max(T, 64), tie_word_embeddings=sh["tied"], bos_token_id=0, eos_token_id=0,
+        vocab_size=sh["vocab"],
+        hidden_size=sh["hidden"],
+        intermediate_size=sh["intermediate"],
+        num_hidden_layers=sh["layers"],
+        num_attention_heads=sh["heads"],
+        num_key_value_heads=sh["kv_heads"],
+        max_position_embeddings=max(T, 64),
+        tie_word_embeddings=sh["tied"],
+        bos_token_id=0,
+        eos_token_id=0,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -617,15 +680,25 @@ def _real_setup(kind: str, m: int, T: int, modes, *, seed: int = 0, peer_budget:
     n_params = sum(p.numel() for _, p in named)
     param_bytes = sum(p.numel() * p.element_size() for _, p in named)
     z = trained.sum()
-    row: dict[str, Any] = {"kind": kind, "m": m, "T": T, "n_params": n_params, "param_bytes": param_bytes,
-                           "vocab": V, "tied": bool(policy.model.config.tie_word_embeddings),
-                           "layers": policy.model.config.num_hidden_layers, "skipped": {}}
+    row: dict[str, Any] = {
+        "kind": kind,
+        "m": m,
+        "T": T,
+        "n_params": n_params,
+        "param_bytes": param_bytes,
+        "vocab": V,
+        "tied": bool(policy.model.config.tie_word_embeddings),
+        "layers": policy.model.config.num_hidden_layers,
+        "skipped": {},
+    }
     modes = list(modes)
     if 4 * m * n_params > peer_budget:
         for k in ("vmap", "opacus"):
             if k in modes:
                 modes.remove(k)
-                row["skipped"][k] = f"needs m × |θ| = {4 * m * n_params / 2**30:.1f} GiB of per-row gradients (budget {peer_budget / 2**30:.1f} GiB)"
+                row["skipped"][k] = (
+                    f"needs m × |θ| = {4 * m * n_params / 2**30:.1f} GiB of per-row gradients (budget {peer_budget / 2**30:.1f} GiB)"
+                )
 
     train_step, fwd_bwd, ride_step = make_steps(policy, opt, batch, readings="shares")
 
@@ -687,13 +760,31 @@ def _real_setup(kind: str, m: int, T: int, modes, *, seed: int = 0, peer_budget:
         "opacus": opacus_audit,
     }
     audits = {k: v for k, v in audits.items() if k in modes}
-    return SimpleNamespace(policy=policy, batch=batch, row=row, modes=modes, train_step=train_step, fwd_bwd=fwd_bwd,
-                           ride_step=ride_step, audits=audits)
+    return SimpleNamespace(
+        policy=policy,
+        batch=batch,
+        row=row,
+        modes=modes,
+        train_step=train_step,
+        fwd_bwd=fwd_bwd,
+        ride_step=ride_step,
+        audits=audits,
+    )
 
 
 def measure_real(
-    kind: str, m: int, T: int, repeats: int, modes=REAL_MODES, *, seed: int = 0, memory: bool = True,
-    drift: bool = True, peer_budget: float = 3 * 2**30, profile: bool = False, **override: Any,
+    kind: str,
+    m: int,
+    T: int,
+    repeats: int,
+    modes=REAL_MODES,
+    *,
+    seed: int = 0,
+    memory: bool = True,
+    drift: bool = True,
+    peer_budget: float = 3 * 2**30,
+    profile: bool = False,
+    **override: Any,
 ) -> dict:
     """One real-shape row: every mode timed in this process, interleaved; ratios of medians to the plain step."""
     s = _real_setup(kind, m, T, modes, seed=seed, peer_budget=peer_budget, **override)
@@ -773,8 +864,9 @@ def measure_real(
 APART_READINGS = tuple(f"mem_{k}" for k in REAL_MODES) + ("drift",)
 
 
-def measure_reading(kind: str, m: int, T: int, reading: str, *, seed: int = 0, peer_budget: float = 3 * 2**30,
-                    **override: Any) -> dict:
+def measure_reading(
+    kind: str, m: int, T: int, reading: str, *, seed: int = 0, peer_budget: float = 3 * 2**30, **override: Any
+) -> dict:
     """One memory or precision reading of a real row, made alone in this process (each of ``--apart``'s
     children runs one): ``mem_<mode>``, the mode's peak bytes as :func:`measure_real` reads them, or
     ``drift``, the float32 shares against a float64 pass.
@@ -783,7 +875,7 @@ def measure_reading(kind: str, m: int, T: int, reading: str, *, seed: int = 0, p
     read after the timed repeats: what a first call allocates and keeps is not counted as its peak."""
     if reading not in APART_READINGS:
         raise ValueError(f"`reading` must be one of {list(APART_READINGS)}, got {reading!r}.")
-    mode = reading[len("mem_"):] if reading != "drift" else "sep_shares"
+    mode = reading[len("mem_") :] if reading != "drift" else "sep_shares"
     s = _real_setup(kind, m, T, ("step", mode), seed=seed, peer_budget=peer_budget, **override)
     out: dict[str, Any] = {"kind": kind, "m": m, "T": T, "param_bytes": s.row["param_bytes"], "apart": [reading]}
     if mode in s.row["skipped"]:
@@ -810,8 +902,16 @@ def measure_reading(kind: str, m: int, T: int, reading: str, *, seed: int = 0, p
     return out
 
 
-def measure_apart(kind: str, m: int, T: int, readings=APART_READINGS, *, seed: int = 0, peer_budget: float = 3 * 2**30,
-                  **override: Any) -> dict:
+def measure_apart(
+    kind: str,
+    m: int,
+    T: int,
+    readings=APART_READINGS,
+    *,
+    seed: int = 0,
+    peer_budget: float = 3 * 2**30,
+    **override: Any,
+) -> dict:
     """A real row's memory and drift readings, each in a Python process of its own (:func:`measure_reading`).
 
     In one process the resident set grows across the profiled memory passes and the float64 pass (the
@@ -821,8 +921,21 @@ def measure_apart(kind: str, m: int, T: int, readings=APART_READINGS, *, seed: i
     out: dict[str, Any] = {"kind": kind, "m": m, "T": T, "apart": [], "failed": {}, "skipped": {}}
     shape = [f"--shape={k}={v}" for k, v in override.items()]
     for reading in readings:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", "real", "--real-rows", f"{kind}:{m}:{T}",
-               "--seed", str(seed), "--peer-budget-gib", repr(peer_budget / 2**30), "--reading", reading, *shape]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--only",
+            "real",
+            "--real-rows",
+            f"{kind}:{m}:{T}",
+            "--seed",
+            str(seed),
+            "--peer-budget-gib",
+            repr(peer_budget / 2**30),
+            "--reading",
+            reading,
+            *shape,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not got:
@@ -833,7 +946,9 @@ def measure_apart(kind: str, m: int, T: int, readings=APART_READINGS, *, seed: i
         out["skipped"].update(r.pop("skipped", {}))
         out["apart"] += r.pop("apart")
         out.update({k: v for k, v in r.items() if k not in ("kind", "m", "T")})
-        print(json.dumps({"reading": reading, **{k: v for k, v in r.items() if k not in ("kind", "m", "T")}}), flush=True)
+        print(
+            json.dumps({"reading": reading, **{k: v for k, v in r.items() if k not in ("kind", "m", "T")}}), flush=True
+        )
     return out
 
 
@@ -852,7 +967,9 @@ def _cpu_text(cpu: dict) -> str:
     does), then system seconds and minor page faults (mapping fresh memory)."""
     u0 = cpu["step"][0]
     return "CPU time a call (medians): user time against the step's, system seconds, minor page faults — " + "; ".join(
-        f"step {u:.2f} s user, {sy:.2f} s, {fl / 1e3:.0f}k" if k == "step" else f"{k} {u / u0:.2f}×, {sy:.2f} s, {fl / 1e3:.0f}k"
+        f"step {u:.2f} s user, {sy:.2f} s, {fl / 1e3:.0f}k"
+        if k == "step"
+        else f"{k} {u / u0:.2f}×, {sy:.2f} s, {fl / 1e3:.0f}k"
         for k, (u, sy, fl) in cpu.items()
     )
 
@@ -868,16 +985,19 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
         )
     lines = [
         "Policies (transformers configs, random weights, float32, their default sdpa attention, nothing downloaded): "
-        + "; ".join(shapes) + ".",
+        + "; ".join(shapes)
+        + ".",
         f"`by_rollout`, m rows of T positions (the first T/8 untrained); {reps} interleaved repeats in one",
-        "process, ratios of medians, `torch.set_num_threads(1)`. \"step\" = forward + backward + Adam (its wall time",
+        'process, ratios of medians, `torch.set_num_threads(1)`. "step" = forward + backward + Adam (its wall time',
         "on the machine as loaded during the run in the `step (s)` column). Separate",
-        "passes: audit time / step time (`engine=\"ghost\"`, `reference_grads=\"grad\"`); ride-along: (audited step −",
+        'passes: audit time / step time (`engine="ghost"`, `reference_grads="grad"`); ride-along: (audited step −',
         "plain step) / plain step. Peers make all readings (dots with g_full and the Gram) from per-row gradients.",
         "Memory: peak bytes allocated inside the call and alive at once, minus the plain step's, in units of the",
         "parameters' bytes. Drift: max |float32 share − float64 share| (one-pass engine both); Σ: |Σ float32 shares − 1|.",
         "",
-        "| policy | params | m | T | step (s) | " + " | ".join(REAL_LABELS[k] for k in REAL_MODES[1:]) + " | f32 vs f64 drift | Σ shares − 1 | conservation_error |",
+        "| policy | params | m | T | step (s) | "
+        + " | ".join(REAL_LABELS[k] for k in REAL_MODES[1:])
+        + " | f32 vs f64 drift | Σ shares − 1 | conservation_error |",
         "|---|---:|---:|---:|---:|" + "---:|" * (len(REAL_MODES) - 1) + "---:|---:|---:|",
     ]
 
@@ -895,7 +1015,10 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
         lines.append(
             f"| {r['kind']} | {r['n_params'] / 1e6:.0f} M | {r['m']} | {r['T']} | {r['step_s']:.2f} | "
             + " | ".join(cell(r, k) for k in REAL_MODES[1:])
-            + "".join(f" | {'not run' if r.get(k) is None else format(r[k], '.1e')}" for k in ("drift", "sum_shares_err", "conservation_error"))
+            + "".join(
+                f" | {'not run' if r.get(k) is None else format(r[k], '.1e')}"
+                for k in ("drift", "sum_shares_err", "conservation_error")
+            )
             + " |"
         )
     lines.append("")
@@ -911,16 +1034,24 @@ def real_table(rows: list[dict], repeats: int, dropped: list[str]) -> str:
                 f"{r['kind']}, m = {r['m']}, T = {r['T']}: {', '.join(r['apart'])} read each in a process of its own (`--apart`)."
             )
     for r in rows:
-        for run, cpu in [("", r.get("cpu"))] + [(f" (the `--modes {' '.join(o['modes'])}` run)", o.get("cpu"))
-                                                 for o in r.get("other_runs", [])]:
+        for run, cpu in [("", r.get("cpu"))] + [
+            (f" (the `--modes {' '.join(o['modes'])}` run)", o.get("cpu")) for o in r.get("other_runs", [])
+        ]:
             if cpu and cpu.get("step", [0])[0] > 0:
                 lines.append(f"{r['kind']}, m = {r['m']}, T = {r['T']}{run}: {_cpu_text(cpu)}.")
     if any(r.get("other_runs") or r.get("apart") or r.get("cpu") for r in rows):
         lines.append("")
     lines.append("(In parentheses: extra peak memory over the plain step, in parameter-sizes.)")
-    skipped = [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}." for r in rows for k, why in r.get("skipped", {}).items()]
-    skipped += [f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} (`--apart`) failed — {why}." for r in rows
-                for k, why in r.get("apart_failed", {}).items()]
+    skipped = [
+        f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} not run — {why}."
+        for r in rows
+        for k, why in r.get("skipped", {}).items()
+    ]
+    skipped += [
+        f"- {r['kind']}, m = {r['m']}, T = {r['T']}: {k} (`--apart`) failed — {why}."
+        for r in rows
+        for k, why in r.get("apart_failed", {}).items()
+    ]
     if skipped or dropped:
         lines += ["", "Not run:", ""] + [f"- {d}" for d in dropped] + skipped
     return "\n".join(lines)
@@ -942,8 +1073,12 @@ def real_verdict(rows: list[dict]) -> str:
         ("ride_shares_over_train", 0.5, "riding on the step with `shares`: ≤ +0.5 of a step"),
         ("sep_shares_over_train", 1.3, "separate pass `shares`: ≤ 1.3×"),
         ("sep_all_over_train", 1.5, "separate pass, all readings: ≤ 1.5×"),
-        ("trainer_all_over_train", 1.5, "all readings with `g_full` from the step's `.grad` (`full_grad=\"trainer\"`), "
-                                        "against the separate pass's bound: ≤ 1.5×"),
+        (
+            "trainer_all_over_train",
+            1.5,
+            'all readings with `g_full` from the step\'s `.grad` (`full_grad="trainer"`), '
+            "against the separate pass's bound: ≤ 1.5×",
+        ),
     ):
         sp = span(key)
         if sp is None:
@@ -956,27 +1091,49 @@ def real_verdict(rows: list[dict]) -> str:
         if peers:
             total += 1
             ahead += r.get("sep_all_over_train", float("inf")) < min(peers)
-    lines.append(f"- ahead of torch.func and Opacus (separate pass, all readings, against the faster peer): {ahead} of {total} rows where a peer ran"
-                 f"{'' if total == len(rows) else f' (on the other {len(rows) - total} rows the peers need more memory than the budget)'}.")
-    extra = [((r[f"mem_{k}"] - r["mem_step"]) / r["param_bytes"], k) for r in rows for k in ("ride_shares", "sep_shares", "sep_all", "trainer", "trainer_all")
-             if r.get(f"mem_{k}") is not None and "mem_step" in r]
+    lines.append(
+        f"- ahead of torch.func and Opacus (separate pass, all readings, against the faster peer): {ahead} of {total} rows where a peer ran"
+        f"{'' if total == len(rows) else f' (on the other {len(rows) - total} rows the peers need more memory than the budget)'}."
+    )
+    extra = [
+        ((r[f"mem_{k}"] - r["mem_step"]) / r["param_bytes"], k)
+        for r in rows
+        for k in ("ride_shares", "sep_shares", "sep_all", "trainer", "trainer_all")
+        if r.get(f"mem_{k}") is not None and "mem_step" in r
+    ]
     if extra:
         worst = max(extra)
-        lines.append(f"- extra peak memory ≤ one parameter-size over a plain step: worst {worst[0]:+.1f} ({worst[1]}) — {'met' if worst[0] <= 1.0 else 'not met'}.")
+        lines.append(
+            f"- extra peak memory ≤ one parameter-size over a plain step: worst {worst[0]:+.1f} ({worst[1]}) — {'met' if worst[0] <= 1.0 else 'not met'}."
+        )
     dr, ss = span("drift"), span("sum_shares_err")
     if dr is not None:
-        lines.append(f"- float32 shares within 1e-7 of float64: max drift {dr[1]:.1e} — {'met' if dr[1] <= 1e-7 else 'not met'}.")
+        lines.append(
+            f"- float32 shares within 1e-7 of float64: max drift {dr[1]:.1e} — {'met' if dr[1] <= 1e-7 else 'not met'}."
+        )
     if ss is not None:
-        lines.append(f"- float32 shares sum to 1 within 1e-7: worst {ss[1]:.1e} — {'met' if ss[1] <= 1e-7 else 'not met'}.")
+        lines.append(
+            f"- float32 shares sum to 1 within 1e-7: worst {ss[1]:.1e} — {'met' if ss[1] <= 1e-7 else 'not met'}."
+        )
     prof = [(r, r["profile"]) for r in rows if r.get("profile")]
     if prof:
-        lines += ["", "Where the time goes (`torch.profiler`, one call each, self CPU time of the top operators as a",
-                  "fraction of the median plain step):", ""]
-        what = {"sep_shares": "the separate `shares` pass", "ride_shares": "the whole ride-along step (the step's own work included)"}
+        lines += [
+            "",
+            "Where the time goes (`torch.profiler`, one call each, self CPU time of the top operators as a",
+            "fraction of the median plain step):",
+            "",
+        ]
+        what = {
+            "sep_shares": "the separate `shares` pass",
+            "ride_shares": "the whole ride-along step (the step's own work included)",
+        }
         for r, p in prof:
             for k, ops in p.items():
-                lines.append(f"- {r['kind']}, m = {r['m']}, T = {r['T']}, {what[k]}: "
-                             + ", ".join(f"`{name}` {frac:.2f}" for name, frac in ops) + ".")
+                lines.append(
+                    f"- {r['kind']}, m = {r['m']}, T = {r['T']}, {what[k]}: "
+                    + ", ".join(f"`{name}` {frac:.2f}" for name, frac in ops)
+                    + "."
+                )
     return "\n".join(lines)
 
 
@@ -984,12 +1141,18 @@ def paper_block() -> str:
     """The 7B shape on paper: multiply-adds and bytes per route, from :mod:`route_counts`."""
     from route_counts import SHAPES, counts_table
 
-    return "\n".join([
-        "", "### On paper: Qwen2.5-7B's shape (`benchmarks/route_counts.py`)", "",
-        counts_table("Qwen2.5-7B shape", SHAPES["qwen2.5-7b"], 8, 4096, bytes_per_element=2),
-        "", "The benchmark's Qwen2 row, counted the same way (float32):", "",
-        counts_table("qwen2 (this benchmark)", SHAPES["qwen2-bench"], 8, 128, bytes_per_element=4),
-    ])
+    return "\n".join(
+        [
+            "",
+            "### On paper: Qwen2.5-7B's shape (`benchmarks/route_counts.py`)",
+            "",
+            counts_table("Qwen2.5-7B shape", SHAPES["qwen2.5-7b"], 8, 4096, bytes_per_element=2),
+            "",
+            "The benchmark's Qwen2 row, counted the same way (float32):",
+            "",
+            counts_table("qwen2 (this benchmark)", SHAPES["qwen2-bench"], 8, 128, bytes_per_element=4),
+        ]
+    )
 
 
 def run_real(args, override: dict) -> str:
@@ -1032,13 +1195,29 @@ def run_real(args, override: dict) -> str:
             f"{kind}, m = {m}, T = {T}: not run — about {est['peak_bytes'] / 2**30:.1f} GiB at peak (estimated) and "
             f"{est['step_macs'] / 1e12:.2f} T multiply-adds a step, about {passes} step-sized passes per repeat{took}"
         )
-    for kind, m, T in ([] if args.rows_from is not None else wanted):
-        row = measure_real(kind, m, T, args.repeats if not args.quick else 1, modes=args.modes, memory=args.memory and not args.quick,
-                           drift=args.drift and not args.quick, profile=args.profile and not args.quick,
-                           peer_budget=args.peer_budget_gib * 2**30, seed=args.seed, **override)
+    for kind, m, T in [] if args.rows_from is not None else wanted:
+        row = measure_real(
+            kind,
+            m,
+            T,
+            args.repeats if not args.quick else 1,
+            modes=args.modes,
+            memory=args.memory and not args.quick,
+            drift=args.drift and not args.quick,
+            profile=args.profile and not args.quick,
+            peer_budget=args.peer_budget_gib * 2**30,
+            seed=args.seed,
+            **override,
+        )
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}), flush=True)
-    return real_table(rows, args.repeats if not args.quick else 1, dropped) + "\n" + real_verdict(rows) + "\n" + paper_block()
+    return (
+        real_table(rows, args.repeats if not args.quick else 1, dropped)
+        + "\n"
+        + real_verdict(rows)
+        + "\n"
+        + paper_block()
+    )
 
 
 def _merge_apart(row: dict, extra: dict) -> dict:
@@ -1067,9 +1246,12 @@ def _merge_modes(row: dict, extra: dict) -> dict:
         else:
             out["skipped"].pop(k, None)
     out["mem_step_" + "+".join(extra["modes"])] = extra.get("mem_step")
-    runs = [o for o in out.get("other_runs", []) if o["modes"] != extra["modes"]]  # its timings-only line, then its full one
-    out["other_runs"] = runs + [{"modes": extra["modes"], "step_s": extra["step_s"],
-                                 **({"cpu": extra["cpu"]} if extra.get("cpu") else {})}]
+    runs = [
+        o for o in out.get("other_runs", []) if o["modes"] != extra["modes"]
+    ]  # its timings-only line, then its full one
+    out["other_runs"] = runs + [
+        {"modes": extra["modes"], "step_s": extra["step_s"], **({"cpu": extra["cpu"]} if extra.get("cpu") else {})}
+    ]
     return out
 
 
@@ -1094,43 +1276,99 @@ def _real_row(text: str) -> tuple[str, int, int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=["all", "toy", "real"], default="all",
-                    help="run the toy rows, the real-shape rows, or both (default)")
-    ap.add_argument("--quick", action="store_true",
-                    help="one repeat, toys at m = 8 only, real rows llama:8:128 only, no memory/drift/profile (a smoke run)")
+    ap.add_argument(
+        "--only",
+        choices=["all", "toy", "real"],
+        default="all",
+        help="run the toy rows, the real-shape rows, or both (default)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repeat, toys at m = 8 only, real rows llama:8:128 only, no memory/drift/profile (a smoke run)",
+    )
     ap.add_argument("--parts", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--policies", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--real-rows", type=_real_row, nargs="+", default=list(REAL_ROWS), metavar="POLICY:m:T",
-                    help="real-shape rows to run (default: %(default)s)")
+    ap.add_argument(
+        "--real-rows",
+        type=_real_row,
+        nargs="+",
+        default=list(REAL_ROWS),
+        metavar="POLICY:m:T",
+        help="real-shape rows to run (default: %(default)s)",
+    )
     ap.add_argument("--real-repeats", type=int, default=3)
-    ap.add_argument("--peer-budget-gib", type=float, default=3.0,
-                    help="skip torch.func / Opacus on a real row whose m × |θ| per-row gradients exceed this")
-    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                    help="profile the separate `shares` pass and the ride-along step on each real row")
-    ap.add_argument("--rows-from", type=Path, default=None, metavar="LOG",
-                    help="render the real-shape block from the JSON rows an earlier run printed, instead of measuring")
-    ap.add_argument("--drift", action=argparse.BooleanOptionalAction, default=True,
-                    help="real rows: read the float32 shares against a float64 pass (--no-drift where a float64 "
-                         "copy of the step does not fit: the Qwen2 shape at T = 512 needs more than 24 GiB)")
-    ap.add_argument("--modes", nargs="+", default=list(REAL_MODES), choices=list(REAL_MODES), type=str,
-                    help="real rows: the modes to time (the plain step always); e.g. `--modes step vmap opacus "
-                         "--peer-budget-gib 8` for the peers alone, merged into the row's earlier run by --rows-from")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="real rows: take each mode's peak memory (--no-memory where the profiled passes do not fit: "
-                         "the Qwen2 shape at 4,096 positions a step was killed for memory at 24 GiB after them)")
-    ap.add_argument("--apart", nargs="*", default=None, choices=list(APART_READINGS), metavar="READING",
-                    help="real rows: no timings; the memory and drift readings (all, or those named: "
-                         f"{', '.join(APART_READINGS)}), each in a process of its own, for rows whose profiled passes "
-                         "do not fit in one process; --rows-from merges them into the row's timed run")
-    ap.add_argument("--reading", choices=list(APART_READINGS), default=None, help=argparse.SUPPRESS)  # one --apart child
+    ap.add_argument(
+        "--peer-budget-gib",
+        type=float,
+        default=3.0,
+        help="skip torch.func / Opacus on a real row whose m × |θ| per-row gradients exceed this",
+    )
+    ap.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="profile the separate `shares` pass and the ride-along step on each real row",
+    )
+    ap.add_argument(
+        "--rows-from",
+        type=Path,
+        default=None,
+        metavar="LOG",
+        help="render the real-shape block from the JSON rows an earlier run printed, instead of measuring",
+    )
+    ap.add_argument(
+        "--drift",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="real rows: read the float32 shares against a float64 pass (--no-drift where a float64 "
+        "copy of the step does not fit: the Qwen2 shape at T = 512 needs more than 24 GiB)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(REAL_MODES),
+        choices=list(REAL_MODES),
+        type=str,
+        help="real rows: the modes to time (the plain step always); e.g. `--modes step vmap opacus "
+        "--peer-budget-gib 8` for the peers alone, merged into the row's earlier run by --rows-from",
+    )
+    ap.add_argument(
+        "--memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="real rows: take each mode's peak memory (--no-memory where the profiled passes do not fit: "
+        "the Qwen2 shape at 4,096 positions a step was killed for memory at 24 GiB after them)",
+    )
+    ap.add_argument(
+        "--apart",
+        nargs="*",
+        default=None,
+        choices=list(APART_READINGS),
+        metavar="READING",
+        help="real rows: no timings; the memory and drift readings (all, or those named: "
+        f"{', '.join(APART_READINGS)}), each in a process of its own, for rows whose profiled passes "
+        "do not fit in one process; --rows-from merges them into the row's timed run",
+    )
+    ap.add_argument(
+        "--reading", choices=list(APART_READINGS), default=None, help=argparse.SUPPRESS
+    )  # one --apart child
     ap.add_argument("--seed", type=int, default=0, help="real rows: the seed of the policy and the batch")
-    ap.add_argument("--shape", action="append", default=[], type=_shape_override, metavar="KEY=VALUE",
-                    help="real rows: override one of the policy's shape figures (e.g. vocab=4096 for a smoke run)")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        type=_shape_override,
+        metavar="KEY=VALUE",
+        help="real rows: override one of the policy's shape figures (e.g. vocab=4096 for a smoke run)",
+    )
     ap.add_argument("--no-episode", action="store_true", help="skip the 40-turn within-row episode")
     ap.add_argument(
-        "--route", default="auto", choices=["auto", "direct", "ghost"],
+        "--route",
+        default="auto",
+        choices=["auto", "direct", "ghost"],
         help="how the ghost engines read Linear/Conv1D weights: per layer by cost (auto), per-row products, or the ghost identities",
     )
     ap.add_argument("--write", type=Path, default=None, help="markdown file whose generated blocks are replaced")
@@ -1143,20 +1381,35 @@ def main(argv=None) -> int:
     override = dict(args.shape)
     if args.reading is not None:  # one child of --apart: one reading of one row, one JSON line
         kind, m, T = args.real_rows[0]
-        print(json.dumps(measure_reading(kind, m, T, args.reading, seed=args.seed, peer_budget=args.peer_budget_gib * 2**30,
-                                         **override)), flush=True)
+        print(
+            json.dumps(
+                measure_reading(
+                    kind, m, T, args.reading, seed=args.seed, peer_budget=args.peer_budget_gib * 2**30, **override
+                )
+            ),
+            flush=True,
+        )
         return 0
     if args.apart is not None:
         for kind, m, T in args.real_rows:
-            row = measure_apart(kind, m, T, args.apart or APART_READINGS, seed=args.seed,
-                                peer_budget=args.peer_budget_gib * 2**30, **override)
+            row = measure_apart(
+                kind,
+                m,
+                T,
+                args.apart or APART_READINGS,
+                seed=args.seed,
+                peer_budget=args.peer_budget_gib * 2**30,
+                **override,
+            )
             print(json.dumps(row), flush=True)
         return 0
     if args.only in ("all", "toy"):
         rows = []
         for kind in args.policies:
             for m in args.parts:
-                rows.append(measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts), route=args.route))
+                rows.append(
+                    measure(m, args.repeats, kind, tuple(args.engines), memory=m == max(args.parts), route=args.route)
+                )
                 print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
         body = table(rows, args.repeats) + "\n" + verdict(rows)
         if not args.no_episode:

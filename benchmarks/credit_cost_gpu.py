@@ -62,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, k) < 1:
             ap.error(f"`--{k.replace('_', '-')}` must be a positive integer, got {getattr(args, k)!r}.")
     if args.hidden % args.heads or args.heads % args.kv_heads:
-        ap.error(f"`--hidden` ({args.hidden}) must be a multiple of `--heads` ({args.heads}), and `--heads` of `--kv-heads` ({args.kv_heads}).")
+        ap.error(
+            f"`--hidden` ({args.hidden}) must be a multiple of `--heads` ({args.heads}), and `--heads` of `--kv-heads` ({args.kv_heads})."
+        )
     return args
 
 
@@ -70,9 +72,17 @@ def qwen2(args: argparse.Namespace) -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=max(args.tokens, 64),
-        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, attention_dropout=0.0,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.tokens, 64),
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
     )
     cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
@@ -140,8 +150,13 @@ def modes(policy: Policy, batch: tuple, opt: torch.optim.Optimizer) -> dict[str,
 
         return fn
 
-    return {"step": step, "ride_shares": ride_shares, "sep_shares": separate("shares"), "sep_all": separate("all"),
-            "trainer": separate("shares", trainer=True)}
+    return {
+        "step": step,
+        "ride_shares": ride_shares,
+        "sep_shares": separate("shares"),
+        "sep_all": separate("all"),
+        "trainer": separate("shares", trainer=True),
+    }
 
 
 def timed(fn: Callable[[], Any], device: str) -> tuple[float, int]:
@@ -164,7 +179,9 @@ def timed(fn: Callable[[], Any], device: str) -> tuple[float, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("credit_cost_gpu.py needs a CUDA device; none is available (use --device cpu at a tiny shape to smoke-test).")
+        print(
+            "credit_cost_gpu.py needs a CUDA device; none is available (use --device cpu at a tiny shape to smoke-test)."
+        )
         return 2
     policy, batch, opt = build(args)
     fns = modes(policy, batch, opt)
@@ -189,20 +206,29 @@ def main(argv=None) -> int:
             if k == "ride_shares":
                 fwd_bwd()  # .grad of this batch at the current weights, as at on_before_optimizer_step
     if args.reference:
-        t, mem = timed(lambda: disintegrate(policy, batch, "by_rollout", engine="reference", dtype="native"), args.device)
+        t, mem = timed(
+            lambda: disintegrate(policy, batch, "by_rollout", engine="reference", dtype="native"), args.device
+        )
         times["reference"], peaks["reference"] = [t], mem
     t_step = statistics.median(times["step"])
     out: dict[str, Any] = {
-        "params": sum(p.numel() for p in params), "m": args.parts, "T": args.tokens, "dtype": args.dtype,
+        "params": sum(p.numel() for p in params),
+        "m": args.parts,
+        "T": args.tokens,
+        "dtype": args.dtype,
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "shape": {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "intermediate", "heads", "kv_heads")},
     }
     for k, ts in times.items():
         med = statistics.median(ts)
         ratio = (med - t_step) / t_step if k == "ride_shares" else med / t_step
-        out[k] = {"ms": round(med, 2), "over_plain_step": round(ratio, 3),
-                  "reads_as": "extra over the plain step" if k == "ride_shares" else "times the plain step",
-                  "peak_GiB": round(peaks[k] / 2**30, 3), "peak_over_step_in_params": round((peaks[k] - peaks["step"]) / param_bytes, 2)}
+        out[k] = {
+            "ms": round(med, 2),
+            "over_plain_step": round(ratio, 3),
+            "reads_as": "extra over the plain step" if k == "ride_shares" else "times the plain step",
+            "peak_GiB": round(peaks[k] / 2**30, 3),
+            "peak_over_step_in_params": round((peaks[k] - peaks["step"]) / param_bytes, 2),
+        }
     print(json.dumps(out, indent=1))
     return 0
 

@@ -45,13 +45,13 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
-from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments  # noqa: E402
 from lens_callbacks.credit.engines.jvp import disintegrate_jvp, terms_jvp  # noqa: E402
+from lens_callbacks.credit.inputs.partition import packed_rollouts, resolve_partition  # noqa: E402
 from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn  # noqa: E402
 from lens_callbacks.credit.readings.update_share import update_shares  # noqa: E402
-from lens_callbacks.credit.inputs.partition import packed_rollouts, resolve_partition  # noqa: E402
+from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
+from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
 
 SECTION = "## Forward-mode engine on turns (`benchmarks/credit_jvp_cost.py`)"
 
@@ -66,10 +66,14 @@ class EpisodePolicy(nn.Module):
 
     def credit_terms(self, batch) -> CreditTerms:
         b, segments, adv = batch
-        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+        logits = self.policy(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+        ).logits  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         logp = F.pad(logp, (1, 0))  # [B, T]
-        terms = -(adv.to(logp.dtype)[:, None] * logp) * b.trained.to(logp.dtype) / b.trained.sum().clamp(min=1)  # [B, T]
+        terms = (
+            -(adv.to(logp.dtype)[:, None] * logp) * b.trained.to(logp.dtype) / b.trained.sum().clamp(min=1)
+        )  # [B, T]
         segment, names = turn_segments(segments, self.segment_by, rollout=b.rollout)
         return CreditTerms(terms, b.trained, b.rollout, b.group, segment, names)
 
@@ -92,15 +96,34 @@ def episodes(rows: int, turns: int, seed: int = 0) -> list[Trajectory]:
 
 def policies(vocab: int, pad: int, eos: int, embd: int = 32) -> dict[str, Callable[[], nn.Module]]:
     """The example's GPT-2 (width 32 by default) and a Llama-style policy of the same width."""
+
     def gpt2() -> nn.Module:
-        return tiny_gpt2(vocab_size=vocab, n_positions=512, n_layer=2, n_embd=embd, n_head=2, dropout=0.1,
-                         eos_id=eos, pad_id=pad, seed=0, dtype="float32")
+        return tiny_gpt2(
+            vocab_size=vocab,
+            n_positions=512,
+            n_layer=2,
+            n_embd=embd,
+            n_head=2,
+            dropout=0.1,
+            eos_id=eos,
+            pad_id=pad,
+            seed=0,
+            dtype="float32",
+        )
 
     def llama() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=embd, intermediate_size=2 * embd, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=512, pad_token_id=pad)
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=embd,
+            intermediate_size=2 * embd,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            pad_token_id=pad,
+        )
         assert cfg._attn_implementation in (None, "sdpa")  # transformers' default; forward mode takes its rule
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -149,8 +172,15 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
         fn()
         return time.perf_counter() - t
 
-    fns = {"train": train_step, "tangent": tangent_pass, "jvp": jvp, "jvp_all": jvp_all, "reference": ref,
-           "batched": batched, "update": update_share}
+    fns = {
+        "train": train_step,
+        "tangent": tangent_pass,
+        "jvp": jvp,
+        "jvp_all": jvp_all,
+        "reference": ref,
+        "batched": batched,
+        "update": update_share,
+    }
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -212,11 +242,26 @@ def real_model(kind: str, T: int) -> nn.Module:
 
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = tf.LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=T)
+        cfg = tf.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            max_position_embeddings=T,
+        )
         return tf.LlamaForCausalLM(cfg)
-    cfg = tf.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
-                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=T, tie_word_embeddings=True)
+    cfg = tf.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        tie_word_embeddings=True,
+    )
     return tf.Qwen2ForCausalLM(cfg)
 
 
@@ -251,8 +296,14 @@ class TurnBatch(nn.Module):
         lp = F.pad(torch.log_softmax(out, -1).gather(-1, self.ids[:, 1:, None])[..., 0], (1, 0))  # [B, T]
         terms = torch.where(self.trained, -self.adv * lp / self.trained.sum(), torch.zeros_like(lp))
         B = self.ids.shape[0]
-        return CreditTerms(terms, self.trained, self.rollout, torch.zeros(B, dtype=torch.long), segment=self.segment,
-                           segment_names=self.names)
+        return CreditTerms(
+            terms,
+            self.trained,
+            self.rollout,
+            torch.zeros(B, dtype=torch.long),
+            segment=self.segment,
+            segment_names=self.names,
+        )
 
 
 def _peak(fn: Callable[[], object]) -> int:
@@ -290,7 +341,9 @@ def measure_real(kind: str, B: int, T: int, repeats: int, packed: bool = False, 
         else:
             loss = module.credit_terms().terms.sum()
             loss.backward()
-            rep = disintegrate(module, None, partition, full_grad=[p.grad for p in params], **kw)  # the tangent pass alone
+            rep = disintegrate(
+                module, None, partition, full_grad=[p.grad for p in params], **kw
+            )  # the tangent pass alone
         opt.step()
         return rep
 
@@ -314,12 +367,22 @@ def measure_real(kind: str, B: int, T: int, repeats: int, packed: bool = False, 
         times["separate"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     row = {
-        "policy": kind, "B": B, "T": T, "packed": packed, "m": rep_sep.n_parts, "step_s": med["step"],
-        "ride_extra": (med["ride_step"] - med["step"]) / med["step"], "separate": med["separate"] / med["step"],
-        "engine_ride": rep_ride.engine, "engine_sep": rep_sep.engine,
-        "share_sum_err": abs(rep_sep.share_sum - 1.0), "conservation": rep_sep.conservation_error,
+        "policy": kind,
+        "B": B,
+        "T": T,
+        "packed": packed,
+        "m": rep_sep.n_parts,
+        "step_s": med["step"],
+        "ride_extra": (med["ride_step"] - med["step"]) / med["step"],
+        "separate": med["separate"] / med["step"],
+        "engine_ride": rep_ride.engine,
+        "engine_sep": rep_sep.engine,
+        "share_sum_err": abs(rep_sep.share_sum - 1.0),
+        "conservation": rep_sep.conservation_error,
         "conservation_ride": rep_ride.conservation_error,
-        "mem_step": None, "mem_ride": None, "mem_sep": None,
+        "mem_step": None,
+        "mem_ride": None,
+        "mem_sep": None,
     }
     if memory:
         row["mem_step"] = _peak(step)
@@ -383,8 +446,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--embd", type=int, default=32, help="width of both policies (the example's GPT-2: 32)")
     ap.add_argument("--real", action="store_true", help="the real-shape rows (40-turn episodes, packed rollouts)")
     ap.add_argument("--real-rows", nargs="+", default=list(REAL_ROWS), metavar="POLICY:ROWS:T")
-    ap.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True, help="real rows: packed rollouts too")
-    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True, help="real rows: peak memory per mode")
+    ap.add_argument(
+        "--packed", action=argparse.BooleanOptionalAction, default=True, help="real rows: packed rollouts too"
+    )
+    ap.add_argument(
+        "--memory", action=argparse.BooleanOptionalAction, default=True, help="real rows: peak memory per mode"
+    )
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -392,7 +459,11 @@ def main(argv=None) -> list[dict]:
     if args.real:
         for spec in args.real_rows:
             parts = spec.split(":")
-            if len(parts) != 3 or parts[0] not in ("llama", "qwen2") or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+            if (
+                len(parts) != 3
+                or parts[0] not in ("llama", "qwen2")
+                or not all(x.isdigit() and int(x) > 0 for x in parts[1:])
+            ):
                 ap.error(f"--real-rows entries must be POLICY:ROWS:T with POLICY llama or qwen2, got {spec!r}")
         return main_real(args)
     tok = build_tokenizer()

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import credit_cost as cc  # noqa: E402
+
 from lens_callbacks.credit import disintegrate  # noqa: E402
 from lens_callbacks.credit.engines import ghost, ghost_routes  # noqa: E402
-
 
 COMPARE = {  # way: {name: (one part at a time, dead ends cut)}
     "paths": {"by part": (True, True), "batched": (False, True)},
@@ -43,7 +43,9 @@ COMPARE = {  # way: {name: (one part at a time, dead ends cut)}
 }
 
 
-def measure_ab(kind: str, m: int, T: int, repeats: int, compare: str = "paths", prompt: float = 1 / 8, **override) -> dict:
+def measure_ab(
+    kind: str, m: int, T: int, repeats: int, compare: str = "paths", prompt: float = 1 / 8, **override
+) -> dict:
     """Both ways timed, interleaved; medians of the pass, of the direct route in all and of its largest weight.
     ``prompt``: the share of each row's positions before its trained ones."""
     if compare not in COMPARE:
@@ -78,9 +80,12 @@ def measure_ab(kind: str, m: int, T: int, repeats: int, compare: str = "paths", 
             if not cut:
                 ghost_routes._cut = lambda f: (f, None)
             try:
-                return disintegrate(policy, batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad")
+                return disintegrate(
+                    policy, batch, "by_rollout", engine="ghost", readings="shares", reference_grads="grad"
+                )
             finally:
                 ghost_routes._by_part, ghost_routes._cut = real_by_part, real_cut
+
         return run
 
     paths = {k: audit(*way) for k, way in COMPARE[compare].items()}
@@ -114,12 +119,25 @@ def measure_ab(kind: str, m: int, T: int, repeats: int, compare: str = "paths", 
         ghost.direct_param = real_direct
     med = statistics.median
     return {
-        "kind": kind, "m": m, "T": T, "repeats": repeats, "compare": compare, "prompt": prompt,
-        "step_s": med(times["step"]), "step_sys_s": med(sys_s["step"]),
+        "kind": kind,
+        "m": m,
+        "T": T,
+        "repeats": repeats,
+        "compare": compare,
+        "prompt": prompt,
+        "step_s": med(times["step"]),
+        "step_sys_s": med(sys_s["step"]),
         "share_gap": max(abs(a - b) for a, b in zip(got[first].projected_share, got[second].projected_share)),
         "conservation_error": {k: r.conservation_error for k, r in got.items()},
-        "paths": {k: {"over_step": med(times[k]) / med(times["step"]), "sys_s": med(sys_s[k]), "direct_s": med(direct[k]),
-                      "largest_s": med(largest[k])} for k in paths},
+        "paths": {
+            k: {
+                "over_step": med(times[k]) / med(times["step"]),
+                "sys_s": med(sys_s[k]),
+                "direct_s": med(direct[k]),
+                "largest_s": med(largest[k]),
+            }
+            for k in paths
+        },
     }
 
 
@@ -127,16 +145,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", default="llama:32:128", help="KIND:M:T, as credit_cost.py's --real-rows")
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--compare", choices=sorted(COMPARE), default="paths",
-                    help="paths: one part at a time against every part's block at once; cut: dead ends cut or not")
+    ap.add_argument(
+        "--compare",
+        choices=sorted(COMPARE),
+        default="paths",
+        help="paths: one part at a time against every part's block at once; cut: dead ends cut or not",
+    )
     ap.add_argument("--prompt", type=float, default=1 / 8, help="share of each row before its trained positions")
     args = ap.parse_args(argv)
     kind, m, T = args.row.split(":")
     torch.set_num_threads(1)
     r = measure_ab(kind, int(m), int(T), args.repeats, compare=args.compare, prompt=args.prompt)
-    print(f"{kind}, m = {m}, T = {T}, prompt {args.prompt:.3g} of a row, {args.repeats} repeats; plain step "
-          f"{r['step_s']:.2f} s ({r['step_sys_s']:.2f} s system); the two ways' "
-          f"projected shares differ by {r['share_gap']:.1e}")
+    print(
+        f"{kind}, m = {m}, T = {T}, prompt {args.prompt:.3g} of a row, {args.repeats} repeats; plain step "
+        f"{r['step_s']:.2f} s ({r['step_sys_s']:.2f} s system); the two ways' "
+        f"projected shares differ by {r['share_gap']:.1e}"
+    )
     print("| way | separate `shares` pass / step | its system time (s) | direct route (s) | largest weight (s) |")
     print("|---|---:|---:|---:|---:|")
     for k, p in r["paths"].items():

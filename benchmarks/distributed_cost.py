@@ -54,8 +54,18 @@ def _worker(rank: int, world: int, args, port: int, queue) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=64, n_embd=args.embd, n_layer=args.layers, n_head=4, bos_token_id=0, eos_token_id=0,
-                                       attn_implementation="eager"))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_positions=64,
+            n_embd=args.embd,
+            n_layer=args.layers,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+        )
+    )
     model.eval()
     g = torch.Generator().manual_seed(100 + rank)
     tokens = torch.randint(0, 64, (args.B, args.T + 1), generator=g)
@@ -87,7 +97,15 @@ def _worker(rank: int, world: int, args, port: int, queue) -> None:
             i += p.numel()
         dist.barrier()
         t0 = time.perf_counter()
-        local = disintegrate(model, None, dtype="float32", terms_fn=credit_terms, keep_grads=True, project_onto=applied, engine=args.engine)
+        local = disintegrate(
+            model,
+            None,
+            dtype="float32",
+            terms_fn=credit_terms,
+            keep_grads=True,
+            project_onto=applied,
+            engine=args.engine,
+        )
         times["local"].append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
@@ -116,10 +134,14 @@ def main() -> None:
     queue = ctx.SimpleQueue()
     mp.spawn(_worker, args=(2, args, args.port, queue), nprocs=2, join=True)
     med, n, share_sum, grad_match, engine = queue.get()
-    print(f"params {n}, B={args.B} rows × T={args.T} per rank, m = {args.B} parts per rank, 2 ranks, float32, engine {engine}")
+    print(
+        f"params {n}, B={args.B} rows × T={args.T} per rank, m = {args.B} parts per rank, 2 ranks, float32, engine {engine}"
+    )
     print(f"share_sum {share_sum:.9f}  grad_match {grad_match:.2e}")
-    print(f"global/local {med['global'] / med['local']:.3f}  global/ddp_allreduce {med['global'] / med['ddp_allreduce']:.2f}  "
-          f"(local+global)/train {(med['local'] + med['global']) / med['train']:.2f}")
+    print(
+        f"global/local {med['global'] / med['local']:.3f}  global/ddp_allreduce {med['global'] / med['ddp_allreduce']:.2f}  "
+        f"(local+global)/train {(med['local'] + med['global']) / med['train']:.2f}"
+    )
 
 
 if __name__ == "__main__":

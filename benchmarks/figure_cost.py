@@ -41,14 +41,20 @@ def step_time(steps: int, table_every: int, figures: bool, figure_every: int) ->
 
     out = tempfile.mkdtemp()
     sys.argv = ["lens-callbacks"]
-    cli = cli_main([
-        "--config", str(CONFIG), f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={out}",
-        f"--trainer.callbacks.init_args.log_table_every_n_steps={table_every}",
-        f"--trainer.callbacks.init_args.log_figure={str(figures).lower()}",
-        f"--trainer.callbacks.init_args.log_figure_every_n_steps={figure_every}",
-        "--trainer.callbacks.init_args.print_last_report=false",
-    ], run=False)
+    cli = cli_main(
+        [
+            "--config",
+            str(CONFIG),
+            f"--trainer.max_steps={steps}",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={out}",
+            f"--trainer.callbacks.init_args.log_table_every_n_steps={table_every}",
+            f"--trainer.callbacks.init_args.log_figure={str(figures).lower()}",
+            f"--trainer.callbacks.init_args.log_figure_every_n_steps={figure_every}",
+            "--trainer.callbacks.init_args.print_last_report=false",
+        ],
+        run=False,
+    )
     clock = StepClock()
     cli.trainer.callbacks.append(clock)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)

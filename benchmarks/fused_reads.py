@@ -59,12 +59,23 @@ def measure(rows: int, width: int, blocks: int, calls: int = 2000, backend: str 
     f_dots, f_sq = fused(P, w, s)  # compiles
     compile_s = time.perf_counter() - t0
     read_piece(P, w, s, tmp, dots, sq, first=False)
-    diff = max(float((f_dots - dots).abs().max()) / max(float(dots.abs().max()), 1e-30),
-               float((f_sq - sq.pow(2)).abs().max()) / max(float(sq.pow(2).max()), 1e-30))
+    diff = max(
+        float((f_dots - dots).abs().max()) / max(float(dots.abs().max()), 1e-30),
+        float((f_sq - sq.pow(2)).abs().max()) / max(float(sq.pow(2).max()), 1e-30),
+    )
     eager_s = _per_call(lambda: read_piece(P, w, s, tmp, dots, sq, first=False), calls)
     fused_s = _per_call(lambda: fused(P, w, s), calls)
-    return {"rows": rows, "width": width, "blocks": blocks, "backend": backend, "eager_s": eager_s,
-            "fused_s": fused_s, "compile_s": compile_s, "saved_s": blocks * (eager_s - fused_s), "max_rel_diff": diff}
+    return {
+        "rows": rows,
+        "width": width,
+        "blocks": blocks,
+        "backend": backend,
+        "eager_s": eager_s,
+        "fused_s": fused_s,
+        "compile_s": compile_s,
+        "saved_s": blocks * (eager_s - fused_s),
+        "max_rel_diff": diff,
+    }
 
 
 def render(r: dict) -> str:

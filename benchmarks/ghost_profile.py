@@ -54,16 +54,28 @@ def make_policy(kind: str, layers: int, seed: int = 0) -> Policy:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         cfg = Qwen2Config(
-            vocab_size=151936, hidden_size=896, intermediate_size=1024, num_hidden_layers=layers,
-            num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=1024,
+            num_hidden_layers=layers,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
         )
         model = Qwen2ForCausalLM(cfg)
     elif kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
         cfg = LlamaConfig(
-            vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
-            num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False, max_position_embeddings=1024,
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            max_position_embeddings=1024,
         )
         model = LlamaForCausalLM(cfg)
     else:
@@ -142,10 +154,14 @@ def main(argv=None) -> int:
             times[k].append(time.process_time() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     n_params = sum(p.numel() for p in policy.parameters())
-    print(f"{args.model} layers={args.layers} params={n_params / 1e6:.1f}M m={args.m} T={args.T} readings={args.readings} "
-          f"threads={torch.get_num_threads()} repeats={args.repeats}")
+    print(
+        f"{args.model} layers={args.layers} params={n_params / 1e6:.1f}M m={args.m} T={args.T} readings={args.readings} "
+        f"threads={torch.get_num_threads()} repeats={args.repeats}"
+    )
     for k, v in med.items():
-        print(f"  {k:9s} median {v:7.3f} s CPU  ratio to plain {v / med['plain']:.3f}  ({', '.join(f'{x:.2f}' for x in times[k])})")
+        print(
+            f"  {k:9s} median {v:7.3f} s CPU  ratio to plain {v / med['plain']:.3f}  ({', '.join(f'{x:.2f}' for x in times[k])})"
+        )
     print(f"  peak RSS {rss_gib():.2f} GiB")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

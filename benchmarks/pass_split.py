@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import credit_cost as cc  # noqa: E402
 from credit_cost import resource  # noqa: E402  (None where the platform has no getrusage)
+
 from lens_callbacks.credit.engines import ghost, ghost_routes  # noqa: E402
 
 PARTS = ("step", "fwd_bwd", "pass", "reductions", "products", "scans", "differences", "reads", "end")
@@ -92,10 +93,20 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
     red, prod, scans, diffs, reads, end = ([0.0, 0.0] for _ in range(6))
     inside = [0]  # the scans and differences are counted only within a timed reduction
     outer_end = [0]  # the end's functions call each other: only the outermost call is timed
-    real = {(ghost._Reducer, "param"): red, (ghost_routes, "_cut"): scans, (ghost_routes, "diff_sq64"): diffs,
-            (ghost_routes, "sq64"): diffs, (ghost, "diff_sq64"): diffs, (ghost_routes, "read_piece"): reads}
-    after = {(ghost._Reducer, "finish"): end, (ghost, "_sum_sq"): end, (ghost, "_grad_match"): end,
-             (ghost, "build_report"): end}
+    real = {
+        (ghost._Reducer, "param"): red,
+        (ghost_routes, "_cut"): scans,
+        (ghost_routes, "diff_sq64"): diffs,
+        (ghost_routes, "sq64"): diffs,
+        (ghost, "diff_sq64"): diffs,
+        (ghost_routes, "read_piece"): reads,
+    }
+    after = {
+        (ghost._Reducer, "finish"): end,
+        (ghost, "_sum_sq"): end,
+        (ghost, "_grad_match"): end,
+        (ghost, "build_report"): end,
+    }
     saved = {key: getattr(*key) for key in (*real, *after)}
     saved[(ghost_routes, "torch")] = ghost_routes.torch
 
@@ -157,8 +168,14 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
             for spent in (red, prod, scans, diffs, reads, end):
                 spent[:] = [0.0, 0.0]
             timed_call("pass", audit)
-            for k, spent in (("reductions", red), ("products", prod), ("scans", scans), ("differences", diffs),
-                             ("reads", reads), ("end", end)):
+            for k, spent in (
+                ("reductions", red),
+                ("products", prod),
+                ("scans", scans),
+                ("differences", diffs),
+                ("reads", reads),
+                ("end", end),
+            ):
                 times[k].append(spent[0])
                 users[k].append(spent[1])
     finally:
@@ -169,39 +186,58 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
     # user time, system time and page faults of each call (medians): on a CPU the system share moves with
     # the allocator's state from one run to the next, the user share with the work
     cpu = {k: [statistics.median(c[i] for c in v) for i in range(3)] for k, v in usage.items() if len(v) == repeats}
-    return {"kind": kind, "m": m, "T": T, "repeats": repeats, "seconds": med, "user": umed, "cpu": cpu or None,
-            "over_step": {k: v / med["step"] for k, v in med.items()},
-            "user_over_step": {k: v / umed["step"] for k, v in umed.items()} if umed["step"] > 0 else None,
-            "conservation_error": report.conservation_error}
+    return {
+        "kind": kind,
+        "m": m,
+        "T": T,
+        "repeats": repeats,
+        "seconds": med,
+        "user": umed,
+        "cpu": cpu or None,
+        "over_step": {k: v / med["step"] for k, v in med.items()},
+        "user_over_step": {k: v / umed["step"] for k, v in umed.items()} if umed["step"] > 0 else None,
+        "conservation_error": report.conservation_error,
+    }
 
 
 def _cells(o: dict) -> str:
     rest = o["reductions"] - o["products"] - o["scans"] - o["differences"] - o["reads"]
-    return (f"{o['pass']:.3f} | {o['fwd_bwd']:.3f} | {o['pass'] - o['reductions'] - o['end']:.3f} | {o['end']:.3f} | "
-            f"{o['products']:.3f} | {o['scans']:.3f} | {o['differences']:.3f} | {o['reads']:.3f} | {rest:.3f} |")
+    return (
+        f"{o['pass']:.3f} | {o['fwd_bwd']:.3f} | {o['pass'] - o['reductions'] - o['end']:.3f} | {o['end']:.3f} | "
+        f"{o['products']:.3f} | {o['scans']:.3f} | {o['differences']:.3f} | {o['reads']:.3f} | {rest:.3f} |"
+    )
 
 
 def render(r: dict) -> str:
     rows = [f"| wall | {_cells(r['over_step'])}"]
     if r.get("user_over_step"):
         rows.append(f"| user CPU | {_cells(r['user_over_step'])}")
-    return "\n".join([
-        f"{r['kind']}, m = {r['m']}, T = {r['T']}, {r['repeats']} repeats; plain step {r['seconds']['step']:.2f} s "
-        f"(conservation_error {r['conservation_error']:.1e})",
-        "| time | separate `shares` pass | forward + backward alone | pass − reductions − end | end (after the backward) | "
-        "per-row products | dead-end scans | conservation differences | reads of the pieces | rest of the reductions |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "(each a fraction of the plain step's wall time, and of its user CPU time)",
-    ] + ([cc._cpu_text(r["cpu"])] if r.get("cpu") and r["cpu"]["step"][0] > 0 else []))
+    return "\n".join(
+        [
+            f"{r['kind']}, m = {r['m']}, T = {r['T']}, {r['repeats']} repeats; plain step {r['seconds']['step']:.2f} s "
+            f"(conservation_error {r['conservation_error']:.1e})",
+            "| time | separate `shares` pass | forward + backward alone | pass − reductions − end | end (after the backward) | "
+            "per-row products | dead-end scans | conservation differences | reads of the pieces | rest of the reductions |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *rows,
+            "(each a fraction of the plain step's wall time, and of its user CPU time)",
+        ]
+        + ([cc._cpu_text(r["cpu"])] if r.get("cpu") and r["cpu"]["step"][0] > 0 else [])
+    )
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--row", default="llama:8:128", type=cc._real_row, help="KIND:M:T, as credit_cost.py's --real-rows")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--shape", action="append", default=[], type=cc._shape_override, metavar="KEY=INT",
-                    help="override one field of the policy's shape, as credit_cost.py's --shape")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        type=cc._shape_override,
+        metavar="KEY=INT",
+        help="override one field of the policy's shape, as credit_cost.py's --shape",
+    )
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"`repeats` must be at least 1, got {args.repeats!r}.")

@@ -66,13 +66,29 @@ def build(kind: str) -> tuple[nn.Module, int]:
     if kind == "toy":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=64, n_positions=256, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = GPT2Config(
+            vocab_size=64,
+            n_positions=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         cfg._attn_implementation = "eager"
         return GPT2LMHeadModel(cfg), 64
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=512,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg), 32000
 
@@ -93,8 +109,15 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         m.credit_terms(batch).terms.sum().backward()
         opt.step()
 
-    names = ("update_map", "probe_forward_backward", "parts_dots", "readings", "theta_copy", "probe_forward_after",
-             "applied_dot")
+    names = (
+        "update_map",
+        "probe_forward_backward",
+        "parts_dots",
+        "readings",
+        "theta_copy",
+        "probe_forward_after",
+        "applied_dot",
+    )
     parts: dict[str, list[float]] = {k: [] for k in names}
 
     def clock(key, fn, *a, **k):
@@ -114,8 +137,9 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         probe_mod.disintegrate = timed_disintegrate
         try:
             t0 = time.perf_counter()
-            rep = probe_credit(m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",),
-                               engine=engine)
+            rep = probe_credit(
+                m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",), engine=engine
+            )
             parts["readings"].append(time.perf_counter() - t0 - parts["parts_dots"][-1])
         finally:
             probe_mod.disintegrate = real
@@ -142,9 +166,16 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         rep = reading_after(*got)
         extra.append((t1 - t0) + (time.perf_counter() - t2))
     return {
-        "policy": kind, "params": sum(p.numel() for p in params), "B": B, "T": T, "P": P, "engine": rep.engine,
-        "step_s": statistics.median(plain), "reading_s": statistics.median(extra),
-        "ratio": statistics.median(extra) / statistics.median(plain), "update_match": rep.update_match,
+        "policy": kind,
+        "params": sum(p.numel() for p in params),
+        "B": B,
+        "T": T,
+        "P": P,
+        "engine": rep.engine,
+        "step_s": statistics.median(plain),
+        "reading_s": statistics.median(extra),
+        "ratio": statistics.median(extra) / statistics.median(plain),
+        "update_match": rep.update_match,
         "parts_gap": rep.parts_gap,
         "breakdown": {k: statistics.median(v) / statistics.median(plain) for k, v in parts.items()},
     }
@@ -166,19 +197,25 @@ def main() -> None:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
     kinds = ["toy", "llama"] if args.policy == "both" else [args.policy]
-    lines = ["| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines))
     rows = []
     for kind in kinds:
         r = run(kind, args.B, args.T, args.P, args.repeats, args.engine)
-        lines.append(f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
-                     f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |")
+        lines.append(
+            f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
+            f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |"
+        )
         print(lines[-1], flush=True)
         rows.append((r["policy"], r["breakdown"]))
     lines.append("")
-    lines.append("per piece, / plain step: " + "; ".join(
-        f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for kind, b in rows))
+    lines.append(
+        "per piece, / plain step: "
+        + "; ".join(f"{kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) for kind, b in rows)
+    )
     print(lines[-1])
     out = Path(__file__).resolve().parent / "results" / f"probe_cost-{datetime.date.today().isoformat()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,8 +26,13 @@ def _fit(steps: int, callbacks) -> float:
 
     seed_everything(0)
     trainer = Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, callbacks=callbacks,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     model, data = GRPOModule(seed=0), AdditionDataModule(batch_size=4, data_seed=0)
     t = time.perf_counter()
@@ -56,8 +61,10 @@ def main() -> None:
         plain.append(_fit(args.steps, []))
         with_cb.append(_fit(args.steps, [ProcessRewardCallback(log_text_every_n_steps=0)]))
     step = min(plain) / args.steps
-    print(f"ProcessRewardCallback on the GRPO example ({args.steps} steps, best of {args.repeats}): "
-          f"time with / without = {min(with_cb) / min(plain):.3f}")
+    print(
+        f"ProcessRewardCallback on the GRPO example ({args.steps} steps, best of {args.repeats}): "
+        f"time with / without = {min(with_cb) / min(plain):.3f}"
+    )
 
     rng = random.Random(0)
     groups = [
@@ -67,8 +74,10 @@ def main() -> None:
     t = time.perf_counter()
     audit = audit_groups(groups)
     dt = time.perf_counter() - t
-    print(f"audit of 400 groups x 8 rollouts x 40 tokens: {dt / step:.2f} GRPO-example training steps "
-          f"(kill fires on {audit.n_killed} of {audit.n_groups})")
+    print(
+        f"audit of 400 groups x 8 rollouts x 40 tokens: {dt / step:.2f} GRPO-example training steps "
+        f"(kill fires on {audit.n_killed} of {audit.n_groups})"
+    )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ def make_dump(path: Path, rows: int, width: int) -> None:
         "advantages": _entry(rng.standard_normal((rows, R)).astype(np.float32)),
     }
     meta = {"pad_size": 0, "response_length": R, "policy_prompt_boundaries": [(i, i + 4) for i in range(0, rows, 4)]}
-    path.write_bytes(pickle.dumps({"batch_dict": bd, "batch_size": rows, "device": "cpu", "metadata": meta}, protocol=4))
+    path.write_bytes(
+        pickle.dumps({"batch_dict": bd, "batch_size": rows, "device": "cpu", "metadata": meta}, protocol=4)
+    )
 
 
 def bare(path: Path) -> int:
@@ -90,7 +92,9 @@ def main() -> None:
         mb, mr, ms = (statistics.median(x) for x in (t_bare, t_read, t_scan))
         print("| dump | bare unpickle+decode | read_skyrl_dump | ratio | opcode scan alone |")
         print("|---|---|---|---|---|")
-        print(f"| {a.rows}x{a.width}, {size / 2**20:.0f} MiB | {mb * 1e3:.0f} ms | {mr * 1e3:.0f} ms | {mr / mb:.2f} | {ms * 1e3:.2f} ms |")
+        print(
+            f"| {a.rows}x{a.width}, {size / 2**20:.0f} MiB | {mb * 1e3:.0f} ms | {mr * 1e3:.0f} ms | {mr / mb:.2f} | {ms * 1e3:.2f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from lens_callbacks.examples.grpo import GRPOModule
 from lens_callbacks.credit import disintegrate
 from lens_callbacks.credit.inputs.partition import PARTITIONS
 from lens_callbacks.credit.readings.step_readings import RecordingPartition, StepReadings
+from lens_callbacks.examples.grpo import GRPOModule
 
 
 def median_time(fn, n):
@@ -48,9 +48,13 @@ def main() -> None:
     engine = median_time(lambda: disintegrate(m, rb, "by_advantage_sign"), 15)
     print(f"by_rollout audit ({report.n_parts} parts, engine {report.engine}): {1e3 * audit:.1f} ms")
     print(f"by_rollout audit, reference engine: {1e3 * reference:.1f} ms = {reference / audit:.1f} x the audit")
-    print(f"three derived extra partitions + concentration + noise + ledger: {1e3 * extra:.2f} ms "
-          f"= {extra / audit:.3f} x the audit")
-    print(f"by_advantage_sign through the engine ({eng}) instead: {1e3 * engine:.1f} ms = {engine / audit:.3f} x the audit")
+    print(
+        f"three derived extra partitions + concentration + noise + ledger: {1e3 * extra:.2f} ms "
+        f"= {extra / audit:.3f} x the audit"
+    )
+    print(
+        f"by_advantage_sign through the engine ({eng}) instead: {1e3 * engine:.1f} ms = {engine / audit:.3f} x the audit"
+    )
 
 
 if __name__ == "__main__":

@@ -24,19 +24,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import replay_to  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402
 from lens_callbacks.credit.inputs.trajectories import by_turn  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 
 
 def _fit(steps: int, callbacks: list) -> float:
     m = GRPOToolsModule(seed=0)
     m.warm_start()  # a one-off stage before RL (fit then skips it): not part of a training step
-    trainer = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", callbacks=callbacks)
+    trainer = Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=callbacks,
+    )
     t0 = time.perf_counter()
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2))
     return (time.perf_counter() - t0) / steps
@@ -73,7 +80,9 @@ def main() -> None:
     print(f"steps {a.steps}; plain training step {plain * 1e3:.1f} ms")
     print(f"training step with RunRecordCallback / without: {recorded / plain:.3f}")
     print(f"replayed step / training step:                 {replay / plain:.3f}")
-    print(f"by_turn audit ({r_turn.n_parts} parts, {r_turn.engine}) / by_rollout audit ({r_roll.n_parts} parts, {r_roll.engine}): {t_turn / t_roll:.2f}")
+    print(
+        f"by_turn audit ({r_turn.n_parts} parts, {r_turn.engine}) / by_rollout audit ({r_roll.n_parts} parts, {r_roll.engine}): {t_turn / t_roll:.2f}"
+    )
     print(f"record size per step: {size / 1024:.1f} KiB of JSON Lines")
     n_ws = GRPOToolsModule().hparams.warm_start_steps
     print(f"warm start ({n_ws} steps, once before RL) / training step: {_warm_start_time() / plain:.2f}")

@@ -27,10 +27,16 @@ from typing import Optional
 
 #: Shapes the docs use: vocabulary, width, layers, MLP width, attention heads, KV heads, tied head, q/k/v biases.
 SHAPES = {
-    "qwen2-bench": dict(vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True),
+    "qwen2-bench": dict(
+        vocab=151936, hidden=896, layers=2, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True
+    ),
     "llama-bench": dict(vocab=32000, hidden=512, layers=4, intermediate=1376, heads=8, kv_heads=8, tied=False),
-    "qwen2.5-0.5b": dict(vocab=151936, hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True),
-    "qwen2.5-7b": dict(vocab=152064, hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, tied=False, qkv_bias=True),
+    "qwen2.5-0.5b": dict(
+        vocab=151936, hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, tied=True, qkv_bias=True
+    ),
+    "qwen2.5-7b": dict(
+        vocab=152064, hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, tied=False, qkv_bias=True
+    ),
 }
 
 
@@ -70,12 +76,16 @@ def _linear_reduce(d_in: int, d_out: int, m: int, T: int, s: int, gram: bool) ->
     cap = min(max(1 << 21, min(4 * N * d_in, P)), max(P, 1 << 18))  # as direct_param sizes its blocks
     vb = max(128, cap // max(1, m * d_in))
     blocks = -(-d_out // vb)
-    direct = Cost(N * d_in * d_out + 2 * m * d_in * d_out + (m * m * d_in * d_out if gram else m * d_in * d_out),
-                  s * (N * d_out + blocks * N * d_in + 2 * d_in * d_out))
+    direct = Cost(
+        N * d_in * d_out + 2 * m * d_in * d_out + (m * m * d_in * d_out if gram else m * d_in * d_out),
+        s * (N * d_out + blocks * N * d_in + 2 * d_in * d_out),
+    )
     # ghost: <g_k, G> = Σ (B_k G) ∘ A_k (one product the size of the forward); ‖g_k‖² by the row Grams
     pairs = m * m if gram else m
-    ghost = Cost(N * d_in * d_out + pairs * T * T * (d_in + d_out + 1),
-                 s * (N * (d_in + d_out) + d_in * d_out + 2 * pairs * T * T))
+    ghost = Cost(
+        N * d_in * d_out + pairs * T * T * (d_in + d_out + 1),
+        s * (N * (d_in + d_out) + d_in * d_out + 2 * pairs * T * T),
+    )
     return ("direct", direct) if direct.macs + direct.bytes / 4 <= ghost.macs + ghost.bytes / 4 else ("ghost", ghost)
 
 
@@ -87,8 +97,9 @@ def _embedding(V: int, d: int, m: int, T: int, s: int, sparse: bool, gram: bool)
     return Cost(N * d + pairs * T * T * d, s * (2 * N * d + pairs * T * T))
 
 
-def route_counts(shape: dict, m: int, T: int, *, bytes_per_element: int = 4, readings: str = "shares",
-                 sparse_embedding: bool = True) -> dict[str, Cost]:
+def route_counts(
+    shape: dict, m: int, T: int, *, bytes_per_element: int = 4, readings: str = "shares", sparse_embedding: bool = True
+) -> dict[str, Cost]:
     """MACs and bytes per route for ``m`` rows of ``T`` positions (see the module docstring)."""
     if readings not in ("shares", "all"):
         raise ValueError(f"`readings` must be 'shares' or 'all', got {readings!r}.")
@@ -125,8 +136,9 @@ def route_counts(shape: dict, m: int, T: int, *, bytes_per_element: int = 4, rea
     }
 
 
-def counts_table(name: str, shape: dict, m: int, T: int, *, bytes_per_element: int = 4,
-                 sparse_embedding: Optional[bool] = None) -> str:
+def counts_table(
+    name: str, shape: dict, m: int, T: int, *, bytes_per_element: int = 4, sparse_embedding: Optional[bool] = None
+) -> str:
     """A markdown table of the counts and their ratios to a step, for the embedding's dense and sparse rules."""
     rows = []
     variants = [sparse_embedding] if sparse_embedding is not None else [False, True]

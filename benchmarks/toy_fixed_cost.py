@@ -42,8 +42,18 @@ def measure(repeats: int) -> dict[int, float]:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            cfg = GPT2Config(vocab_size=64, n_positions=64, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.0,
-                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+            cfg = GPT2Config(
+                vocab_size=64,
+                n_positions=64,
+                n_embd=128,
+                n_layer=2,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
             cfg._attn_implementation = "eager"
             self.lm = GPT2LMHeadModel(cfg)
 
@@ -107,7 +117,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.against:
             wt = Path(tmp) / "against"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "-q", "--detach", str(wt), args.against], check=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "-f", "-q", "--detach", str(wt), args.against], check=True
+            )
             roots[args.against] = wt
         lines = [f"{'code':14s} {'round':>5s}  audit / step at m = 8, 32, 64"]
         try:
@@ -118,7 +130,9 @@ def main(argv=None) -> None:
                     print(lines[-1], flush=True)
         finally:
             if args.against:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(roots[args.against])], check=False)
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(roots[args.against])], check=False
+                )
     out = ROOT / "benchmarks" / "results" / f"toy_fixed_cost-{datetime.date.today().isoformat()}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["python benchmarks/toy_fixed_cost.py"] + (argv if argv is not None else sys.argv[1:]))

@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--accumulation", type=int, nargs="+", default=[1, 2])
     p.add_argument("--tuning", nargs="+", default=["lora", "full"], choices=["lora", "full"])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the policy (default: the example's tiny Qwen2)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="tiny", help="the policy (default: the example's tiny Qwen2)"
+    )
     p.add_argument("--completion", type=int, default=4, help="max_completion_length (tokens per completion)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -61,9 +63,15 @@ def main(argv=None) -> int:
         trainer = (GRPOTrainer if cb is None else AuditedGRPO)(
             model=policy,
             reward_funcs=digit_reward,
-            args=grpo_config(tempfile.mkdtemp(), max_steps=args.steps, scale_rewards="none", reward_weights=[1000.0],
-                             max_completion_length=args.completion,
-                             gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum),
+            args=grpo_config(
+                tempfile.mkdtemp(),
+                max_steps=args.steps,
+                scale_rewards="none",
+                reward_weights=[1000.0],
+                max_completion_length=args.completion,
+                gradient_accumulation_steps=accum,
+                per_device_train_batch_size=8 // accum,
+            ),
             train_dataset=prompt_dataset(),
             processing_class=tiny_tokenizer(),
             peft_config=peft_config,
@@ -74,7 +82,9 @@ def main(argv=None) -> int:
         return time.perf_counter() - t, cb
 
     print(f"policy: {args.shape} {SHAPES[args.shape] or ''}, completions of up to {args.completion} tokens")
-    print("| tuning | accumulation | audited / plain, riding along where it can | audited / plain, separate pass | rode along? |")
+    print(
+        "| tuning | accumulation | audited / plain, riding along where it can | audited / plain, separate pass | rode along? |"
+    )
     print("|---|---:|---:|---:|---|")
     for tuning in args.tuning:
         for accum in args.accumulation:
@@ -88,7 +98,10 @@ def main(argv=None) -> int:
                         reason = cb.ride_reason
             med = {k: statistics.median(v) for k, v in times.items()}
             rode = "yes" if reason is None else f"no: {reason}"
-            print(f"| {tuning} | {accum} | {med['ride'] / med['plain']:.2f} | {med['separate'] / med['plain']:.2f} | {rode} |", flush=True)
+            print(
+                f"| {tuning} | {accum} | {med['ride'] / med['plain']:.2f} | {med['separate'] / med['plain']:.2f} | {rode} |",
+                flush=True,
+            )
     return 0
 
 

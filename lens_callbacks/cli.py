@@ -36,8 +36,8 @@ OFFLINE_HELP = {
 
 def cli_main(args: Optional[Sequence[str]] = None, run: bool = True):
     """Build the LightningCLI (``run=False`` parses and instantiates without fitting)."""
-    from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
 
     # A user's own class paths in YAML (``mypkg.MyModule``) resolve from the working directory, as they do
     # under ``python -m``; the shipped configs name ``lens_callbacks.examples`` and resolve from anywhere.
@@ -68,7 +68,10 @@ def help_text() -> str:
     names = ",".join(["fit", "validate", "test", "predict", *OFFLINE_COMMANDS])
     text = out.getvalue().replace("{fit,validate,test,predict}", "{" + names + "}", 1)
     width = max(map(len, OFFLINE_COMMANDS))
-    lines = ["", "offline commands (on saved records, dumps and checkpoints; `lens-callbacks COMMAND --help` for each):"]
+    lines = [
+        "",
+        "offline commands (on saved records, dumps and checkpoints; `lens-callbacks COMMAND --help` for each):",
+    ]
     lines += [f"    {name:<{width}}  {OFFLINE_HELP[name]}" for name in OFFLINE_COMMANDS]
     return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
 
@@ -80,7 +83,7 @@ def config_paths(argv: Sequence[str]) -> list[str]:
         if arg in ("--config", "-c") and i + 1 < len(argv):
             paths.append(argv[i + 1])
         elif arg.startswith("--config="):
-            paths.append(arg[len("--config="):])
+            paths.append(arg[len("--config=") :])
     return paths
 
 

@@ -34,9 +34,20 @@ def run(cap: str, out: Path) -> dict[str, float]:
 
     env = dict(os.environ, ATEN_CPU_CAPABILITY=cap, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     r = subprocess.run(
-        [sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_credit.yaml"),
-         f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "lens_callbacks",
+            "fit",
+            "--config",
+            str(ROOT / "cli_configs" / "grpo_credit.yaml"),
+            f"--trainer.logger.init_args.save_dir={out}",
+            "--trainer.enable_progress_bar=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     if r.returncode != 0:
         raise SystemExit(f"the demo failed under ATEN_CPU_CAPABILITY={cap}: {r.stderr[-2000:]}")

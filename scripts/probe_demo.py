@@ -25,9 +25,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import lightning.pytorch as pl
 
+    from lens_callbacks import ProbeCreditCallback
     from lens_callbacks.examples.grpo import AdditionDataModule
     from lens_callbacks.examples.grpo.probe import GRPOProbeModule
-    from lens_callbacks import ProbeCreditCallback
 
     class Show(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -36,12 +36,30 @@ def main() -> None:
                     print(r.render(top_k=3), flush=True)
 
     pl.seed_everything(0, verbose=False)
-    module = GRPOProbeModule(n_probe=16, probe_seed=12345, n_layer=2, n_embd=32, n_head=2, group_size=8, max_new_tokens=3,
-                             dropout=0.1, optimizer="adam", lr=1e-3, seed=0)
+    module = GRPOProbeModule(
+        n_probe=16,
+        probe_seed=12345,
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        group_size=8,
+        max_new_tokens=3,
+        dropout=0.1,
+        optimizer="adam",
+        lr=1e-3,
+        seed=0,
+    )
     probe = ProbeCreditCallback(every_n_steps=args.every, log_table_every_n_steps=0)
-    pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[probe, Show()]).fit(
-        module, AdditionDataModule(batch_size=4, num_prompts=256, data_seed=0))
+    pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe, Show()],
+    ).fit(module, AdditionDataModule(batch_size=4, num_prompts=256, data_seed=0))
     for step, name, predicted, actual in probe.history:
         print(f"step {step:4d}  {name:<9} predicted {predicted:+.4e}  actual {actual:+.4e}")
 

@@ -21,8 +21,16 @@ OUT = ROOT / "docs" / "figures"
 
 
 def run_demo(save_dir: Path, max_steps: int | None) -> Path:
-    cmd = [sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_credit.yaml"),
-           f"--trainer.logger.init_args.save_dir={save_dir}", "--trainer.enable_progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lens_callbacks",
+        "fit",
+        "--config",
+        str(ROOT / "cli_configs" / "grpo_credit.yaml"),
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.enable_progress_bar=false",
+    ]
     if max_steps is not None:
         cmd.append(f"--trainer.max_steps={max_steps}")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -74,19 +82,32 @@ def main() -> None:
 
         # 1. concentration
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.2))
-        for tag, label in (("effective_parts_norm", "effective parts (norms)"),
-                           ("effective_parts_positive", "effective parts (positive shares)")):
+        for tag, label in (
+            ("effective_parts_norm", "effective parts (norms)"),
+            ("effective_parts_positive", "effective parts (positive shares)"),
+        ):
             s, y = series(acc, f"credit/concentration/{tag}")
             a1.plot(s, y, lw=0.6, alpha=0.4)
             a1.plot(s, smooth(y), lw=1.6, label=label, color=a1.lines[-1].get_color())
         s, y = series(acc, "credit/n_parts")
         a1.plot(s, y, "k:", lw=0.8, label="rollouts in the batch")
-        a1.set_xlabel("step"); a1.set_ylabel("parts"); a1.legend(fontsize=7); a1.set_title("does one rollout carry the step?")
-        for tag, label in (("top1_share", "top-1 share"), ("topk_share", "top-3 share"), ("negative_mass", "share taken back by negative parts")):
+        a1.set_xlabel("step")
+        a1.set_ylabel("parts")
+        a1.legend(fontsize=7)
+        a1.set_title("does one rollout carry the step?")
+        for tag, label in (
+            ("top1_share", "top-1 share"),
+            ("topk_share", "top-3 share"),
+            ("negative_mass", "share taken back by negative parts"),
+        ):
             s, y = series(acc, f"credit/concentration/{tag}")
             a2.plot(s, smooth(y), lw=1.4, label=label)
-        a2.set_xlabel("step"); a2.legend(fontsize=7); a2.set_title("smoothed (EMA 0.9)")
-        fig.tight_layout(); fig.savefig(out / "concentration.png", dpi=110); plt.close(fig)
+        a2.set_xlabel("step")
+        a2.legend(fontsize=7)
+        a2.set_title("smoothed (EMA 0.9)")
+        fig.tight_layout()
+        fig.savefig(out / "concentration.png", dpi=110)
+        plt.close(fig)
 
         # 2. advantage split
         fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -95,9 +116,13 @@ def main() -> None:
             ax.plot(s, y, lw=0.5, alpha=0.35)
             ax.plot(s, smooth(y), lw=1.8, color=ax.lines[-1].get_color(), label=f"{name}-advantage rollouts")
         ax.axhline(0.5, color="k", lw=0.6, ls=":")
-        ax.set_xlabel("step"); ax.set_ylabel("projected share"); ax.legend(fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_ylabel("projected share")
+        ax.legend(fontsize=7)
         ax.set_title("how much of the step rewards good rollouts vs pushes away from bad ones")
-        fig.tight_layout(); fig.savefig(out / "advantage_split.png", dpi=110); plt.close(fig)
+        fig.tight_layout()
+        fig.savefig(out / "advantage_split.png", dpi=110)
+        plt.close(fig)
 
         # 3. noise scale
         fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -109,9 +134,13 @@ def main() -> None:
         if n:
             ax.axhline(max(n), color="k", ls="--", lw=0.8, label=f"rollouts per step ({int(max(n))})")
         ax.set_yscale("symlog", linthresh=1.0)
-        ax.set_xlabel("step"); ax.set_ylabel("rollouts"); ax.legend(fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_ylabel("rollouts")
+        ax.legend(fontsize=7)
         ax.set_title("gradient noise scale against the batch")
-        fig.tight_layout(); fig.savefig(out / "noise_scale.png", dpi=110); plt.close(fig)
+        fig.tight_layout()
+        fig.savefig(out / "noise_scale.png", dpi=110)
+        plt.close(fig)
 
         # 4. ledger (stacked cumulative shares)
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
@@ -127,9 +156,13 @@ def main() -> None:
             if any(v < 0 for y in neg for v in y):
                 ax.stackplot(steps, *neg, colors=[p.get_facecolor() for p in polys], alpha=0.85)
             ax.axhline(0.0, color="k", lw=0.6)
-            ax.set_xlabel("step"); ax.set_ylabel("cumulative share"); ax.legend(fontsize=7, loc="upper left")
+            ax.set_xlabel("step")
+            ax.set_ylabel("cumulative share")
+            ax.legend(fontsize=7, loc="upper left")
             ax.set_title(f"run ledger, {part}")
-        fig.tight_layout(); fig.savefig(out / "ledger.png", dpi=110); plt.close(fig)
+        fig.tight_layout()
+        fig.savefig(out / "ledger.png", dpi=110)
+        plt.close(fig)
 
         # 5. the Lorenz curve the callback logged last, as TensorBoard shows it
         if "credit/concentration/lorenz" in acc.Tags()["images"]:

@@ -25,10 +25,16 @@ def run_cli():
     """
 
     def run(*args: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1"
+        )
         r = subprocess.run(
             [sys.executable, "-m", "lens_callbacks", *map(str, args)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if check:
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

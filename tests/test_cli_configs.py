@@ -54,8 +54,13 @@ def test_grpo_credit_yaml_wires_the_callback_and_a_tensorboard_logger(monkeypatc
 @pytest.mark.slow
 def test_demo_config_runs_end_to_end(tmp_path, run_cli):
     r = run_cli(
-        "fit", "--config", ROOT / "cli_configs" / "grpo_credit.yaml", "--trainer.max_steps=3",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false", check=True,
+        "fit",
+        "--config",
+        ROOT / "cli_configs" / "grpo_credit.yaml",
+        "--trainer.max_steps=3",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        "--trainer.enable_progress_bar=false",
+        check=True,
     )
     version = tmp_path / "runs" / "grpo_credit" / "version_0"
     last = (version / "credit_last.txt").read_text()
@@ -69,19 +74,37 @@ def test_demo_config_runs_end_to_end(tmp_path, run_cli):
     scalars = set(acc.Tags()["scalars"])
     # By default no positional per-rollout scalar: rollout_k is another rollout at every step.
     assert not [t for t in scalars if "/rollout_" in t], sorted(t for t in scalars if "/rollout_" in t)
-    for tag in ("credit/concentration/effective_parts_norm", "credit/concentration/top1_share",
-                "credit/concentration/negative_fraction", "credit/concentration/gini_norm",
-                "credit/noise/b_simple_ema", "credit/by_advantage_sign/projected_share/positive",
-                "credit/by_advantage_sign/projected_share/negative", "credit/by_source/projected_share/carry",
-                "credit/ledger/gradient/by_advantage_sign/positive", "credit/ledger/gradient/by_source/no_carry"):
+    for tag in (
+        "credit/concentration/effective_parts_norm",
+        "credit/concentration/top1_share",
+        "credit/concentration/negative_fraction",
+        "credit/concentration/gini_norm",
+        "credit/noise/b_simple_ema",
+        "credit/by_advantage_sign/projected_share/positive",
+        "credit/by_advantage_sign/projected_share/negative",
+        "credit/by_source/projected_share/carry",
+        "credit/ledger/gradient/by_advantage_sign/positive",
+        "credit/ledger/gradient/by_source/no_carry",
+    ):
         assert tag in scalars, (tag, sorted(scalars))
     images = set(acc.Tags()["images"])
     assert {"credit/concentration/lorenz", "credit/ledger/gradient/by_source"} <= images, sorted(images)
     # The docs' figures are drawn from such a run by one script.
     figs = tmp_path / "figures"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "readings_figures.py"), "--run-dir", str(version), "--out", str(figs)],
-                   check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True)
-    assert {p.name for p in figs.iterdir()} == {"concentration.png", "advantage_split.png", "noise_scale.png", "ledger.png", "lorenz.png"}
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "readings_figures.py"), "--run-dir", str(version), "--out", str(figs)],
+        check=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+    )
+    assert {p.name for p in figs.iterdir()} == {
+        "concentration.png",
+        "advantage_split.png",
+        "noise_scale.png",
+        "ledger.png",
+        "lorenz.png",
+    }
 
 
 def test_every_picture_in_the_docs_exists():

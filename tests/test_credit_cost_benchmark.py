@@ -87,8 +87,16 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
     pytest.importorskip("transformers")
     bench = _bench()
     torch.set_num_threads(1)
-    row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "ride_shares", "sep_shares", "trainer", "trainer_all", "vmap"),
-                             memory=False, drift=True, **TINY)
+    row = bench.measure_real(
+        "qwen2",
+        3,
+        24,
+        1,
+        modes=("step", "ride_shares", "sep_shares", "trainer", "trainer_all", "vmap"),
+        memory=False,
+        drift=True,
+        **TINY,
+    )
     assert row["tied"] and row["vocab"] == 4096 and row["step_s"] > 0
     assert row["ride_shares_over_train"] > -1.0 and row["sep_shares_over_train"] > 0 and row["vmap_over_train"] > 0
     assert row["conservation_error"] < 1e-5 and row["sum_shares_err_f64"] < 1e-12 and row["drift"] < 1e-3
@@ -101,8 +109,17 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
     assert row["trainer_all_over_train"] > 0 and "all readings with `g_full` from the step's `.grad`" in text
     assert ("CPU time a call" in text) == (bench.resource is not None)
     doc = tmp_path / "performance.md"
-    doc.write_text("# Performance\n\n" + bench.SECTION + "\n\ntoy\n\n" + bench.GENERATED_END + "\n\nkept\n\n"
-                   + bench.REAL_SECTION + "\n\nold\n\n" + bench.REAL_END + "\n\nanalysis\n\n## Other\n")
+    doc.write_text(
+        "# Performance\n\n"
+        + bench.SECTION
+        + "\n\ntoy\n\n"
+        + bench.GENERATED_END
+        + "\n\nkept\n\n"
+        + bench.REAL_SECTION
+        + "\n\nold\n\n"
+        + bench.REAL_END
+        + "\n\nanalysis\n\n## Other\n"
+    )
     bench.write_section(doc, text, bench.REAL_SECTION, bench.REAL_END)
     out = doc.read_text()
     assert "old" not in out and "toy" in out and "kept" in out and "analysis\n\n## Other" in out and "| qwen2 |" in out
@@ -115,9 +132,38 @@ def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu():
     gpu = _module("credit_cost_gpu")
     args = gpu.parse_args([])
     assert (args.vocab, args.hidden, args.layers, args.intermediate, args.parts, args.tokens, args.dtype) == (
-        151936, 896, 24, 4864, 64, 512, "bfloat16")
-    args = gpu.parse_args(["--device", "cpu", "--dtype", "float32", "--parts", "2", "--tokens", "12", "--vocab", "256",
-                           "--hidden", "32", "--layers", "1", "--intermediate", "48", "--heads", "4", "--kv-heads", "2"])
+        151936,
+        896,
+        24,
+        4864,
+        64,
+        512,
+        "bfloat16",
+    )
+    args = gpu.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--parts",
+            "2",
+            "--tokens",
+            "12",
+            "--vocab",
+            "256",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--intermediate",
+            "48",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+        ]
+    )
     policy, batch, opt = gpu.build(args)
     assert batch[0].shape == (2, 12) and policy.model.config.tie_word_embeddings
     fns = gpu.modes(policy, batch, opt)
@@ -131,12 +177,33 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
     # a row's full run (vmap skipped for memory), then a run of the peers alone (`--modes step vmap`): the
     # rendered row takes vmap's ratio from the second run and says which run timed it
     bench = _bench()
-    full = {"kind": "llama", "m": 8, "T": 128, "n_params": 1_000_000, "param_bytes": 4_000_000, "step_s": 4.0, "repeats": 2,
-            "skipped": {"vmap": "needs 5 GiB"}, "sep_shares_over_train": 1.4, "sep_all_over_train": 1.5, "mem_step": 0,
-            "mem_sep_all": 1_000_000}
-    peers = {"kind": "llama", "m": 8, "T": 128, "n_params": 1_000_000, "param_bytes": 4_000_000, "step_s": 5.0, "repeats": 1,
-             "skipped": {}, "vmap_over_train": 1.7, "modes": ["step", "vmap"],
-             "cpu": {"step": [4.0, 0.5, 120_000], "vmap": [6.0, 1.25, 300_000]}}
+    full = {
+        "kind": "llama",
+        "m": 8,
+        "T": 128,
+        "n_params": 1_000_000,
+        "param_bytes": 4_000_000,
+        "step_s": 4.0,
+        "repeats": 2,
+        "skipped": {"vmap": "needs 5 GiB"},
+        "sep_shares_over_train": 1.4,
+        "sep_all_over_train": 1.5,
+        "mem_step": 0,
+        "mem_sep_all": 1_000_000,
+    }
+    peers = {
+        "kind": "llama",
+        "m": 8,
+        "T": 128,
+        "n_params": 1_000_000,
+        "param_bytes": 4_000_000,
+        "step_s": 5.0,
+        "repeats": 1,
+        "skipped": {},
+        "vmap_over_train": 1.7,
+        "modes": ["step", "vmap"],
+        "cpu": {"step": [4.0, 0.5, 120_000], "vmap": [6.0, 1.25, 300_000]},
+    }
     log = tmp_path / "rows.log"
     log.write_text("\n".join(json.dumps(r) for r in (full, {**peers, "partial": "timings only"}, peers)) + "\n")
     bench.main(["--only", "real", "--rows-from", str(log), "--real-rows", "llama:8:128"])
@@ -147,8 +214,10 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
     assert "vmap not run" not in out
     assert "1 of 1 rows where a peer ran" in out  # 1.5 against vmap's 1.7
     # the peers' run's CPU time, against that run's own step: 6.0 / 4.0 s of user time
-    assert ("llama, m = 8, T = 128 (the `--modes step vmap` run): CPU time a call (medians): user time against the "
-            "step's, system seconds, minor page faults — step 4.00 s user, 0.50 s, 120k; vmap 1.50×, 1.25 s, 300k.") in out
+    assert (
+        "llama, m = 8, T = 128 (the `--modes step vmap` run): CPU time a call (medians): user time against the "
+        "step's, system seconds, minor page faults — step 4.00 s user, 0.50 s, 120k; vmap 1.50×, 1.25 s, 300k."
+    ) in out
 
 
 @pytest.mark.parametrize("compare", ["paths", "cut"])
@@ -192,7 +261,9 @@ def test_apart_readings_equal_the_timed_process_ones_and_merge_into_its_row(tmp_
 
     timed = {k: v for k, v in row.items() if k != "mem_sep_shares"}
     log = tmp_path / "rows.log"
-    log.write_text(json.dumps(timed) + "\n" + json.dumps({**apart, "failed": {"mem_trainer": "exit status -9: Killed"}}) + "\n")
+    log.write_text(
+        json.dumps(timed) + "\n" + json.dumps({**apart, "failed": {"mem_trainer": "exit status -9: Killed"}}) + "\n"
+    )
     bench.main(["--only", "real", "--rows-from", str(log), "--real-rows", "qwen2:3:24"])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("| qwen2 |"))
@@ -239,9 +310,19 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
     def engine():
-        return (ghost._Reducer.param, ghost._Reducer.finish, ghost.diff_sq64, ghost._sum_sq, ghost._grad_match,
-                ghost.build_report, ghost_routes.torch, ghost_routes._cut, ghost_routes.diff_sq64, ghost_routes.sq64,
-                ghost_routes.read_piece)
+        return (
+            ghost._Reducer.param,
+            ghost._Reducer.finish,
+            ghost.diff_sq64,
+            ghost._sum_sq,
+            ghost._grad_match,
+            ghost.build_report,
+            ghost_routes.torch,
+            ghost_routes._cut,
+            ghost_routes.diff_sq64,
+            ghost_routes.sq64,
+            ghost_routes.read_piece,
+        )
 
     before = engine()
     torch.set_num_threads(1)
@@ -258,7 +339,9 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     # the same parts by user CPU time (what the kernel charges for fresh memory left out), each within its call
     u = r["user"]
     assert u["step"] > 0 and u["pass"] > 0
-    assert all(0 <= u[k] <= u["pass"] + 0.02 for k in ("reductions", "products", "scans", "differences", "reads", "end"))
+    assert all(
+        0 <= u[k] <= u["pass"] + 0.02 for k in ("reductions", "products", "scans", "differences", "reads", "end")
+    )
     assert r["conservation_error"] < 1e-5
     text = split.render(r)
     assert text.startswith("llama, m = 8, T = 16, 1 repeats;")
@@ -271,8 +354,9 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     # each call's CPU time, listed under the table with the pass's user time over the step's
     cpu = r["cpu"]
     assert set(cpu) == {"step", "fwd_bwd", "pass"} and cpu["step"][0] > 0 and cpu["pass"][0] > 0
-    assert text.splitlines()[-1].endswith(f"pass {cpu['pass'][0] / cpu['step'][0]:.2f}×, {cpu['pass'][1]:.2f} s, "
-                                          f"{cpu['pass'][2] / 1e3:.0f}k")
+    assert text.splitlines()[-1].endswith(
+        f"pass {cpu['pass'][0] / cpu['step'][0]:.2f}×, {cpu['pass'][1]:.2f} s, {cpu['pass'][2] / 1e3:.0f}k"
+    )
     with pytest.raises(ValueError, match="`repeats` must be at least 1, got 0"):
         split.measure_split("llama", 8, 16, 0, **TINY)
     # from the command line the same value is a usage error naming it, not a traceback

@@ -23,13 +23,31 @@ def _free_port() -> int:
 @pytest.mark.parametrize("engine, ran", [("auto", "ghost"), ("reference", "reference")])
 def test_distributed_benchmark_runs_and_names_its_engine(engine, ran):
     pytest.importorskip("transformers")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "distributed_cost.py"), "--layers", "1", "--embd", "32", "--T", "8",
-           "--B", "4", "--repeats", "1", "--engine", engine, "--port", str(_free_port())]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "distributed_cost.py"),
+        "--layers",
+        "1",
+        "--embd",
+        "32",
+        "--T",
+        "8",
+        "--B",
+        "4",
+        "--repeats",
+        "1",
+        "--engine",
+        engine,
+        "--port",
+        str(_free_port()),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"engine {ran}" in out.stdout
     share_sum = float(re.search(r"share_sum ([0-9.]+)", out.stdout).group(1))
     assert abs(share_sum - 1) < 1e-6  # the global shares of both ranks' parts add up to the applied step
-    ratios = re.search(r"global/local ([0-9.]+)\s+global/ddp_allreduce ([0-9.]+)\s+\(local\+global\)/train ([0-9.]+)", out.stdout)
+    ratios = re.search(
+        r"global/local ([0-9.]+)\s+global/ddp_allreduce ([0-9.]+)\s+\(local\+global\)/train ([0-9.]+)", out.stdout
+    )
     assert ratios and all(float(x) > 0 for x in ratios.groups())

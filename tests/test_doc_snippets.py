@@ -65,14 +65,16 @@ def extract(page: Path) -> list[Snippet]:
         body = []
         i += 1
         while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
         i += 1
         j = start - 1
         while j >= 0 and not lines[j].strip():
             j -= 1
         mk = MARKER.match(lines[j]) if j >= 0 else None
-        s = Snippet(page, start + 1, lang, "\n".join(body) + "\n", mk.group(1) if mk else "", mk.group(2).strip() if mk else "")
+        s = Snippet(
+            page, start + 1, lang, "\n".join(body) + "\n", mk.group(1) if mk else "", mk.group(2).strip() if mk else ""
+        )
         if lang == "python":
             s.previous, last_python = last_python, s
         if lang in ("python", "yaml"):
@@ -164,7 +166,7 @@ def test_python_snippet(s: Snippet, tmp_path, monkeypatch):
 def _choices_of(cls: type, arg: str) -> "set[str] | None":
     """The values an argument of one of the package's callbacks accepts, from the code itself (None: open-ended)."""
     if arg == "partition":
-        import lens_callbacks.credit  # registers by_turn and by_role
+        import lens_callbacks.credit  # noqa: F401  (registers by_turn and by_role)
         from lens_callbacks.credit.inputs.partition import PARTITIONS
 
         return set(PARTITIONS)

@@ -26,8 +26,14 @@ LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 def _run(args, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "lens_callbacks", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lens_callbacks", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_help_lists_the_offline_commands_beside_lightnings(tmp_path):
@@ -67,11 +73,19 @@ def test_configs_name_only_installed_modules(config):
         spec = importlib.util.find_spec(top)
         assert spec is not None, f"{config.name}: {path!r} names a package that is not installed"
         # The directory the top-level package sits in (site-packages, or the checkout for this package).
-        home = (Path(next(iter(spec.submodule_search_locations))) if spec.submodule_search_locations
-                else Path(spec.origin)).resolve().parent
+        home = (
+            (
+                Path(next(iter(spec.submodule_search_locations)))
+                if spec.submodule_search_locations
+                else Path(spec.origin)
+            )
+            .resolve()
+            .parent
+        )
         assert home != ROOT or top == "lens_callbacks", (
             f"{config.name}: {path!r} resolves only because the checkout's root is on the path ({home / top}); "
-            "name an installed module (the examples are lens_callbacks.examples)")
+            "name an installed module (the examples are lens_callbacks.examples)"
+        )
 
 
 # One interpreter fits every single-process config in turn (imports paid once); the DDP config launches its
@@ -102,8 +116,14 @@ def test_every_single_process_config_fits_from_another_directory(tmp_path):
     configs = [c.resolve() for c in CONFIGS if c not in _DDP]
     code = _DRIVER.replace("FLAGS", repr(_FLAGS))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", code, *map(str, configs)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", code, *map(str, configs)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, f"from {tmp_path}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     for c in configs:
         assert f"fitted {c}" in r.stdout, (c.name, r.stdout[-1500:])

@@ -152,28 +152,48 @@ class RunResult:
                 return [fin(v) for v in x]
             return x
 
-        return fin({
-            "arm": self.arm, "seed": self.seed, "status": self.status, "score": self.score,
-            "scores": [list(s) for s in self.scores], "grad_norms": [list(g) for g in self.grad_norms],
-            "fires": list(self.fires), "param_hash": self.param_hash, "error": self.error,
-            "returncode": self.returncode, "logged_tags": list(self.logged_tags), "seconds": self.seconds,
-            "refusal": self.refusal, "grad_comm_bytes": self.grad_comm_bytes,
-            "grad_comm_per_rank": list(self.grad_comm_per_rank), "grad_comm_note": self.grad_comm_note,
-            "world_size": self.world_size,
-        })
+        return fin(
+            {
+                "arm": self.arm,
+                "seed": self.seed,
+                "status": self.status,
+                "score": self.score,
+                "scores": [list(s) for s in self.scores],
+                "grad_norms": [list(g) for g in self.grad_norms],
+                "fires": list(self.fires),
+                "param_hash": self.param_hash,
+                "error": self.error,
+                "returncode": self.returncode,
+                "logged_tags": list(self.logged_tags),
+                "seconds": self.seconds,
+                "refusal": self.refusal,
+                "grad_comm_bytes": self.grad_comm_bytes,
+                "grad_comm_per_rank": list(self.grad_comm_per_rank),
+                "grad_comm_note": self.grad_comm_note,
+                "world_size": self.world_size,
+            }
+        )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RunResult":
         return cls(
-            arm=str(d["arm"]), seed=int(d["seed"]), status=str(d["status"]), score=_nan(d.get("score")),
+            arm=str(d["arm"]),
+            seed=int(d["seed"]),
+            status=str(d["status"]),
+            score=_nan(d.get("score")),
             scores=tuple((int(s), _nan(v)) for s, v in d.get("scores", [])),
             grad_norms=tuple((int(s), _nan(v)) for s, v in d.get("grad_norms", [])),
-            fires=tuple(dict(f) for f in d.get("fires", [])), param_hash=str(d.get("param_hash", "")),
-            error=str(d.get("error", "")), returncode=int(d.get("returncode", 0)),
-            logged_tags=tuple(d.get("logged_tags", [])), seconds=_nan(d.get("seconds")),
-            refusal=str(d.get("refusal") or ""), grad_comm_bytes=_nan(d.get("grad_comm_bytes")),
+            fires=tuple(dict(f) for f in d.get("fires", [])),
+            param_hash=str(d.get("param_hash", "")),
+            error=str(d.get("error", "")),
+            returncode=int(d.get("returncode", 0)),
+            logged_tags=tuple(d.get("logged_tags", [])),
+            seconds=_nan(d.get("seconds")),
+            refusal=str(d.get("refusal") or ""),
+            grad_comm_bytes=_nan(d.get("grad_comm_bytes")),
             grad_comm_per_rank=tuple(d.get("grad_comm_per_rank") or ()),
-            grad_comm_note=str(d.get("grad_comm_note", "not recorded")), world_size=int(d.get("world_size") or 1),
+            grad_comm_note=str(d.get("grad_comm_note", "not recorded")),
+            world_size=int(d.get("world_size") or 1),
         )
 
 
@@ -194,8 +214,15 @@ class Row:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"check": self.check, "arm": self.arm, "value": self.value, "threshold": self.threshold,
-                "passed": self.passed, "kind": self.kind, "note": self.note}
+        return {
+            "check": self.check,
+            "arm": self.arm,
+            "value": self.value,
+            "threshold": self.threshold,
+            "passed": self.passed,
+            "kind": self.kind,
+            "note": self.note,
+        }
 
 
 @dataclass(frozen=True)
@@ -237,9 +264,23 @@ class ArmSummary:
 
     def to_dict(self, prefix: str = "") -> dict[str, float]:
         out = {}
-        for k in ("n_runs", "n_ok", "score_mean", "score_std", "delta_mean", "delta_std", "grad_ratio", "n_fires",
-                  "n_projected", "gated_on", "weight_err_ratio", "coef_pred_error", "evr1", "evr1_null",
-                  "evr1_above_null"):
+        for k in (
+            "n_runs",
+            "n_ok",
+            "score_mean",
+            "score_std",
+            "delta_mean",
+            "delta_std",
+            "grad_ratio",
+            "n_fires",
+            "n_projected",
+            "gated_on",
+            "weight_err_ratio",
+            "coef_pred_error",
+            "evr1",
+            "evr1_null",
+            "evr1_above_null",
+        ):
             v = float(getattr(self, k))
             if math.isfinite(v):
                 out[f"{prefix}{self.arm}/{k}"] = v
@@ -260,8 +301,11 @@ def summarize(arm: str, runs: Sequence[RunResult], ref: Mapping[int, RunResult])
     """Aggregate one arm's runs; ``ref`` maps seed → arm A's run (for Δ, the grad-norm ratio)."""
     ok = [r for r in runs if r.ok]
     scores = [r.score for r in ok if math.isfinite(r.score)]
-    deltas = [r.score - ref[r.seed].score for r in ok
-              if r.seed in ref and ref[r.seed].ok and math.isfinite(r.score) and math.isfinite(ref[r.seed].score)]
+    deltas = [
+        r.score - ref[r.seed].score
+        for r in ok
+        if r.seed in ref and ref[r.seed].ok and math.isfinite(r.score) and math.isfinite(ref[r.seed].score)
+    ]
     ratios, grad_nan = [], False
     for r in ok:
         g = r.grad_norm_max
@@ -275,19 +319,24 @@ def summarize(arm: str, runs: Sequence[RunResult], ref: Mapping[int, RunResult])
     evr = [(_nan(f.get("evr1")), _nan(f.get("evr1_null"))) for f in fires]
     evr = [(e, n) for e, n in evr if math.isfinite(e) and math.isfinite(n)]
     return ArmSummary(
-        arm=arm, n_runs=len(runs), n_ok=len(ok),
+        arm=arm,
+        n_runs=len(runs),
+        n_ok=len(ok),
         score_mean=float(np.mean(scores)) if scores else float("nan"),
         score_std=_std(scores) if scores else float("nan"),
         delta_mean=float(np.mean(deltas)) if deltas and arm != "A" else float("nan"),
         delta_std=_std(deltas) if deltas and arm != "A" else float("nan"),
-        grad_ratio=max(ratios) if ratios else float("nan"), grad_nan=grad_nan,
+        grad_ratio=max(ratios) if ratios else float("nan"),
+        grad_nan=grad_nan,
         comm_bytes=tuple(r.comm_bytes for r in sorted(ok, key=lambda r: r.seed)),
         grad_comm_bytes=tuple(r.grad_comm_bytes for r in sorted(ok, key=lambda r: r.seed)),
-        n_fires=len(fires), n_projected=len(proj),
+        n_fires=len(fires),
+        n_projected=len(proj),
         gated_on=float(np.mean([_nan(f.get("gated_on_fraction")) for f in proj])) if proj else 0.0,
         weight_err_ratio=_median(_nan(f.get("weight_err_ratio")) for f in proj),
         coef_pred_error=_median(_nan(f.get("coef_pred_error")) for f in fires),
-        evr1=_median(e for e, _ in evr), evr1_null=_median(n for _, n in evr),
+        evr1=_median(e for e, _ in evr),
+        evr1_null=_median(n for _, n in evr),
         evr1_above_null=float(np.mean([e > n for e, n in evr])) if evr else float("nan"),
     )
 
@@ -323,16 +372,32 @@ class ArmsReport:
             return x if not isinstance(x, float) or math.isfinite(x) else None
 
         return {
-            "verdict": self.verdict, "reason": self.reason, "settings": dict(self.settings),
+            "verdict": self.verdict,
+            "reason": self.reason,
+            "settings": dict(self.settings),
             "rows": [r.to_dict() for r in self.rows],
-            "arms": {a: {k: fin(v) if not isinstance(v, tuple) else [fin(x) for x in v]
-                         for k, v in vars(s).items()} for a, s in self.arms.items()},
+            "arms": {
+                a: {k: fin(v) if not isinstance(v, tuple) else [fin(x) for x in v] for k, v in vars(s).items()}
+                for a, s in self.arms.items()
+            },
             "runs": [r.to_dict() for r in self.runs],
         }
 
     def _arm_lines(self) -> list[tuple[str, ...]]:
-        head = ("arm", "runs ok", "score mean ± std", "Δ vs A ± std", "grad ×A", "comm bytes", "grad comm bytes",
-                "fires (proj.)", "gated-ON", "w_err ratio", "coef err", "EVR1 / null")
+        head = (
+            "arm",
+            "runs ok",
+            "score mean ± std",
+            "Δ vs A ± std",
+            "grad ×A",
+            "comm bytes",
+            "grad comm bytes",
+            "fires (proj.)",
+            "gated-ON",
+            "w_err ratio",
+            "coef err",
+            "EVR1 / null",
+        )
         lines = [head]
 
         def per_seed(xs: tuple) -> str:
@@ -343,17 +408,25 @@ class ArmsReport:
             return _g(xs[0], ".6g") if len(set(xs)) == 1 else "/".join(_g(c, ".6g") for c in xs)
 
         for a, s in self.arms.items():
-            lines.append((
-                a, f"{s.n_ok}/{s.n_runs}", f"{_g(s.score_mean)} ± {_g(s.score_std, '.2g')}",
-                "—" if a == "A" else f"{_g(s.delta_mean, '+.4g')} ± {_g(s.delta_std, '.2g')}",
-                "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"), per_seed(s.comm_bytes),
-                # only a single process counts 0: DDP sends every step
-                "0 (single process)" if s.grad_comm_bytes and all(x == 0 for x in s.grad_comm_bytes)
-                else per_seed(s.grad_comm_bytes),
-                f"{s.n_fires} ({s.n_projected})",
-                _g(s.gated_on, ".3f"), _g(s.weight_err_ratio, ".3g"), _g(s.coef_pred_error, ".3g"),
-                f"{_g(s.evr1, '.3f')} / {_g(s.evr1_null, '.3f')}",
-            ))
+            lines.append(
+                (
+                    a,
+                    f"{s.n_ok}/{s.n_runs}",
+                    f"{_g(s.score_mean)} ± {_g(s.score_std, '.2g')}",
+                    "—" if a == "A" else f"{_g(s.delta_mean, '+.4g')} ± {_g(s.delta_std, '.2g')}",
+                    "nan" if s.grad_nan else _g(s.grad_ratio, ".3g"),
+                    per_seed(s.comm_bytes),
+                    # only a single process counts 0: DDP sends every step
+                    "0 (single process)"
+                    if s.grad_comm_bytes and all(x == 0 for x in s.grad_comm_bytes)
+                    else per_seed(s.grad_comm_bytes),
+                    f"{s.n_fires} ({s.n_projected})",
+                    _g(s.gated_on, ".3f"),
+                    _g(s.weight_err_ratio, ".3g"),
+                    _g(s.coef_pred_error, ".3g"),
+                    f"{_g(s.evr1, '.3f')} / {_g(s.evr1_null, '.3f')}",
+                )
+            )
         return lines
 
     def _row_lines(self) -> list[tuple[str, ...]]:
@@ -370,12 +443,14 @@ class ArmsReport:
 
     def render(self) -> str:
         def table(lines: list[tuple[str, ...]]) -> list[str]:
-            w = [max(len(l[i]) for l in lines) for i in range(len(lines[0]))]
-            return ["  ".join(c.ljust(w[i]) for i, c in enumerate(l)).rstrip() for l in lines]
+            w = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
+            return ["  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in lines]
 
         st = self.settings
-        out = [f"anchor arms: {st.get('config', '')} · arms {','.join(self.arms)} · seeds {st.get('seeds', '')} · "
-               f"{st.get('steps', '')} steps · score {st.get('score', '')}"]
+        out = [
+            f"anchor arms: {st.get('config', '')} · arms {','.join(self.arms)} · seeds {st.get('seeds', '')} · "
+            f"{st.get('steps', '')} steps · score {st.get('score', '')}"
+        ]
         out += table(self._arm_lines())
         out.append("")
         out += table(self._row_lines())
@@ -385,13 +460,19 @@ class ArmsReport:
 
     def markdown(self) -> str:
         def table(lines: list[tuple[str, ...]]) -> list[str]:
-            esc = [tuple(c.replace("|", "\\|") for c in l) for l in lines]
-            return ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])] + ["| " + " | ".join(l) + " |" for l in esc[1:]]
+            esc = [tuple(c.replace("|", "\\|") for c in row) for row in lines]
+            return ["| " + " | ".join(esc[0]) + " |", "|" + "---|" * len(esc[0])] + [
+                "| " + " | ".join(row) + " |" for row in esc[1:]
+            ]
 
         st = self.settings
-        out = [f"# Anchor arms: {self.verdict}", "",
-               f"Config `{st.get('config', '')}`, arms {', '.join(self.arms)}, seeds {st.get('seeds', '')}, "
-               f"{st.get('steps', '')} steps, score `{st.get('score', '')}` (last validation).", ""]
+        out = [
+            f"# Anchor arms: {self.verdict}",
+            "",
+            f"Config `{st.get('config', '')}`, arms {', '.join(self.arms)}, seeds {st.get('seeds', '')}, "
+            f"{st.get('steps', '')} steps, score `{st.get('score', '')}` (last validation).",
+            "",
+        ]
         out += table(self._arm_lines())
         out.append("")
         out += table(self._row_lines())
@@ -416,20 +497,43 @@ def _comm_row(arm: str, pairs: Sequence[tuple[RunResult, RunResult]]) -> Row:
         passed &= gr == ga and r.comm_bytes == a.comm_bytes and (not gr or r.grad_comm_bytes == a.grad_comm_bytes)
     r, a = pairs[0]
     if mixed:
-        return Row(check, arm, f"{_g(r.total_comm_bytes, '.6g')} vs {_g(a.total_comm_bytes, '.6g')}", threshold,
-                   False, note="gradient traffic counted in only one of the two runs: "
-                   + f"{arm}: {r.grad_comm_note or 'counted'}; A: {a.grad_comm_note or 'counted'}")
+        return Row(
+            check,
+            arm,
+            f"{_g(r.total_comm_bytes, '.6g')} vs {_g(a.total_comm_bytes, '.6g')}",
+            threshold,
+            False,
+            note="gradient traffic counted in only one of the two runs: "
+            + f"{arm}: {r.grad_comm_note or 'counted'}; A: {a.grad_comm_note or 'counted'}",
+        )
     if not math.isfinite(r.grad_comm_bytes):
-        return Row(check, arm, f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}", threshold, passed,
-                   note=f"anchor bytes only; gradient traffic {r.grad_comm_note or 'not counted'}")
+        return Row(
+            check,
+            arm,
+            f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}",
+            threshold,
+            passed,
+            note=f"anchor bytes only; gradient traffic {r.grad_comm_note or 'not counted'}",
+        )
     if r.grad_comm_bytes == 0 and a.grad_comm_bytes == 0:
-        return Row(check, arm, f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}", threshold, passed,
-                   note=r.grad_comm_note or "no gradient traffic")
-    return Row(check, arm,
-               f"total {_g(r.total_comm_bytes, '.6g')} (grad {_g(r.grad_comm_bytes, '.6g')} + anchor "
-               f"{_g(r.comm_bytes, '.6g')}) vs total {_g(a.total_comm_bytes, '.6g')} (grad "
-               f"{_g(a.grad_comm_bytes, '.6g')} + anchor {_g(a.comm_bytes, '.6g')})", threshold, passed,
-               note=f"seed {r.seed}, {r.world_size} ranks")
+        return Row(
+            check,
+            arm,
+            f"{_g(r.comm_bytes, '.6g')} vs {_g(a.comm_bytes, '.6g')}",
+            threshold,
+            passed,
+            note=r.grad_comm_note or "no gradient traffic",
+        )
+    return Row(
+        check,
+        arm,
+        f"total {_g(r.total_comm_bytes, '.6g')} (grad {_g(r.grad_comm_bytes, '.6g')} + anchor "
+        f"{_g(r.comm_bytes, '.6g')}) vs total {_g(a.total_comm_bytes, '.6g')} (grad "
+        f"{_g(a.grad_comm_bytes, '.6g')} + anchor {_g(a.comm_bytes, '.6g')})",
+        threshold,
+        passed,
+        note=f"seed {r.seed}, {r.world_size} ranks",
+    )
 
 
 def decide(
@@ -467,8 +571,9 @@ def decide(
     order = list(arms) if arms is not None else list(dict.fromkeys(r.arm for r in results))
     if "A" not in order:
         raise ValueError(f"`arms` must include 'A' (the reference every arm is compared with), got {order!r}.")
-    by_arm: dict[str, list[RunResult]] = {a: sorted([r for r in results if r.arm == a], key=lambda r: r.seed)
-                                         for a in order}
+    by_arm: dict[str, list[RunResult]] = {
+        a: sorted([r for r in results if r.arm == a], key=lambda r: r.seed) for a in order
+    }
     ref = {r.seed: r for r in by_arm["A"]}
     summaries = {a: summarize(a, by_arm[a], ref) for a in order}
     rows: list[Row] = []
@@ -478,28 +583,56 @@ def decide(
         crashed = [r.seed for r in runs if not r.ok]
         first = next((r for r in runs if not r.ok), None)
         why = _last_line(first.error) if first is not None else ""
-        rows.append(Row("runs finished", a, f"{len(runs) - len(crashed)}/{len(runs)}", "all seeds exit 0",
-                        bool(runs) and not crashed,
-                        note=(f"crashed seeds {crashed}" + (f"; seed {first.seed}: {why}" if why else "")) if crashed
-                        else ""))
+        rows.append(
+            Row(
+                "runs finished",
+                a,
+                f"{len(runs) - len(crashed)}/{len(runs)}",
+                "all seeds exit 0",
+                bool(runs) and not crashed,
+                note=(f"crashed seeds {crashed}" + (f"; seed {first.seed}: {why}" if why else "")) if crashed else "",
+            )
+        )
     for a in order:
         if a == "off":
             continue
         refused = [(r.seed, r.refusal) for r in by_arm[a] if r.ok and r.refusal]
         # A refused anchor evaluation leaves .grad as it was: the arm would pass without having been tested.
-        rows.append(Row("anchor refusals", a, "none" if not refused else f"{len(refused)} run(s)",
-                        "no refused fire, gradient or merge", not refused,
-                        note=f"seed {refused[0][0]}: {refused[0][1]}" if refused else ""))
+        rows.append(
+            Row(
+                "anchor refusals",
+                a,
+                "none" if not refused else f"{len(refused)} run(s)",
+                "no refused fire, gradient or merge",
+                not refused,
+                note=f"seed {refused[0][0]}: {refused[0][1]}" if refused else "",
+            )
+        )
     if parity is not None or "off" in order:
         off = next((r for r in by_arm.get("off", []) if parity is not None and r.seed == parity.seed), None)
         if parity is None or off is None or not (parity.ok and off.ok):
-            rows.append(Row("off-path parity", "off", "not available", "arm off ≡ no callback, bitwise", False,
-                            note="the parity run or arm off did not finish"))
+            rows.append(
+                Row(
+                    "off-path parity",
+                    "off",
+                    "not available",
+                    "arm off ≡ no callback, bitwise",
+                    False,
+                    note="the parity run or arm off did not finish",
+                )
+            )
         else:
             same = off.param_hash == parity.param_hash and off.scores == parity.scores and bool(off.param_hash)
-            rows.append(Row("off-path parity", "off", "identical" if same else "differ",
-                            "arm off ≡ no callback, bitwise", same,
-                            note=f"seed {off.seed}, final weights sha256 {off.param_hash[:12]} vs {parity.param_hash[:12]}"))
+            rows.append(
+                Row(
+                    "off-path parity",
+                    "off",
+                    "identical" if same else "differ",
+                    "arm off ≡ no callback, bitwise",
+                    same,
+                    note=f"seed {off.seed}, final weights sha256 {off.param_hash[:12]} vs {parity.param_hash[:12]}",
+                )
+            )
     for a in order:
         if a in ("A", "off"):
             continue
@@ -514,8 +647,16 @@ def decide(
             continue
         passed = (not s.grad_nan) and math.isfinite(s.grad_ratio) and s.grad_ratio <= grad_factor
         note = "" if s.grad_nan or math.isfinite(s.grad_ratio) else "no seed finished for both this arm and arm A"
-        rows.append(Row("grad-norm stability", a, "nan" if s.grad_nan else f"{_g(s.grad_ratio, '.3g')}× A",
-                        f"finite, ≤ {grad_factor:g}× arm A", passed, note=note))
+        rows.append(
+            Row(
+                "grad-norm stability",
+                a,
+                "nan" if s.grad_nan else f"{_g(s.grad_ratio, '.3g')}× A",
+                f"finite, ≤ {grad_factor:g}× arm A",
+                passed,
+                note=note,
+            )
+        )
 
     def tol(s: ArmSummary) -> float:
         return max(floor, 2.0 * s.delta_std) if math.isfinite(s.delta_std) else floor
@@ -532,42 +673,101 @@ def decide(
             note = "no seed finished for both this arm and arm A"
         elif not math.isfinite(s.delta_mean):
             tags = next((r.logged_tags for r in paired), ())
-            note = (f"no score: {settings.get('score') if settings else 'the score'!s} was never logged"
-                    + (f"; logged: {', '.join(tags)}" if tags else ""))
-        rows.append(Row("no regression", a, f"Δ {_g(s.delta_mean, '+.4g')}", f"Δ ≥ −{t:.4g} (max({floor:g}, 2σ))",
-                        passed, kind="safety" if a in SAFETY_ARMS else "info", note=note))
+            note = f"no score: {settings.get('score') if settings else 'the score'!s} was never logged" + (
+                f"; logged: {', '.join(tags)}" if tags else ""
+            )
+        rows.append(
+            Row(
+                "no regression",
+                a,
+                f"Δ {_g(s.delta_mean, '+.4g')}",
+                f"Δ ≥ −{t:.4g} (max({floor:g}, 2σ))",
+                passed,
+                kind="safety" if a in SAFETY_ARMS else "info",
+                note=note,
+            )
+        )
     for a in order:
         if a in ("A", "off"):
             continue
         s = summaries[a]
         kind = "safety" if a in SAFETY_ARMS else "info"
         if s.n_projected == 0:
-            rows.append(Row("gated-ON ≈ 0 where projection does not help", a, "no projected fire",
-                            f"gated-ON ≤ {gated_on_tol:g}", s.n_ok > 0, kind=kind, note="the window never reached n0"))
+            rows.append(
+                Row(
+                    "gated-ON ≈ 0 where projection does not help",
+                    a,
+                    "no projected fire",
+                    f"gated-ON ≤ {gated_on_tol:g}",
+                    s.n_ok > 0,
+                    kind=kind,
+                    note="the window never reached n0",
+                )
+            )
             continue
         helps = math.isfinite(s.weight_err_ratio) and s.weight_err_ratio < 1.0
         if helps:
-            rows.append(Row("gated-ON ≈ 0 where projection does not help", a, f"gated-ON {s.gated_on:.3f}",
-                            "n/a: the projection helps", True, kind=kind,
-                            note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} < 1"))
+            rows.append(
+                Row(
+                    "gated-ON ≈ 0 where projection does not help",
+                    a,
+                    f"gated-ON {s.gated_on:.3f}",
+                    "n/a: the projection helps",
+                    True,
+                    kind=kind,
+                    note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} < 1",
+                )
+            )
         else:
-            rows.append(Row("gated-ON ≈ 0 where projection does not help", a, f"gated-ON {s.gated_on:.3f}",
-                            f"≤ {gated_on_tol:g}", s.gated_on <= gated_on_tol, kind=kind,
-                            note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} ≥ 1"))
+            rows.append(
+                Row(
+                    "gated-ON ≈ 0 where projection does not help",
+                    a,
+                    f"gated-ON {s.gated_on:.3f}",
+                    f"≤ {gated_on_tol:g}",
+                    s.gated_on <= gated_on_tol,
+                    kind=kind,
+                    note=f"median ungated weight-error ratio {_g(s.weight_err_ratio, '.3g')} ≥ 1",
+                )
+            )
     for a in order:
         if a in ("A", "off"):
             continue
         s = summaries[a]
-        rows.append(Row("coefficient-prediction error", a, _g(s.coef_pred_error, ".3g"), "low (< 1 beats holding)",
-                        None, kind="info"))
-        rows.append(Row("EVR1 against its null", a, f"{_g(s.evr1, '.3f')} vs {_g(s.evr1_null, '.3f')}",
-                        "EVR1 above the random-walk null", None, kind="info",
-                        note=f"{_g(s.evr1_above_null, '.0%')} of fires above" if math.isfinite(s.evr1_above_null) else ""))
+        rows.append(
+            Row(
+                "coefficient-prediction error",
+                a,
+                _g(s.coef_pred_error, ".3g"),
+                "low (< 1 beats holding)",
+                None,
+                kind="info",
+            )
+        )
+        rows.append(
+            Row(
+                "EVR1 against its null",
+                a,
+                f"{_g(s.evr1, '.3f')} vs {_g(s.evr1_null, '.3f')}",
+                "EVR1 above the random-walk null",
+                None,
+                kind="info",
+                note=f"{_g(s.evr1_above_null, '.0%')} of fires above" if math.isfinite(s.evr1_above_null) else "",
+            )
+        )
     if "C" in order:
         s = summaries["C"]
         t = tol(s)
-        rows.append(Row("margin (promotes C)", "C", f"Δ {_g(s.delta_mean, '+.4g')}", f"Δ ≥ {t:.4g} (max({floor:g}, 2σ))",
-                        math.isfinite(s.delta_mean) and s.delta_mean >= t, kind="margin"))
+        rows.append(
+            Row(
+                "margin (promotes C)",
+                "C",
+                f"Δ {_g(s.delta_mean, '+.4g')}",
+                f"Δ ≥ {t:.4g} (max({floor:g}, 2σ))",
+                math.isfinite(s.delta_mean) and s.delta_mean >= t,
+                kind="margin",
+            )
+        )
 
     failed = [r for r in rows if r.kind == "safety" and r.passed is False]
     margin = next((r for r in rows if r.kind == "margin"), None)
@@ -578,13 +778,23 @@ def decide(
         verdict, reason = "promote", f"every safety row passes and C clears the margin ({margin.value})"
     else:
         verdict = "stay on A"
-        reason = ("every safety row passes; C does not clear the margin" + (f" ({margin.value})" if margin else "")
-                  if "C" in order else "every safety row passes; arm C was not run")
-    return ArmsReport(verdict=verdict, reason=reason, rows=tuple(rows), arms=summaries,
-                      runs=tuple(results) + ((parity,) if parity is not None else ()), settings=dict(settings or {}))
+        reason = (
+            "every safety row passes; C does not clear the margin" + (f" ({margin.value})" if margin else "")
+            if "C" in order
+            else "every safety row passes; arm C was not run"
+        )
+    return ArmsReport(
+        verdict=verdict,
+        reason=reason,
+        rows=tuple(rows),
+        arms=summaries,
+        runs=tuple(results) + ((parity,) if parity is not None else ()),
+        settings=dict(settings or {}),
+    )
 
 
 # ---- running the arms ---------------------------------------------------------------------------------------
+
 
 def _is_anchor(entry: Any) -> bool:
     cp = entry.get("class_path", "") if isinstance(entry, dict) else str(entry)
@@ -627,8 +837,10 @@ def run_config(
     trainer["default_root_dir"] = str(run_dir)
     trainer["enable_progress_bar"] = False
     if trainer.get("logger", True) not in (False, None):
-        trainer["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                             "init_args": {"save_dir": str(run_dir), "name": "tb", "version": 0}}
+        trainer["logger"] = {
+            "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "tb", "version": 0},
+        }
     if val_every is not None:
         trainer["val_check_interval"] = int(val_every)
         trainer["check_val_every_n_epoch"] = None
@@ -637,12 +849,14 @@ def run_config(
 
 
 def _fingerprint(cfg: Mapping[str, Any], steps: int, seed: int) -> str:
-    return hashlib.sha256(json.dumps({"cfg": cfg, "steps": steps, "seed": seed}, sort_keys=True, default=str)
-                          .encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps({"cfg": cfg, "steps": steps, "seed": seed}, sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
-def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: str, cwd: Path,
-             timeout: Optional[float]) -> tuple[RunResult, bool]:
+def _run_one(
+    arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: str, cwd: Path, timeout: Optional[float]
+) -> tuple[RunResult, bool]:
     """Run (or read back) one arm/seed; returns the result and whether it was read back."""
     import yaml
 
@@ -659,8 +873,18 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
     (run_dir / "record.json").unlink(missing_ok=True)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [python, "-m", "lens_callbacks", "fit", "--config", str(cfg_path), "--trainer.max_steps", str(steps),
-           "--seed_everything", str(seed)]
+    cmd = [
+        python,
+        "-m",
+        "lens_callbacks",
+        "fit",
+        "--config",
+        str(cfg_path),
+        "--trainer.max_steps",
+        str(steps),
+        "--seed_everything",
+        str(seed),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(cwd) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
@@ -681,10 +905,18 @@ def _run_one(arm: str, seed: int, cfg: dict, run_dir: Path, steps: int, python: 
         rec = json.loads(record.read_text())
         scores = tuple((int(s), _nan(v)) for s, v in rec.get("scores", []))
         res = RunResult(
-            arm=arm, seed=seed, status="ok", score=scores[-1][1] if scores else float("nan"), scores=scores,
+            arm=arm,
+            seed=seed,
+            status="ok",
+            score=scores[-1][1] if scores else float("nan"),
+            scores=scores,
             grad_norms=tuple((int(s), _nan(v)) for s, v in rec.get("grad_norms", [])),
-            fires=tuple(rec.get("fires", [])), param_hash=str(rec.get("param_hash", "")), returncode=0,
-            logged_tags=tuple(rec.get("logged_tags", [])), seconds=secs, refusal=str(rec.get("refusal") or ""),
+            fires=tuple(rec.get("fires", [])),
+            param_hash=str(rec.get("param_hash", "")),
+            returncode=0,
+            logged_tags=tuple(rec.get("logged_tags", [])),
+            seconds=secs,
+            refusal=str(rec.get("refusal") or ""),
             **_grad_comm_fields(rec.get("grad_comm")),
         )
     else:
@@ -727,8 +959,12 @@ def _grad_comm_fields(gc: Any) -> dict[str, Any]:
     """The recorder's ``grad_comm`` entry as :class:`RunResult` fields (a record without one: not recorded)."""
     if not isinstance(gc, Mapping):
         return {}
-    return {"grad_comm_bytes": _nan(gc.get("bytes")), "grad_comm_per_rank": tuple(gc.get("per_rank") or ()),
-            "grad_comm_note": str(gc.get("note") or ""), "world_size": int(gc.get("world_size") or 1)}
+    return {
+        "grad_comm_bytes": _nan(gc.get("bytes")),
+        "grad_comm_per_rank": tuple(gc.get("per_rank") or ()),
+        "grad_comm_note": str(gc.get("note") or ""),
+        "world_size": int(gc.get("world_size") or 1),
+    }
 
 
 def _seeds(seeds: Any) -> list[int]:
@@ -811,13 +1047,17 @@ def run_arms(
 
         cfg0, cfg_name = read_config_yaml(p) or {}, str(config)
         if not isinstance(cfg0, dict):
-            raise ValueError(f"`config` must hold a YAML mapping (trainer/model/data), got {type(cfg0).__name__} in {cfg_name!r}.")
+            raise ValueError(
+                f"`config` must hold a YAML mapping (trainer/model/data), got {type(cfg0).__name__} in {cfg_name!r}."
+            )
     trainer0 = cfg0.get("trainer")
     if trainer0 is not None and not isinstance(trainer0, Mapping):
         raise ValueError(f"{cfg_name}: field `trainer` must be a mapping, got {type(trainer0).__name__}.")
     cbs0 = (trainer0 or {}).get("callbacks")
     if cbs0 is not None and not isinstance(cbs0, (list, Mapping)):
-        raise ValueError(f"{cfg_name}: field `trainer.callbacks` must be a list of callbacks, got {type(cbs0).__name__}.")
+        raise ValueError(
+            f"{cfg_name}: field `trainer.callbacks` must be a list of callbacks, got {type(cbs0).__name__}."
+        )
     out = Path(out)
     jobs_list = [(a, s) for a in arms for s in seed_list]
     if parity and "off" in arms:
@@ -825,8 +1065,9 @@ def run_arms(
     work = []
     for a, s in jobs_list:
         run_dir = (out / "runs" / a / f"seed{s}").resolve()
-        cfg = run_config(cfg0, a, run_dir, anchor_args=anchor_args, arm_args=defs.get(a, {}), score=score,
-                         val_every=val_every)
+        cfg = run_config(
+            cfg0, a, run_dir, anchor_args=anchor_args, arm_args=defs.get(a, {}), score=score, val_every=val_every
+        )
         work.append((a, s, cfg, run_dir))
     if progress is True:
         try:
@@ -854,12 +1095,23 @@ def run_arms(
             bar.close()
     main = [results[(a, s)] for a in arms for s in seed_list]
     par = results.get((PARITY_ARM, seed_list[0]))
-    settings = {"config": cfg_name, "arms": arms, "seeds": seed_list, "steps": steps, "score": score,
-                "anchor_args": dict(anchor_args or {}), "arm_defs": {a: dict(defs[a]) for a in arms},
-                "val_every": val_every, "floor": floor, "grad_factor": grad_factor, "gated_on_tol": gated_on_tol,
-                "read_back": sorted(f"{a}/seed{s}" for a, s in reread)}
-    report = decide(main, par, arms=arms, floor=floor, grad_factor=grad_factor, gated_on_tol=gated_on_tol,
-                    settings=settings)
+    settings = {
+        "config": cfg_name,
+        "arms": arms,
+        "seeds": seed_list,
+        "steps": steps,
+        "score": score,
+        "anchor_args": dict(anchor_args or {}),
+        "arm_defs": {a: dict(defs[a]) for a in arms},
+        "val_every": val_every,
+        "floor": floor,
+        "grad_factor": grad_factor,
+        "gated_on_tol": gated_on_tol,
+        "read_back": sorted(f"{a}/seed{s}" for a, s in reread),
+    }
+    report = decide(
+        main, par, arms=arms, floor=floor, grad_factor=grad_factor, gated_on_tol=gated_on_tol, settings=settings
+    )
     if write:
         out.mkdir(parents=True, exist_ok=True)
         (out / "decision.json").write_text(json.dumps(report.to_json(), indent=1))
@@ -895,8 +1147,16 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         if len(runs) > 1:
             ax.fill_between(steps, m.min(0), m.max(0), color=color[a], alpha=0.15)
         drew = True
-    _finish(plt, fig, ax, drew, str(report.settings.get("score", "score")),
-            "score per arm (mean over seeds, band: min–max)", out / "scores.png", written)
+    _finish(
+        plt,
+        fig,
+        ax,
+        drew,
+        str(report.settings.get("score", "score")),
+        "score per arm (mean over seeds, band: min–max)",
+        out / "scores.png",
+        written,
+    )
     fig, ax = plt.subplots(figsize=(6, 3.2))
     drew = False
     for a in report.arms:
@@ -906,12 +1166,22 @@ def figures(report: ArmsReport, out: Any) -> list[Path]:
         per: dict[int, list[float]] = {}
         for r in runs:
             for f in r.fires:
-                per.setdefault(int(f["t_fast"]), []).append(_nan(f.get("gated_on_fraction")) if f.get("projected") else 0.0)
+                per.setdefault(int(f["t_fast"]), []).append(
+                    _nan(f.get("gated_on_fraction")) if f.get("projected") else 0.0
+                )
         steps = sorted(per)
         ax.plot(steps, [float(np.mean(per[s])) for s in steps], ".-", color=color[a], label=a)
         drew = True
-    _finish(plt, fig, ax, drew, "gated-ON fraction", "gated-ON fraction per fire (mean over seeds)",
-            out / "gated_on.png", written)
+    _finish(
+        plt,
+        fig,
+        ax,
+        drew,
+        "gated-ON fraction",
+        "gated-ON fraction per fire (mean over seeds)",
+        out / "gated_on.png",
+        written,
+    )
     return written
 
 

@@ -106,7 +106,9 @@ def fit_rank1(B: torch.Tensor, ticks: Sequence[int], delta_ids: Optional[Sequenc
     """
     n = B.shape[0]
     if len(ticks) != n + 1:
-        raise ValueError(f"`ticks` must hold W = {n + 1} ticks (base included) for a [{n}, {n}] Gram, got {len(ticks)}.")
+        raise ValueError(
+            f"`ticks` must hold W = {n + 1} ticks (base included) for a [{n}, {n}] Gram, got {len(ticks)}."
+        )
     ids = tuple(range(n)) if delta_ids is None else tuple(int(i) for i in delta_ids)
     if n == 0:
         return None

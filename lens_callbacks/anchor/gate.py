@@ -62,12 +62,42 @@ class GateReport:
         }
 
     def render(self) -> str:
-        cols = ("t_fast", "t_W", "W", "evr1", "evr1_null", "r2", "coef_pred_error", "retro_weight_ratio", "fire_cos",
-                "gated_on_fraction", "weight_err_ratio", "weight_err_ratio_gated", "vel_err_ratio", "newest_err_ratio")
-        short = ("step", "t_W", "W", "EVR1", "null", "R2", "coef_err", "retro_w", "fire_cos",
-                 "gate_on", "ratio", "ratio_gated", "vel_ratio", "newest")
-        lines = [f"anchor gate replay: cadence={self.cadence} delay_K={self.delay_K} ({len(self.readings)} fires)",
-                 " ".join(f"{s:>11}" for s in short)]
+        cols = (
+            "t_fast",
+            "t_W",
+            "W",
+            "evr1",
+            "evr1_null",
+            "r2",
+            "coef_pred_error",
+            "retro_weight_ratio",
+            "fire_cos",
+            "gated_on_fraction",
+            "weight_err_ratio",
+            "weight_err_ratio_gated",
+            "vel_err_ratio",
+            "newest_err_ratio",
+        )
+        short = (
+            "step",
+            "t_W",
+            "W",
+            "EVR1",
+            "null",
+            "R2",
+            "coef_err",
+            "retro_w",
+            "fire_cos",
+            "gate_on",
+            "ratio",
+            "ratio_gated",
+            "vel_ratio",
+            "newest",
+        )
+        lines = [
+            f"anchor gate replay: cadence={self.cadence} delay_K={self.delay_K} ({len(self.readings)} fires)",
+            " ".join(f"{s:>11}" for s in short),
+        ]
         for r in self.readings:
             vals = []
             for c in cols:
@@ -194,8 +224,10 @@ def load_checkpoints(
             step = inside if inside is not None else step_of(p)
             if sd is None or step is None or step in out and out[step] is sd:
                 continue
-            raise ValueError(f"{p}: the checkpoint is the same file as {first} (a link) but would be step {step}; refused "
-                             "(each step needs its own checkpoint).")
+            raise ValueError(
+                f"{p}: the checkpoint is the same file as {first} (a link) but would be step {step}; refused "
+                "(each step needs its own checkpoint)."
+            )
         try:
             st = os.stat(p)
         except OSError:
@@ -211,8 +243,11 @@ def load_checkpoints(
         step = step_of(p, obj if isinstance(obj, Mapping) else None)
         if step is None:
             continue
-        kept = {k: v for k, v in sd.items()
-                if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)}
+        kept = {
+            k: v
+            for k, v in sd.items()
+            if isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point() and k.startswith(prefix)
+        }
         del obj, sd
         budget.charge(sum(v.numel() * v.element_size() for v in kept.values()), str(p), "the checkpoints read so far")
         loaded[str(p)] = (inside, kept)
@@ -233,15 +268,21 @@ def _check_same_tensors(weights: Mapping[int, Mapping[str, torch.Tensor]], sourc
         w = weights[t]
         for k, shape in shapes.items():
             if k not in w:
-                raise ValueError(f"{source[t]}: the checkpoint has no tensor `{_short_name(k)}`, which {source[steps[0]].name} holds; "
-                                 "every checkpoint must hold the same tensors (use --prefix to keep a common part).")
+                raise ValueError(
+                    f"{source[t]}: the checkpoint has no tensor `{_short_name(k)}`, which {source[steps[0]].name} holds; "
+                    "every checkpoint must hold the same tensors (use --prefix to keep a common part)."
+                )
             if tuple(w[k].shape) != shape:
-                raise ValueError(f"{source[t]}: tensor `{_short_name(k)}` has shape {list(w[k].shape)}, but {list(shape)} in "
-                                 f"{source[steps[0]].name}; every checkpoint must hold the same tensors.")
+                raise ValueError(
+                    f"{source[t]}: tensor `{_short_name(k)}` has shape {list(w[k].shape)}, but {list(shape)} in "
+                    f"{source[steps[0]].name}; every checkpoint must hold the same tensors."
+                )
         extra = [k for k in w if k not in shapes]
         if extra:
-            raise ValueError(f"{source[t]}: the checkpoint holds tensor `{_short_name(extra[0])}`, which {source[steps[0]].name} "
-                             "does not; every checkpoint must hold the same tensors (use --prefix to keep a common part).")
+            raise ValueError(
+                f"{source[t]}: the checkpoint holds tensor `{_short_name(extra[0])}`, which {source[steps[0]].name} "
+                "does not; every checkpoint must hold the same tensors (use --prefix to keep a common part)."
+            )
 
 
 def _short_name(k: str) -> str:

@@ -288,8 +288,11 @@ class Rank1TrajProjector:
                 # B[new, new] − 2·ĉ·c_true + ĉ², against holding the previous snapshot, ||d_new||² = D[new, new].
                 w_err2 = max(float(B[-1, -1]) - 2.0 * c_hat * c_true + c_hat * c_hat, 0.0)
                 w_hold2 = float(D_full[g][-1, -1])
-                self._retro_blocks[g] = (err / hold if hold > 0 else _NAN, err / prev.sigma1,
-                                         math.sqrt(w_err2 / w_hold2) if w_hold2 > 0 else _NAN)
+                self._retro_blocks[g] = (
+                    err / hold if hold > 0 else _NAN,
+                    err / prev.sigma1,
+                    math.sqrt(w_err2 / w_hold2) if w_hold2 > 0 else _NAN,
+                )
         self._retro = self._retro_blocks.get("", (_NAN, _NAN, _NAN))
 
         if ring.over_cap:
@@ -324,8 +327,15 @@ class Rank1TrajProjector:
             raise ValueError("`project` needs at least one observed snapshot.")
         t_W = ring.ticks[-1]
         stale = {n: ring.prev[n].clone() for n in ring.names}
-        base = dict(t_fast=int(t_fast), t_W=int(t_W), W=ring.W, comm_bytes=self.comm_bytes,
-                    coef_pred_error=self._retro[0], coef_pred_abs=self._retro[1], retro_weight_ratio=self._retro[2])
+        base = dict(
+            t_fast=int(t_fast),
+            t_W=int(t_W),
+            W=ring.W,
+            comm_bytes=self.comm_bytes,
+            coef_pred_error=self._retro[0],
+            coef_pred_abs=self._retro[1],
+            retro_weight_ratio=self._retro[2],
+        )
         if ring.W < self.n0:
             reading = AnchorReading(**base, reason=f"W = {ring.W} < n0 = {self.n0} snapshots: strict no-op.")
             self.last_reading = reading
@@ -390,12 +400,19 @@ class Rank1TrajProjector:
             if fb is None or not span_ok:
                 tb, null = 0.0, _NAN
             else:
-                null = evr1_null_quantile(fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed)
+                null = evr1_null_quantile(
+                    fb.ticks, null_d or self.null_dim or numel, self.null_quantile, self.null_samples, self.seed
+                )
                 fc = self._fire_cos.get(key, _NAN)
                 retro = self._retro_blocks.get(key, (_NAN, _NAN, _NAN))[2]
                 tb = trust(fb.evr1, null, fb.r2, self.r2_min, fc, sign_agree, retro, self.retro_gate)
-            block_info[b] = {"tau": tb, "evr1_null": null, "sign_agree": sign_agree,
-                             "evr1": fb.evr1 if fb else _NAN, "r2": fb.r2 if fb else _NAN}
+            block_info[b] = {
+                "tau": tb,
+                "evr1_null": null,
+                "sign_agree": sign_agree,
+                "evr1": fb.evr1 if fb else _NAN,
+                "r2": fb.r2 if fb else _NAN,
+            }
             for n in ns:
                 gate[n] = tb > 0.0
                 tau[n] = tb if tb > 0.0 else 1.0  # gated OFF: today's signed_ema on the stale snapshot
@@ -414,8 +431,13 @@ class Rank1TrajProjector:
 
         n_agree = sum(a[0] for a in agree.values())
         n_both = sum(a[1] for a in agree.values())
-        null_pooled = (evr1_null_quantile(pooled.ticks, null_d or self.null_dim or total, self.null_quantile, self.null_samples, self.seed)
-                       if pooled is not None else _NAN)
+        null_pooled = (
+            evr1_null_quantile(
+                pooled.ticks, null_d or self.null_dim or total, self.null_quantile, self.null_samples, self.seed
+            )
+            if pooled is not None
+            else _NAN
+        )
         reading = AnchorReading(
             **base,
             projected=span_ok,
@@ -435,7 +457,9 @@ class Rank1TrajProjector:
             vel_err_ratio=ratio("vel"),
             newest_err_ratio=ratio("newest"),
             span_residual=span_res,
-            reason=None if span_ok else f"span self-test failed: residual {span_res:.3g} > {SPAN_TOL:g}; anchor left stale.",
+            reason=None
+            if span_ok
+            else f"span self-test failed: residual {span_res:.3g} > {SPAN_TOL:g}; anchor left stale.",
             blocks=block_info,
         )
         self.last_reading = reading
@@ -469,8 +493,10 @@ class Rank1TrajProjector:
 
     def load_state_dict(self, state: Mapping) -> None:
         self.ring.load_state_dict(state["ring"])
-        self.prev_fit = {k: Rank1Fit(**{kk: (tuple(vv) if isinstance(vv, list) else vv) for kk, vv in v.items()})
-                         for k, v in state["prev_fit"].items()}
+        self.prev_fit = {
+            k: Rank1Fit(**{kk: (tuple(vv) if isinstance(vv, list) else vv) for kk, vv in v.items()})
+            for k, v in state["prev_fit"].items()
+        }
         self.comm_bytes = float(state["comm_bytes"])
         self.n_fires = int(state["n_fires"])
         self._retro = tuple(state["retro"])  # type: ignore[assignment]
@@ -479,8 +505,10 @@ class Rank1TrajProjector:
 
 
 def _fit_to_dict(f: Rank1Fit) -> dict:
-    return {k.name: (list(getattr(f, k.name)) if isinstance(getattr(f, k.name), tuple) else getattr(f, k.name))
-            for k in fields(f)}
+    return {
+        k.name: (list(getattr(f, k.name)) if isinstance(getattr(f, k.name), tuple) else getattr(f, k.name))
+        for k in fields(f)
+    }
 
 
 def _fire_cos(prev: Rank1Fit, new: Rank1Fit, D_full: torch.Tensor, ids_full: Sequence[int]) -> float:

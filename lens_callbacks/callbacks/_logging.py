@@ -140,7 +140,9 @@ class OncePerCause:
             lines.append(f"  {cond}: {count} ({where}); first reason: {reason}")
         return "\n".join(lines)
 
-    def say_summary(self, trainer: Any, n_readings: int, tag: str, step: int, noun: str = "audited steps") -> Optional[str]:
+    def say_summary(
+        self, trainer: Any, n_readings: int, tag: str, step: int, noun: str = "audited steps"
+    ) -> Optional[str]:
         """Log the summary as text under ``tag`` and once to the ``lens_callbacks`` logger (rank 0)."""
         text = self.summary(n_readings, noun)
         if text is None or not _is_rank_zero(trainer):

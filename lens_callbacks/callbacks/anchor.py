@@ -13,13 +13,13 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ._logging import log_figure
 from ..anchor import Rank1TrajProjector, confidence_weights, ema_update, projected_merge, signed_ema
 from ..anchor.projector import AnchorReading, block_of
 from ..credit.engine import evaluate_terms, resolve_dtype
 from ..credit.inputs.terms import is_credit_source
 from ..metrics.anchor import GatedOnFraction, WeightPredictionError
 from ..refusal import Refusal
+from ._logging import log_figure
 
 __all__ = ["AnchorProjectionCallback", "coefficient_figure"]
 
@@ -198,9 +198,16 @@ class AnchorProjectionCallback(Callback):
         self._sharded = is_sharded(pl_module)
 
     def _new_projector(self) -> Rank1TrajProjector:
-        return Rank1TrajProjector(n0=self.n0, w_cap=self.w_cap, h_safe=self.h_safe, pool=self.pool,
-                                  r2_min=self.r2_min, null_quantile=self.null_quantile, null_dim=self.null_dim,
-                                  retro_gate=self.retro_gate)
+        return Rank1TrajProjector(
+            n0=self.n0,
+            w_cap=self.w_cap,
+            h_safe=self.h_safe,
+            pool=self.pool,
+            r2_min=self.r2_min,
+            null_quantile=self.null_quantile,
+            null_dim=self.null_dim,
+            retro_gate=self.retro_gate,
+        )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.mode == "off":
@@ -231,8 +238,10 @@ class AnchorProjectionCallback(Callback):
                     self._fire(pl_module, tick, snap, step, params)
                 except Exception as e:  # never stop the user's run: keep the previous anchor, say why
                     self.last_refusal = Refusal(
-                        "anchor_fire", f"the snapshot of step {tick} could not be folded in: {type(e).__name__}: {e}",
-                        numbers={"step": step, "tick": tick}, remedy="the anchor keeps its previous weights",
+                        "anchor_fire",
+                        f"the snapshot of step {tick} could not be folded in: {type(e).__name__}: {e}",
+                        numbers={"step": step, "tick": tick},
+                        remedy="the anchor keeps its previous weights",
                     )
         if self._anchor is None:
             return
@@ -246,8 +255,10 @@ class AnchorProjectionCallback(Callback):
         if g_anchor is None:
             return
         with torch.no_grad():
-            self.m_anchor = {n: ema_update(None if self.m_anchor is None else self.m_anchor.get(n), g, self.beta_anc)
-                             for n, g in g_anchor.items()}
+            self.m_anchor = {
+                n: ema_update(None if self.m_anchor is None else self.m_anchor.get(n), g, self.beta_anc)
+                for n, g in g_anchor.items()
+            }
             try:
                 disagree, count = self._merge(params)
                 if shards is not None:
@@ -257,8 +268,12 @@ class AnchorProjectionCallback(Callback):
                 if count > 0:
                     self.merged_step = step
             except Exception as e:
-                self.last_refusal = Refusal("anchor_merge", f"the merger failed: {type(e).__name__}: {e}",
-                                            numbers={"step": step}, remedy=".grad was left as it was")
+                self.last_refusal = Refusal(
+                    "anchor_merge",
+                    f"the merger failed: {type(e).__name__}: {e}",
+                    numbers={"step": step},
+                    remedy=".grad was left as it was",
+                )
                 return
         if self.log_readings and count > 0:
             pl_module.log("anchor/disagree_fraction", disagree / count, on_step=True, on_epoch=False, batch_size=1)
@@ -278,13 +293,19 @@ class AnchorProjectionCallback(Callback):
         self._tau = dict(prj.tau) if use_hat else {}
         self._gate = dict(prj.gate) if use_hat else {}
         self._anchor = {
-            n: (prj.anchor[n] if use_hat else self.projector.ring.prev[n]).reshape(p.shape).to(p.device, p.dtype).clone()
+            n: (prj.anchor[n] if use_hat else self.projector.ring.prev[n])
+            .reshape(p.shape)
+            .to(p.device, p.dtype)
+            .clone()
             for n, p in params.items()
         }
         if prj.theta_hat is not None and r.projected:
             names = list(params)
-            self.weight_error.update([prj.theta_hat[n] for n in names], [truth[n] for n in names],
-                                     [self.projector.ring.prev[n] for n in names])
+            self.weight_error.update(
+                [prj.theta_hat[n] for n in names],
+                [truth[n] for n in names],
+                [self.projector.ring.prev[n] for n in names],
+            )
             total = self.projector.ring.numel()
             self.gated_on.update(round(r.gated_on_fraction * total), total)
         if self.log_readings:
@@ -307,7 +328,9 @@ class AnchorProjectionCallback(Callback):
             return
         log_figure(pl_module.trainer, "anchor/coefficient_trajectory", fig, step)
 
-    def _anchor_grad(self, trainer: Trainer, pl_module: LightningModule, params: dict) -> Optional[dict[str, torch.Tensor]]:
+    def _anchor_grad(
+        self, trainer: Trainer, pl_module: LightningModule, params: dict
+    ) -> Optional[dict[str, torch.Tensor]]:
         devices = sorted({p.device.index or 0 for p in params.values() if p.device.type == "cuda"})
         error: Optional[BaseException] = None
         try:
@@ -327,8 +350,10 @@ class AnchorProjectionCallback(Callback):
                 error = RuntimeError("the anchor's gradient failed on another rank.")
         if error is not None:
             self.last_refusal = Refusal(
-                "anchor_gradient", f"the anchor's gradient could not be evaluated: {type(error).__name__}: {error}",
-                numbers={"step": trainer.global_step}, remedy="check `credit_terms` on the trained batch; .grad was left as it was",
+                "anchor_gradient",
+                f"the anchor's gradient could not be evaluated: {type(error).__name__}: {error}",
+                numbers={"step": trainer.global_step},
+                remedy="check `credit_terms` on the trained batch; .grad was left as it was",
             )
             return None
         out = {}
@@ -377,7 +402,10 @@ class AnchorProjectionCallback(Callback):
             "gate": dict(self._gate),
             "m_anchor": None if self.m_anchor is None else {n: x.clone() for n, x in self.m_anchor.items()},
             "last_step": self._last_step,
-            "weight_error": {"err_sq": self.weight_error.err_sq.clone(), "stale_sq": self.weight_error.stale_sq.clone()},
+            "weight_error": {
+                "err_sq": self.weight_error.err_sq.clone(),
+                "stale_sq": self.weight_error.stale_sq.clone(),
+            },
             "gated_on": {"on": self.gated_on.on.clone(), "total": self.gated_on.total.clone()},
         }
 

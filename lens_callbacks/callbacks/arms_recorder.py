@@ -98,13 +98,24 @@ class ArmsRecorder(Callback):
         if trainer.world_size == 1:
             return {**info, "bytes": 0, "per_rank": [0], "per_step": [], "note": "no gradient traffic (single process)"}
         if counter is None:
-            return {**info, "bytes": None, "per_rank": [], "per_step": [],
-                    "note": f"not counted: {type(strategy).__name__} has no byte counter "
-                            "(lens_callbacks.callbacks.PowerSGDStrategy counts it)"}
+            return {
+                **info,
+                "bytes": None,
+                "per_rank": [],
+                "per_step": [],
+                "note": f"not counted: {type(strategy).__name__} has no byte counter "
+                "(lens_callbacks.callbacks.PowerSGDStrategy counts it)",
+            }
         mine = torch.tensor([float(counter.bytes_total)], dtype=torch.float64)
         per_rank = [int(b) for b in strategy_collectives(trainer).all_gather(mine).reshape(-1).tolist()]
-        return {**info, "bytes": sum(per_rank), "per_rank": per_rank, "per_step": self.grad_comm_steps,
-                "note": "", **strategy.grad_comm_info()}
+        return {
+            **info,
+            "bytes": sum(per_rank),
+            "per_rank": per_rank,
+            "per_step": self.grad_comm_steps,
+            "note": "",
+            **strategy.grad_comm_info(),
+        }
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         grad_comm = self._grad_comm(trainer)
@@ -118,9 +129,26 @@ class ArmsRecorder(Callback):
         if anchors:
             mode = anchors[0].mode
             for r in anchors[0].readings:
-                fires.append({k: getattr(r, k) for k in (
-                    "t_fast", "t_W", "W", "projected", "evr1", "evr1_null", "r2", "coef_pred_error",
-                    "gated_on_fraction", "tau_mean", "weight_err_ratio", "weight_err_ratio_gated", "comm_bytes")})
+                fires.append(
+                    {
+                        k: getattr(r, k)
+                        for k in (
+                            "t_fast",
+                            "t_W",
+                            "W",
+                            "projected",
+                            "evr1",
+                            "evr1_null",
+                            "r2",
+                            "coef_pred_error",
+                            "gated_on_fraction",
+                            "tau_mean",
+                            "weight_err_ratio",
+                            "weight_err_ratio_gated",
+                            "comm_bytes",
+                        )
+                    }
+                )
         last = anchors[0].last_refusal if anchors else None
         payload = {
             "score_tag": self.score,

@@ -10,11 +10,16 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from ._logging import OncePerCause, log_figure, log_scalars, log_text
-from ._mergers import grad_mergers, merger_at
-from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading, exact_optimizer_precondition, step_conservation
+from ..credit.readings.conservation import (
+    UNIT_ROUNDOFF,
+    ConservationReading,
+    exact_optimizer_precondition,
+    step_conservation,
+)
 from ..metrics.conservation import ConservationMetric
 from ..refusal import Refusal
+from ._logging import OncePerCause, log_figure, log_scalars, log_text
+from ._mergers import grad_mergers, merger_at
 
 __all__ = ["ConservationCheckCallback"]
 
@@ -148,7 +153,9 @@ class ConservationCheckCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._close_stale_epoch(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._finish(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -207,7 +214,9 @@ class ConservationCheckCallback(Callback):
             ax.axhline(self.tolerance, color="C3", ls=":", lw=1, label=f"tolerance {self.tolerance:g}")
             ax.set_yscale("log")
         if refused:
-            ax.plot(refused, [0.02] * len(refused), "x", color="C3", transform=ax.get_xaxis_transform(), label="refused")
+            ax.plot(
+                refused, [0.02] * len(refused), "x", color="C3", transform=ax.get_xaxis_transform(), label="refused"
+            )
         ax.set_xlabel("step")
         ax.set_title("step conservation: error under the floor is no evidence; above both, a violation", fontsize=8)
         ax.legend(fontsize=7, loc="best")
@@ -244,7 +253,9 @@ class ConservationCheckCallback(Callback):
         )
         if isinstance(verdict, Refusal):
             return verdict
-        if pl_module.automatic_optimization and is_overridden("configure_gradient_clipping", pl_module, LightningModule):
+        if pl_module.automatic_optimization and is_overridden(
+            "configure_gradient_clipping", pl_module, LightningModule
+        ):
             return Refusal(
                 "configure_gradient_clipping",
                 f"`configure_gradient_clipping` must not be overridden for the step to conserve, got an override in "
@@ -275,7 +286,9 @@ class ConservationCheckCallback(Callback):
             grads = [None if p.grad is None else _whole(p.grad, self._sharded).clone() for p in params]
         return _Pending(step, opt, params, names, gidx, lrs, theta_before, grads, audit_grads, _scale(pl_module))
 
-    def _audit_grads(self, step: int, params: list[torch.Tensor], names: list[Optional[str]]) -> Optional[list[Optional[torch.Tensor]]]:
+    def _audit_grads(
+        self, step: int, params: list[torch.Tensor], names: list[Optional[str]]
+    ) -> Optional[list[Optional[torch.Tensor]]]:
         """Σ g_S from the audit's report of this step, aligned with ``params``; None if it does not cover them."""
         report = getattr(self._audit, "last_report", None)
         if report is None or getattr(self._audit, "last_report_step", None) != step:
@@ -314,7 +327,9 @@ class ConservationCheckCallback(Callback):
                 remedy=f"read the steps {name} leaves alone (mode='off', or before its first fire).",
             )
         elif pend.scale is not None and _scale(pl_module) is not None and _scale(pl_module) < pend.scale:
-            reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(pend.optimizer, step_skipped=True)
+            reading: Union[ConservationReading, Refusal] = exact_optimizer_precondition(
+                pend.optimizer, step_skipped=True
+            )
         else:
             grads, source = pend.audit_grads, "credit_parts"
             if grads is None and self._audit is not None:
@@ -327,7 +342,12 @@ class ConservationCheckCallback(Callback):
                 grads = _mean_over_ranks(trainer, grads)
             # else: a global audit's Σ parts is already the rank average of every rank's parts.
             try:
-                reading = self._read(pend, grads, source, *(self._parts_precision(trainer, pend.step) if source == "credit_parts" else (None, None)))
+                reading = self._read(
+                    pend,
+                    grads,
+                    source,
+                    *(self._parts_precision(trainer, pend.step) if source == "credit_parts" else (None, None)),
+                )
             except Exception as err:  # a reading that cannot be made must not end the training run
                 reading = Refusal(
                     "conservation",
@@ -348,8 +368,12 @@ class ConservationCheckCallback(Callback):
         return float(getattr(report, "conservation_error", float("nan"))), coarsest
 
     def _read(
-        self, pend: _Pending, grads: Any, source: str,
-        parts_error: Optional[float] = None, parts_dtype: Optional[torch.dtype] = None,
+        self,
+        pend: _Pending,
+        grads: Any,
+        source: str,
+        parts_error: Optional[float] = None,
+        parts_dtype: Optional[torch.dtype] = None,
     ) -> Union[ConservationReading, Refusal]:
         with torch.no_grad():
             return step_conservation(
@@ -365,7 +389,9 @@ class ConservationCheckCallback(Callback):
                 parts_dtype=parts_dtype,
             )
 
-    def _emit(self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int) -> None:
+    def _emit(
+        self, trainer: Trainer, pl_module: LightningModule, reading: Union[ConservationReading, Refusal], step: int
+    ) -> None:
         self.last_reading = reading
         self.readings_made += 1
         self._epoch_of_state, self._epoch_last_step = int(trainer.current_epoch), int(step)

@@ -35,12 +35,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_only
 
 from lens_callbacks.credit.engine import disintegrate, resolve_dtype
-from lens_callbacks.credit.guard import Suspects, guard, non_finite
-from lens_callbacks.credit.primitives import compiled_parts
-from lens_callbacks.credit.replay import StepReplay
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.engines.ghost import SPLITS_ROWS, RideAlong, SpansInteract, report_accumulated
-from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
+from lens_callbacks.credit.guard import Suspects, guard, non_finite
 from lens_callbacks.credit.inputs.partition import (
     PARTITION_REMEDY,
     POSITIONAL_PARTITIONS,
@@ -48,16 +45,20 @@ from lens_callbacks.credit.inputs.partition import (
     PartitionError,
     resolve_partition,
 )
-from lens_callbacks.credit.report import CreditReport
+from lens_callbacks.credit.inputs.terms import CreditTermsError, is_credit_source
+from lens_callbacks.credit.primitives import compiled_parts
+from lens_callbacks.credit.readings.mismatch import grad_match_threshold, terms_not_loss_words
 from lens_callbacks.credit.readings.step_readings import RecordingPartition, StepReadings
 from lens_callbacks.credit.readings.table import CreditTable, credit_table, module_decoder
-from lens_callbacks.credit.inputs.terms import CreditTermsError, is_credit_source
 from lens_callbacks.credit.readings.update_share import update_shares as _update_shares
-from ._mergers import grad_mergers, merger_at, pre_merge_reference
-from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
+from lens_callbacks.credit.replay import StepReplay
+from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
+
+from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
+from ._mergers import grad_mergers, merger_at, pre_merge_reference
 
 __all__ = ["CreditAuditCallback"]
 
@@ -67,7 +68,6 @@ LAST_REPORT_FILE = "credit_last.txt"
 
 
 class CreditAuditCallback(Callback):
-
     """Exact credit per part of every ``every_n_steps``-th optimizer step, logged as it trains.
 
     Logged (``prefix`` = ``credit/``): ``cancellation``, ``cancelled_fraction``, ``conservation_error``,
@@ -221,8 +221,14 @@ class CreditAuditCallback(Callback):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
-        if not isinstance(log_figure_every_n_steps, int) or isinstance(log_figure_every_n_steps, bool) or log_figure_every_n_steps < 0:
-            raise ValueError(f"`log_figure_every_n_steps` must be an int >= 0, got {log_figure_every_n_steps!r}; e.g. 100.")
+        if (
+            not isinstance(log_figure_every_n_steps, int)
+            or isinstance(log_figure_every_n_steps, bool)
+            or log_figure_every_n_steps < 0
+        ):
+            raise ValueError(
+                f"`log_figure_every_n_steps` must be an int >= 0, got {log_figure_every_n_steps!r}; e.g. 100."
+            )
         self.log_figure_every_n_steps = log_figure_every_n_steps
         self._last_figure_step: Optional[int] = None
         resolve_dtype(dtype)  # raises, naming the valid options
@@ -367,8 +373,12 @@ class CreditAuditCallback(Callback):
         if self._replay_step != trainer.global_step:
             self._replay.clear()  # a step that ended without its optimizer step (or a new one)
             self._replay_step = trainer.global_step
-        if (self.capture == "training_step" and self._ride_blocked is None and not self._tangent_on_grad
-                and trainer.global_step % self.every_n_steps == 0):
+        if (
+            self.capture == "training_step"
+            and self._ride_blocked is None
+            and not self._tangent_on_grad
+            and trainer.global_step % self.every_n_steps == 0
+        ):
             self._ride = RideAlong(pl_module).start()
             self._rides_step = trainer.global_step
 
@@ -378,8 +388,13 @@ class CreditAuditCallback(Callback):
         k = int(trainer.accumulate_grad_batches)
         if k == 1:
             # With the partition known now, each parameter is reduced inside the training backward.
-            self._ride.on_loss(loss, self._ride_partition(), readings=self.reading_set, keep_grads=self.keep_grads,
-                               position_split=self.position_split)
+            self._ride.on_loss(
+                loss,
+                self._ride_partition(),
+                readings=self.reading_set,
+                keep_grads=self.keep_grads,
+                position_split=self.position_split,
+            )
         else:  # only captured: the step is read after its last micro-batch (Lightning divides the loss by k)
             self._ride.on_loss(loss, scale=1.0 / k)
 
@@ -392,14 +407,21 @@ class CreditAuditCallback(Callback):
         """Read once, at the first step: a compiled module's riding along is blocked (its hooks would change
         the compiled step), the separate pass runs the module eagerly."""
         self._compiled = compiled_parts(pl_module)
-        if self._compiled and self.capture == "training_step" and self._ride_blocked is None and not self._tangent_on_grad:
+        if (
+            self._compiled
+            and self.capture == "training_step"
+            and self._ride_blocked is None
+            and not self._tangent_on_grad
+        ):
             self._ride_blocked = (
                 f"torch.compile ({self._compiled[0]}): the layer hooks riding along would break the compiled graph and "
                 f"change what it computes ({COMPILED_RIDE_DRIFT}); the separate pass, which runs the module eagerly "
                 "and leaves the compiled step as it is, audits it instead"
             )
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._update_before is not None:
             self._update_share_hook(trainer, pl_module, "after")
         self._batch = None
@@ -414,11 +436,16 @@ class CreditAuditCallback(Callback):
         # Every callback's on_before_optimizer_step has run by now, wherever this one is listed.
         merger = merger_at(self._mergers, step)
         self.last_values[f"{self.prefix}applied_grad_differs"] = 1.0 if merger is not None else 0.0
-        log_scalars(trainer, {f"{self.prefix}applied_grad_differs": self.last_values[f"{self.prefix}applied_grad_differs"]}, step)
+        log_scalars(
+            trainer,
+            {f"{self.prefix}applied_grad_differs": self.last_values[f"{self.prefix}applied_grad_differs"]},
+            step,
+        )
         if merger is not None and not self._merge_noted:
             self._merge_noted = True
             log_text(
-                trainer, f"{self.prefix}note",
+                trainer,
+                f"{self.prefix}note",
                 f"From step {step} on, {type(merger).__name__} merged .grad before the optimizer step "
                 f"(credit/applied_grad_differs = 1 on those steps). The credit readings describe the gradient the "
                 "module produced, before any merger; grad_match is read against that gradient.",
@@ -451,12 +478,21 @@ class CreditAuditCallback(Callback):
             name = self.partition if isinstance(self.partition, str) else "custom"
             try:
                 if trainer.accumulate_grad_batches > 1:
-                    got = report_accumulated(earlier + [ride], self._ride_partition(), partition_name=name,
-                                             readings=self.reading_set, keep_grads=self.keep_grads,
-                                             position_split=self.position_split)
+                    got = report_accumulated(
+                        earlier + [ride],
+                        self._ride_partition(),
+                        partition_name=name,
+                        readings=self.reading_set,
+                        keep_grads=self.keep_grads,
+                        position_split=self.position_split,
+                    )
                 else:
-                    got = ride.report(self._ride_partition(), partition_name=name, readings=self.reading_set,
-                                      keep_grads=self.keep_grads)
+                    got = ride.report(
+                        self._ride_partition(),
+                        partition_name=name,
+                        readings=self.reading_set,
+                        keep_grads=self.keep_grads,
+                    )
             except Exception as err:  # a user-data failure must not end the training run
                 got = f"{type(err).__name__}: {err}"
             finally:
@@ -474,11 +510,15 @@ class CreditAuditCallback(Callback):
         if why is not None and not self._ride_warned:
             self._ride_warned = True
             warnings.warn(
-                f"credit audit: capture='training_step' falls back to a separate pass ({why}).", RuntimeWarning, stacklevel=2
+                f"credit audit: capture='training_step' falls back to a separate pass ({why}).",
+                RuntimeWarning,
+                stacklevel=2,
             )
         return self.audit(pl_module, self._batch)
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         step = trainer.global_step
         if step % self.every_n_steps != 0:
             return
@@ -511,7 +551,9 @@ class CreditAuditCallback(Callback):
             self._once.refused(trainer, reading, step, what="credit audit")
             # One update per reading: forward() below adds this step to the epoch state itself.
             # A withheld reading still shows its figure and floor; its shares are not logged.
-            shown = {k: reading.numbers[k] for k in ("conservation_error", "conservation_floor") if k in reading.numbers}
+            shown = {
+                k: reading.numbers[k] for k in ("conservation_error", "conservation_floor") if k in reading.numbers
+            }
             values = self._flatten(self.metric(defined=False), (), extra={"refused": 1.0, **shown})
             text = reading.render()
             log_text(trainer, f"{self.prefix}refusal", text, step)  # every refusal, whatever the cadence
@@ -550,12 +592,18 @@ class CreditAuditCallback(Callback):
         try:
             with torch.enable_grad():
                 report = _update_shares(
-                    pl_module, self._batch, self._partition_fn if self._partition_fn is not None else self.partition,
-                    before, dtype=self.dtype, terms_fn=self._replay_fn,
+                    pl_module,
+                    self._batch,
+                    self._partition_fn if self._partition_fn is not None else self.partition,
+                    before,
+                    dtype=self.dtype,
+                    terms_fn=self._replay_fn,
                 )
         except Exception as err:  # a reading that cannot be made must not end the training run
             refusal = Refusal(
-                "update_share", f"{type(err).__name__}: {err}", numbers={"step": step},
+                "update_share",
+                f"{type(err).__name__}: {err}",
+                numbers={"step": step},
                 remedy="use eager (math) attention so credit_terms has forward-mode derivatives, or update_shares=False",
             )
             self._once.refused(trainer, refusal, step, what="update shares")
@@ -566,7 +614,9 @@ class CreditAuditCallback(Callback):
         if report.ok and primary not in POSITIONAL_PARTITIONS:
             # Stable part names only: a positional part is another rollout at every step.
             self.record_ledger("update", primary, dict(zip(report.part_names, report.update_share)), step)
-            values.update({k: v for k, v in self.readings.ledger.to_dict(f"{self.prefix}ledger/").items() if "/update/" in k})
+            values.update(
+                {k: v for k, v in self.readings.ledger.to_dict(f"{self.prefix}ledger/").items() if "/update/" in k}
+            )
         self.last_values.update(values)
         log_scalars(trainer, values, step)
 
@@ -582,9 +632,14 @@ class CreditAuditCallback(Callback):
         try:
             with torch.enable_grad():  # the hook may run inside optimizer.step with grad mode off
                 kw = dict(
-                    dtype=self.dtype, keep_grads=self.keep_grads, forward_context=self._forward_context(pl_module),
-                    engine=self.engine, readings=self.reading_set, terms_fn=self._step_terms(pl_module),
-                    verify_part="spans" if due else False, position_split=self.position_split,
+                    dtype=self.dtype,
+                    keep_grads=self.keep_grads,
+                    forward_context=self._forward_context(pl_module),
+                    engine=self.engine,
+                    readings=self.reading_set,
+                    terms_fn=self._step_terms(pl_module),
+                    verify_part="spans" if due else False,
+                    position_split=self.position_split,
                 )
                 part = self._partition_fn if self._partition_fn is not None else self.partition
                 full = self._trainer_grad(pl_module, use_grad)
@@ -600,7 +655,10 @@ class CreditAuditCallback(Callback):
         except Exception as err:  # a user-data failure must not end the training run
             self._last_error = err
             numbers: dict[str, Any] = {"step": self._step_of(pl_module)}
-            condition, remedy = "credit_audit", "check what credit_terms returns for this step's batch (see docs/credit_audit.md)"
+            condition, remedy = (
+                "credit_audit",
+                "check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
+            )
             if isinstance(err, SpansInteract):
                 condition, remedy = "packed_attention", PACKED_REMEDY
                 self._spans_failed = True  # every later reading of packed rollouts is checked, until one passes
@@ -618,7 +676,9 @@ class CreditAuditCallback(Callback):
             return True
         return self.verify_spans_every > 0 and self.n_spans_readings % self.verify_spans_every == 0
 
-    def _checked_spans(self, pl_module: LightningModule, reading: Union[CreditReport, Refusal]) -> Union[CreditReport, Refusal]:
+    def _checked_spans(
+        self, pl_module: LightningModule, reading: Union[CreditReport, Refusal]
+    ) -> Union[CreditReport, Refusal]:
         """A reading of packed rollouts, held (when due) to one part's own backward; counted."""
         if not isinstance(reading, CreditReport) or not reading.spans:
             return reading
@@ -648,14 +708,17 @@ class CreditAuditCallback(Callback):
         if not self._within or self.reading_set == "projected" or self.engine not in ("auto", "reference"):
             return
         self._once.warn(
-            trainer, "within_cost",
+            trainer,
+            "within_cost",
             f"partition={_name_of(self.partition)!r} with readings={self.reading_set!r}: the norm shares and the "
             "cancellation of parts inside rows take the reference engine, one backward pass per part (m + 1 in all). "
             "readings='projected' reads the projected shares by one forward-mode pass (with capture='training_step', "
             "that pass alone, along the step's .grad).",
         )
 
-    def _guard(self, trainer: Trainer, reading: Union[CreditReport, Refusal], step: int) -> Union[CreditReport, Refusal]:
+    def _guard(
+        self, trainer: Trainer, reading: Union[CreditReport, Refusal], step: int
+    ) -> Union[CreditReport, Refusal]:
         """A reading whose parts do not add up (over its conservation floor) is withheld, by name; with
         accumulation, so is a replay whose gradient is not the step's ``.grad``."""
         if isinstance(reading, Refusal):
@@ -690,20 +753,26 @@ class CreditAuditCallback(Callback):
     def _trainer_grad(self, pl_module: LightningModule, use_grad: bool = False) -> Optional[list[torch.Tensor]]:
         """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``, or ``use_grad``), or None: the audit takes its own."""
         if use_grad and self._grad_blocked is None and self._full_grad_blocked is None:
-            return [p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad]
+            return [
+                p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad
+            ]
         if self.full_grad != "trainer":
             return None
         if self._full_grad_blocked is not None:
             self._warn_full_grad()
             return None
-        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad]
+        return [
+            p.grad if p.grad is not None else torch.zeros_like(p) for p in pl_module.parameters() if p.requires_grad
+        ]
 
     def _warn_full_grad(self) -> None:
         if not self._full_grad_warned:
             self._full_grad_warned = True
             warnings.warn(
                 f"credit audit: full_grad='trainer' takes g_full by the audit's own backward instead "
-                f"({self._full_grad_blocked}).", RuntimeWarning, stacklevel=3,
+                f"({self._full_grad_blocked}).",
+                RuntimeWarning,
+                stacklevel=3,
             )
 
     def _pre_merge_reference(self, pl_module: LightningModule) -> Any:
@@ -723,7 +792,9 @@ class CreditAuditCallback(Callback):
         except RuntimeError:  # not attached to a Trainer
             return None
 
-    def _audit_distributed(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> Union[CreditReport, Refusal]:
+    def _audit_distributed(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any
+    ) -> Union[CreditReport, Refusal]:
         """The global reading (every rank calls it on the same steps: it runs collectives)."""
         from lens_callbacks.credit.readings.distributed import global_report
 
@@ -735,7 +806,7 @@ class CreditAuditCallback(Callback):
         local: Optional[CreditReport] = None
         failure: Optional[str] = None
         try:
-            with torch.enable_grad(), (fsdp_hooks_off(pl_module) if self._sharded else contextlib.nullcontext()):
+            with torch.enable_grad(), fsdp_hooks_off(pl_module) if self._sharded else contextlib.nullcontext():
                 local = disintegrate(
                     pl_module,
                     batch,
@@ -754,30 +825,55 @@ class CreditAuditCallback(Callback):
             failure = f"{type(err).__name__}: {err}"
         if not self._global:
             if local is None:
-                return Refusal("credit_audit", str(failure), numbers={"step": self._step_of(pl_module)},
-                               remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)")
+                return Refusal(
+                    "credit_audit",
+                    str(failure),
+                    numbers={"step": self._step_of(pl_module)},
+                    remedy="check what credit_terms returns for this step's batch (see docs/credit_audit.md)",
+                )
             return local if self.keep_grads else dataclasses.replace(local, grads=None)
         try:
-            return global_report(local, applied, strategy_collectives(trainer), failure=failure, keep_grads=self.keep_grads)
+            return global_report(
+                local, applied, strategy_collectives(trainer), failure=failure, keep_grads=self.keep_grads
+            )
         except Exception as err:
             # Past the collectives' agreement step every rank fails alike (same gathered data).
-            return Refusal("credit_audit_global", f"{type(err).__name__}: {err}", numbers={"step": self._step_of(pl_module)},
-                           remedy="report this with the strategy and module used")
+            return Refusal(
+                "credit_audit_global",
+                f"{type(err).__name__}: {err}",
+                numbers={"step": self._step_of(pl_module)},
+                remedy="report this with the strategy and module used",
+            )
 
     def metric_values(self, report: CreditReport) -> dict[str, float]:
         """The scalars of one report, through the metric (its ``forward`` returns this step's readings)."""
         out = self.metric(
-            list(report.projected_share), list(report.norm_share), report.cancellation,
-            report.conservation_error, report.grad_match, report.full_grad_norm, report.ok,
+            list(report.projected_share),
+            list(report.norm_share),
+            report.cancellation,
+            report.conservation_error,
+            report.grad_match,
+            report.full_grad_norm,
+            report.ok,
         )
-        extra = {"n_parts": report.n_parts, "n_trained": report.n_trained, "refused": 0.0,
-                 "conservation_floor": report.conservation_floor}
+        extra = {
+            "n_parts": report.n_parts,
+            "n_trained": report.n_trained,
+            "refused": 0.0,
+            "conservation_floor": report.conservation_floor,
+        }
         if report.position_split is not None:
             extra.update(report.position_split.to_dict("", self.max_logged_parts))
         extra.update(engine_values(report))
         return self._flatten(out, report.part_names, extra=extra)
 
-    def _flatten(self, out: dict[str, torch.Tensor], names: tuple[str, ...], extra: Optional[dict] = None, prefix: Optional[str] = None) -> dict[str, float]:
+    def _flatten(
+        self,
+        out: dict[str, torch.Tensor],
+        names: tuple[str, ...],
+        extra: Optional[dict] = None,
+        prefix: Optional[str] = None,
+    ) -> dict[str, float]:
         p = self.prefix if prefix is None else prefix
         values: dict[str, float] = {}
         for key, v in out.items():
@@ -819,8 +915,10 @@ class CreditAuditCallback(Callback):
         self._epoch_of_state = None
         if int(self.metric.n_readings) == 0:
             return
-        names = self.last_report.part_names if self.last_report is not None else tuple(
-            f"part_{i}" for i in range(self.max_logged_parts)
+        names = (
+            self.last_report.part_names
+            if self.last_report is not None
+            else tuple(f"part_{i}" for i in range(self.max_logged_parts))
         )
         # compute() is the metric's own cross-rank sync: every rank reaches this hook.
         values = self._flatten(self.metric.compute(), names, prefix=f"{self.prefix}epoch/")
@@ -977,7 +1075,9 @@ class CreditAuditCallback(Callback):
                 resolve_partition(spec)  # an unknown name raises here, naming the valid ones
         names = [spec if isinstance(spec, str) else getattr(spec, "__name__", "custom") for spec in extra]
         if len(set(names)) != len(names) or str(self.partition) in names:
-            raise ValueError(f"`extra_partitions` must name each partition once, apart from `partition`, got {names!r}.")
+            raise ValueError(
+                f"`extra_partitions` must name each partition once, apart from `partition`, got {names!r}."
+            )
         if not 0.0 <= noise_ema < 1.0:
             raise ValueError(f"`noise_ema` must be in [0, 1), got {noise_ema!r}.")
         self.extra_partitions = list(extra)
@@ -1016,16 +1116,22 @@ class CreditAuditCallback(Callback):
 
                 from ._distributed import strategy_collectives
 
-                whole, extra = global_extra_shares(report, partition, terms, self.readings.extra, strategy_collectives(trainer))
+                whole, extra = global_extra_shares(
+                    report, partition, terms, self.readings.extra, strategy_collectives(trainer)
+                )
                 values.update(self.readings.read(report, None, None, step, None, whole=whole, extra_shares=extra))
             else:
                 values.update(self.readings.read(report, partition, terms, step, run_engine))
             for name, why in self.readings.last_errors.items():
-                self._once.warn(trainer, f"extra:{name}", f"extra partition {name!r} not read at step {step} (nor later, "
-                                f"for the same reason): {why}")
+                self._once.warn(
+                    trainer,
+                    f"extra:{name}",
+                    f"extra partition {name!r} not read at step {step} (nor later, for the same reason): {why}",
+                )
         except Exception as err:  # a reading beyond the primary one must not end the training run
             self._once.warn(
-                trainer, f"readings:{type(err).__name__}",
+                trainer,
+                f"readings:{type(err).__name__}",
                 f"credit readings beyond the primary one not made at step {step} (later failures of this kind are not "
                 f"repeated): {type(err).__name__}: {err}",
             )
@@ -1038,7 +1144,9 @@ class CreditAuditCallback(Callback):
             return credit_table(report, terms, partition, decode=module_decoder(pl_module), **k)
         except Exception as err:  # a column that cannot be read must not end the training run
             table = credit_table(report, **k)
-            return dataclasses.replace(table, note=f"group, reward, advantage, trained: not shown ({type(err).__name__}: {err})")
+            return dataclasses.replace(
+                table, note=f"group, reward, advantage, trained: not shown ({type(err).__name__}: {err})"
+            )
 
     def _drop_recorded(self) -> None:
         if self._recorder is not None:
@@ -1116,6 +1224,7 @@ def _split_partitions(partition: Any, extra: Optional[Sequence[str]]) -> tuple[A
             raise ValueError("`partition` must name at least one partition, got an empty list.")
         return partition[0], list(partition[1:]) + extra_list
     return partition, extra_list
+
 
 def engine_values(report: CreditReport) -> dict[str, float]:
     """Which engine made the reading and which readings it holds (``engine/<name>`` = 1), and the

@@ -115,8 +115,9 @@ def counting_hook(counter: GradCommCounter, bucket: Any) -> torch.futures.Future
 
 
 # DDP checks a hook's annotations against the real types; postponed (string) annotations would fail that check.
-counting_hook.__annotations__.update(bucket=dist.GradBucket, counter=GradCommCounter,
-                                     **{"return": torch.futures.Future[torch.Tensor]})
+counting_hook.__annotations__.update(
+    bucket=dist.GradBucket, counter=GradCommCounter, **{"return": torch.futures.Future[torch.Tensor]}
+)
 
 
 class PowerSGDStrategy(DDPStrategy):
@@ -150,8 +151,10 @@ class PowerSGDStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
-        for name, v in (("matrix_approximation_rank", matrix_approximation_rank),
-                        ("start_powerSGD_iter", start_powerSGD_iter)):
+        for name, v in (
+            ("matrix_approximation_rank", matrix_approximation_rank),
+            ("start_powerSGD_iter", start_powerSGD_iter),
+        ):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"`{name}` must be an int ≥ 1, got {v!r}.")
         if (use_error_feedback or warm_start) and start_powerSGD_iter < 2:
@@ -159,8 +162,11 @@ class PowerSGDStrategy(DDPStrategy):
                 f"`start_powerSGD_iter` must be ≥ 2 when use_error_feedback or warm_start is on (torch's rule), "
                 f"got {start_powerSGD_iter!r}; set it to 2 or turn both off."
             )
-        if not isinstance(min_compression_rate, (int, float)) or isinstance(min_compression_rate, bool) \
-                or not min_compression_rate > 0:
+        if (
+            not isinstance(min_compression_rate, (int, float))
+            or isinstance(min_compression_rate, bool)
+            or not min_compression_rate > 0
+        ):
             raise ValueError(f"`min_compression_rate` must be a number > 0, got {min_compression_rate!r}.")
         # LightningCLI passes DDPStrategy's own defaults (None) for these: only a value of the user's is refused
         taken = {k: kwargs.pop(k, None) for k in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper")}
@@ -174,9 +180,13 @@ class PowerSGDStrategy(DDPStrategy):
         if compress:
             # process_group=None: the default group, created by the strategy before the hook first runs
             state: Any = PowerSGDState(
-                process_group=None, matrix_approximation_rank=matrix_approximation_rank,
-                start_powerSGD_iter=start_powerSGD_iter, min_compression_rate=min_compression_rate,
-                use_error_feedback=use_error_feedback, warm_start=warm_start, random_seed=random_seed,
+                process_group=None,
+                matrix_approximation_rank=matrix_approximation_rank,
+                start_powerSGD_iter=start_powerSGD_iter,
+                min_compression_rate=min_compression_rate,
+                use_error_feedback=use_error_feedback,
+                warm_start=warm_start,
+                random_seed=random_seed,
             )
             counter = GradCommCounter(powerSGD_hook, state)
         else:
@@ -185,9 +195,13 @@ class PowerSGDStrategy(DDPStrategy):
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powerSGD_iter = start_powerSGD_iter
         self.compress = compress
-        super().__init__(ddp_comm_state=counter, ddp_comm_hook=counting_hook,
-                         process_group_backend=process_group_backend,
-                         find_unused_parameters=find_unused_parameters, **kwargs)
+        super().__init__(
+            ddp_comm_state=counter,
+            ddp_comm_hook=counting_hook,
+            process_group_backend=process_group_backend,
+            find_unused_parameters=find_unused_parameters,
+            **kwargs,
+        )
 
     def _setup_model(self, model: Any) -> Any:
         if self.compress and self.root_device.type == "cpu":
@@ -205,7 +219,11 @@ class PowerSGDStrategy(DDPStrategy):
     def grad_comm_info(self) -> dict[str, Any]:
         """What the recorder writes about this base: hook, rank, warm-up, counts of this rank so far."""
         c = self.grad_comm_counter
-        return {"hook": c.hook_name, "matrix_approximation_rank": self.matrix_approximation_rank if self.compress
-                else None, "start_powerSGD_iter": self.start_powerSGD_iter if self.compress else None,
-                "calls": c.calls, "by_path": dict(c.by_path),
-                "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None}
+        return {
+            "hook": c.hook_name,
+            "matrix_approximation_rank": self.matrix_approximation_rank if self.compress else None,
+            "start_powerSGD_iter": self.start_powerSGD_iter if self.compress else None,
+            "calls": c.calls,
+            "by_path": dict(c.by_path),
+            "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
+        }

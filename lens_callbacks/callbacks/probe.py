@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lens_callbacks.credit.engine import resolve_dtype
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.inputs.partition import resolve_partition
+from lens_callbacks.credit.inputs.terms import is_credit_source
 from lens_callbacks.credit.readings.probe import (
     DEFAULT_SPLITS,
     ProbeCreditReport,
@@ -42,7 +43,6 @@ from lens_callbacks.credit.readings.probe import (
     probe_value_and_grad,
     with_actual,
 )
-from lens_callbacks.credit.inputs.terms import is_credit_source
 from lens_callbacks.metrics.probe import ProbeCreditMetric
 from lens_callbacks.refusal import Refusal
 
@@ -101,14 +101,19 @@ class ProbeCreditCallback(Callback):
         prefix: str = "probe/",
     ) -> None:
         super().__init__()
-        for name, value, low in (("every_n_steps", every_n_steps, 1), ("top_k", top_k, 0),
-                                 ("log_table_every_n_steps", log_table_every_n_steps, 0)):
+        for name, value, low in (
+            ("every_n_steps", every_n_steps, 1),
+            ("top_k", top_k, 0),
+            ("log_table_every_n_steps", log_table_every_n_steps, 0),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}.")
         if probe_mode not in PROBE_MODES:
             raise ValueError(f"`probe_mode` must be one of {list(PROBE_MODES)}, got {probe_mode!r}.")
         if not isinstance(probe_batches, str) or not probe_batches.isidentifier():
-            raise ValueError(f"`probe_batches` must name a module attribute or method, got {probe_batches!r}; e.g. 'probe_batches'.")
+            raise ValueError(
+                f"`probe_batches` must name a module attribute or method, got {probe_batches!r}; e.g. 'probe_batches'."
+            )
         if not (isinstance(partition, str) and "." in partition):
             resolve_partition(partition)  # an unknown name raises here, naming the valid ones
         splits = list(DEFAULT_SPLITS) if split_by is None else list(split_by)
@@ -139,14 +144,18 @@ class ProbeCreditCallback(Callback):
         self.n_readings = 0
         self.n_refusals = 0
         self._batch: Any = None
-        self._pending: Optional[tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]]] = None
+        self._pending: Optional[
+            tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]]
+        ] = None
         self._refusals_logged: set[str] = set()
         self._last_table_step: Optional[int] = None
         self._global = False
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(partition=str(self.partition), every_n_steps=self.every_n_steps, prefix=self.prefix)
+        return self._generate_state_key(
+            partition=str(self.partition), every_n_steps=self.every_n_steps, prefix=self.prefix
+        )
 
     # ---- setup -----------------------------------------------------------------------------------
 
@@ -214,8 +223,12 @@ class ProbeCreditCallback(Callback):
             if self._global:  # every rank reads the same probes, or none does: the collectives below pair up
                 failure = self._agree(trainer, failure, sorted(probes))
             if failure is not None:
-                update = Refusal("probe_batches", failure, numbers={"step": step},
-                                 remedy="make `probe_batches` return {name: probe_batch}, the same names on every rank")
+                update = Refusal(
+                    "probe_batches",
+                    failure,
+                    numbers={"step": step},
+                    remedy="make `probe_batches` return {name: probe_batch}, the same names on every rank",
+                )
         if isinstance(update, Refusal):
             self._refuse(trainer, update, step, sorted(probes) or self._known_names(pl_module))
             return
@@ -240,18 +253,30 @@ class ProbeCreditCallback(Callback):
         from ._distributed import is_sharded
 
         if is_sharded(pl_module):
-            return Refusal("sharded", "probe credit reads whole parameters and gradients; sharded (FSDP2) parameters are not read.",
-                           remedy="use DDP for the steps you want probe credit on")
+            return Refusal(
+                "sharded",
+                "probe credit reads whole parameters and gradients; sharded (FSDP2) parameters are not read.",
+                remedy="use DDP for the steps you want probe credit on",
+            )
         if not getattr(pl_module, "automatic_optimization", True):
-            return Refusal("manual_optimization", "probe credit reads the step Lightning takes; manual optimization hides it.",
-                           remedy="use automatic optimization")
+            return Refusal(
+                "manual_optimization",
+                "probe credit reads the step Lightning takes; manual optimization hides it.",
+                remedy="use automatic optimization",
+            )
         if is_overridden("configure_gradient_clipping", pl_module, LightningModule):
-            return Refusal("configure_gradient_clipping",
-                           f"`configure_gradient_clipping` must not be overridden for probe credit, got an override in "
-                           f"{type(pl_module).__name__}: it may rescale the gradient after it is read.",
-                           numbers={"module": type(pl_module).__name__}, remedy="remove the override on the steps you read")
+            return Refusal(
+                "configure_gradient_clipping",
+                f"`configure_gradient_clipping` must not be overridden for probe credit, got an override in "
+                f"{type(pl_module).__name__}: it may rescale the gradient after it is read.",
+                numbers={"module": type(pl_module).__name__},
+                remedy="remove the override on the steps you read",
+            )
         return optimizer_update_map(
-            optimizer, params, gradient_clip_val=trainer.gradient_clip_val, accumulate_grad_batches=trainer.accumulate_grad_batches,
+            optimizer,
+            params,
+            gradient_clip_val=trainer.gradient_clip_val,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
 
     def _evaluate(self, pl_module: LightningModule, batch: Any, grad: bool):
@@ -259,8 +284,15 @@ class ProbeCreditCallback(Callback):
 
         ctx = precision_context(pl_module.trainer) if self.precision_context else None
         with self._mode(pl_module), torch.enable_grad() if grad else torch.no_grad():
-            return probe_value_and_grad(pl_module, self._probe_fn(pl_module), batch, dtype=self.dtype, grad=grad,
-                                        seed=self.seed, forward_context=ctx)
+            return probe_value_and_grad(
+                pl_module,
+                self._probe_fn(pl_module),
+                batch,
+                dtype=self.dtype,
+                grad=grad,
+                seed=self.seed,
+                forward_context=ctx,
+            )
 
     @contextlib.contextmanager
     def _mode(self, pl_module: LightningModule) -> Iterator[None]:
@@ -293,17 +325,32 @@ class ProbeCreditCallback(Callback):
                 ctx = precision_context(trainer) if self.precision_context else None
                 with torch.enable_grad():  # the hook may run inside optimizer.step with grad mode off
                     report = probe_credit(
-                        pl_module, self._batch, self.partition, update, gp, probe=name, loss_before=loss, dtype=self.dtype,
-                        forward_context=ctx, engine=self.engine, split_by=self.split_by, texts=_texts(pl_module),
-                        scale=1.0 / trainer.world_size if self._global else 1.0, step=step,
+                        pl_module,
+                        self._batch,
+                        self.partition,
+                        update,
+                        gp,
+                        probe=name,
+                        loss_before=loss,
+                        dtype=self.dtype,
+                        forward_context=ctx,
+                        engine=self.engine,
+                        split_by=self.split_by,
+                        texts=_texts(pl_module),
+                        scale=1.0 / trainer.world_size if self._global else 1.0,
+                        step=step,
                     )
             except Exception as err:
                 failure = f"probe {name!r}: {type(err).__name__}: {err}"
         if self._global:
             report, failure = self._gather(report, failure)
         if failure is not None or report is None:
-            return Refusal("probe_credit", str(failure), numbers={"step": step},
-                           remedy="check probe_loss/probe_terms and credit_terms on this step's batches (docs/probe_credit.md)")
+            return Refusal(
+                "probe_credit",
+                str(failure),
+                numbers={"step": step},
+                remedy="check probe_loss/probe_terms and credit_terms on this step's batches (docs/probe_credit.md)",
+            )
         return report, gp
 
     def _average(self, trainer: Trainer, pl_module: LightningModule, gp, loss, failure):
@@ -345,7 +392,9 @@ class ProbeCreditCallback(Callback):
             return None, failures[0]
         return combine_ranks([r for r, _ in objs]), None
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         pending, self._pending = self._pending, None
         self._batch = None
         if pending is None:
@@ -366,7 +415,12 @@ class ProbeCreditCallback(Callback):
             if self._global:
                 after, failure = self._average_scalar(trainer, after, failure)
             if failure is not None:
-                self._refuse(trainer, Refusal("probe_after", f"probe {name!r} after the step: {failure}", numbers={"step": step}), step, [name])
+                self._refuse(
+                    trainer,
+                    Refusal("probe_after", f"probe {name!r} after the step: {failure}", numbers={"step": step}),
+                    step,
+                    [name],
+                )
                 continue
             report = with_actual(report, after, delta, gp)
             self.last_reports[name] = report
@@ -387,7 +441,9 @@ class ProbeCreditCallback(Callback):
         from ._distributed import strategy_collectives
 
         coll = strategy_collectives(trainer)
-        t = coll.all_reduce_sum(torch.tensor([0.0 if failure is None else 1.0, value if failure is None else 0.0], dtype=torch.float64))
+        t = coll.all_reduce_sum(
+            torch.tensor([0.0 if failure is None else 1.0, value if failure is None else 0.0], dtype=torch.float64)
+        )
         if float(t[0]) > 0:
             return float("nan"), failure or "the probe failed on another rank"
         return float(t[1]) / coll.world_size, None
@@ -431,7 +487,9 @@ class ProbeCreditCallback(Callback):
             "n_refusals": self.n_refusals,
             "history": list(self.history),
             "last_table_step": self._last_table_step,
-            "metrics": {name: {k: getattr(m, k).detach().cpu().clone() for k in m._defaults} for name, m in self.metrics.items()},
+            "metrics": {
+                name: {k: getattr(m, k).detach().cpu().clone() for k in m._defaults} for name, m in self.metrics.items()
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -8,11 +8,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from ._logging import log_figure, log_text
 from ..metrics.process import ProcessRewardMetric, readings_to_tensors
 from ..process.instrument import ProcessAudit, audit_groups
 from ..process.sources import groups_from_terms
 from ..refusal import Refusal
+from ._logging import log_figure, log_text
 
 __all__ = ["ProcessRewardCallback", "process_reward_figure"]
 
@@ -87,11 +87,19 @@ class ProcessRewardCallback(Callback):
         super().__init__()
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be an int >= 1, got {every_n_steps!r}.")
-        if not isinstance(log_text_every_n_steps, int) or isinstance(log_text_every_n_steps, bool) or log_text_every_n_steps < 0:
+        if (
+            not isinstance(log_text_every_n_steps, int)
+            or isinstance(log_text_every_n_steps, bool)
+            or log_text_every_n_steps < 0
+        ):
             raise ValueError(
                 f"`log_text_every_n_steps` must be an int >= 0 (0 turns the text off), got {log_text_every_n_steps!r}."
             )
-        if not isinstance(log_figure_every_n_steps, int) or isinstance(log_figure_every_n_steps, bool) or log_figure_every_n_steps < 0:
+        if (
+            not isinstance(log_figure_every_n_steps, int)
+            or isinstance(log_figure_every_n_steps, bool)
+            or log_figure_every_n_steps < 0
+        ):
             raise ValueError(
                 f"`log_figure_every_n_steps` must be an int >= 0 (0 turns the figure off), got {log_figure_every_n_steps!r}."
             )
@@ -119,7 +127,9 @@ class ProcessRewardCallback(Callback):
         # The step this batch trains at (global_step before the optimizer step increments it).
         self._step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.n_batches += 1
         if (self.n_batches - 1) % self.every_n_steps:
             return
@@ -173,7 +183,9 @@ class ProcessRewardCallback(Callback):
                 remedy="return `tokens` and `rewards` from `credit_terms(batch)` for the rollout batch of the step",
             )
             if self.last_refusal is None:
-                rank_zero_warn(f"ProcessRewardCallback: no reading at step {step} (later failures are not repeated): {err}")
+                rank_zero_warn(
+                    f"ProcessRewardCallback: no reading at step {step} (later failures are not repeated): {err}"
+                )
             self.last_refusal = refusal
             return None
 

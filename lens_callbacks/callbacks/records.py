@@ -88,7 +88,13 @@ def _clip_algorithm(trainer: Trainer) -> Optional[str]:
 def _optimizer_config(opt: torch.optim.Optimizer) -> dict[str, Any]:
     groups = []
     for g in opt.param_groups:
-        groups.append({k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, tuple, list, type(None)))})
+        groups.append(
+            {
+                k: v
+                for k, v in g.items()
+                if k != "params" and isinstance(v, (int, float, bool, str, tuple, list, type(None)))
+            }
+        )
     return {"class": f"{type(opt).__module__}.{type(opt).__qualname__}", "param_groups": groups}
 
 
@@ -111,11 +117,15 @@ class RunRecordCallback(Callback):
     rank reaches) and rank 0 writes them, rollouts and groups renumbered in rank order.
     """
 
-    def __init__(self, run_dir: Optional[str] = None, checkpoint_every: int = 0, batch_builder: Optional[str] = None) -> None:
+    def __init__(
+        self, run_dir: Optional[str] = None, checkpoint_every: int = 0, batch_builder: Optional[str] = None
+    ) -> None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
             raise ValueError(f"`checkpoint_every` must be an int >= 0, got {checkpoint_every!r}; 0 saves step 0 only.")
         if batch_builder is not None and (not isinstance(batch_builder, str) or "." not in batch_builder):
-            raise ValueError(f"`batch_builder` must be an import path 'module.function' or None, got {batch_builder!r}.")
+            raise ValueError(
+                f"`batch_builder` must be an import path 'module.function' or None, got {batch_builder!r}."
+            )
         self.run_dir = run_dir
         self.checkpoint_every = checkpoint_every
         self.batch_builder = batch_builder
@@ -162,7 +172,9 @@ class RunRecordCallback(Callback):
         # The learning rates this step is taken with (a scheduler may change them between steps).
         self._lrs = [float(g["lr"]) for g in optimizer.param_groups]
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # The optimizer step has run: global_step counts it, so the step just trained is global_step - 1.
         step = trainer.global_step - 1
         trajs = trajectories_of(pl_module, step)

@@ -14,8 +14,16 @@ import sys
 import traceback
 from typing import NoReturn
 
-__all__ = ["OneLineArgumentParser", "one_line", "report_error", "add_debug_flag", "print_safely", "shown_path",
-           "EXIT_BAD_INPUT", "EXIT_REFUSED"]
+__all__ = [
+    "OneLineArgumentParser",
+    "one_line",
+    "report_error",
+    "add_debug_flag",
+    "print_safely",
+    "shown_path",
+    "EXIT_BAD_INPUT",
+    "EXIT_REFUSED",
+]
 
 EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 3
@@ -34,8 +42,11 @@ def escaped(text: str, keep_newlines: bool = False) -> str:
         if ch.isprintable() or ch == " " or (keep_newlines and ch == "\n"):
             out.append(ch)
         else:
-            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii")
-                       if 0xD800 <= ord(ch) <= 0xDFFF or ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+            out.append(
+                ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+                if 0xD800 <= ord(ch) <= 0xDFFF or ord(ch) < 0x100
+                else f"\\u{ord(ch):04x}"
+            )
     return "".join(out)
 
 
@@ -76,7 +87,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--debug", action="store_true", help="on a bad input, also print the traceback (for bug reports)")
+    parser.add_argument(
+        "--debug", action="store_true", help="on a bad input, also print the traceback (for bug reports)"
+    )
 
 
 def report_error(prog: str, err: BaseException, debug: bool = False) -> int:

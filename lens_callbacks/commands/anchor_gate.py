@@ -31,14 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("directory", type=Path, help="directory of *.ckpt / *.pt files, one per saved step")
     ap.add_argument("--cadence", type=int, required=True, help="steps between snapshots (> 0)")
-    ap.add_argument("--delay-K", dest="delay_K", type=int, required=True, help="steps before a snapshot is visible (≥ 0)")
+    ap.add_argument(
+        "--delay-K", dest="delay_K", type=int, required=True, help="steps before a snapshot is visible (≥ 0)"
+    )
     ap.add_argument("--w-cap", type=int, default=16, help="most snapshots in the fit window (default 16)")
     ap.add_argument("--n0", type=int, default=4, help="snapshots before projecting (default 4)")
     ap.add_argument("--h-safe", type=int, default=None, help="cap on the de-stale distance in steps (default: none)")
     ap.add_argument("--pool", default="layer", choices=("layer", "global", "tensor"), help="gate block (default layer)")
     ap.add_argument("--r2-min", type=float, default=0.7, help="R² where the line starts to earn trust (default 0.7)")
-    ap.add_argument("--null-quantile", type=float, default=0.95, help="random-walk EVR1 quantile to beat (default 0.95)")
-    ap.add_argument("--null-dim", type=int, default=None, help="dimension of the random walk behind the null (default: block size)")
+    ap.add_argument(
+        "--null-quantile", type=float, default=0.95, help="random-walk EVR1 quantile to beat (default 0.95)"
+    )
+    ap.add_argument(
+        "--null-dim", type=int, default=None, help="dimension of the random walk behind the null (default: block size)"
+    )
     ap.add_argument("--no-retro-gate", action="store_true", help="trust from the spec's four factors only")
     ap.add_argument("--prefix", default="", help="only tensors whose name starts with this")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary and every fire's readings here")
@@ -50,14 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if not args.directory.is_dir():
-        print(one_line(f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {shown_path(args.directory)!r}."),
-              file=sys.stderr)
+        print(
+            one_line(
+                f"lens-callbacks anchor-gate: `directory` must be a directory of checkpoints, got {shown_path(args.directory)!r}."
+            ),
+            file=sys.stderr,
+        )
         return 2
     try:
         weights = load_checkpoints(args.directory, args.prefix)
-        projector = Rank1TrajProjector(n0=args.n0, w_cap=args.w_cap, h_safe=args.h_safe, pool=args.pool,
-                                       r2_min=args.r2_min, null_quantile=args.null_quantile, null_dim=args.null_dim,
-                                       retro_gate=not args.no_retro_gate)
+        projector = Rank1TrajProjector(
+            n0=args.n0,
+            w_cap=args.w_cap,
+            h_safe=args.h_safe,
+            pool=args.pool,
+            r2_min=args.r2_min,
+            null_quantile=args.null_quantile,
+            null_dim=args.null_dim,
+            retro_gate=not args.no_retro_gate,
+        )
         progress = None  # without tqdm (it ships with lightning), no bar
         if not args.no_progress:
             try:
@@ -74,8 +91,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print_safely(report.render())
         if args.json is not None:
             payload = {
-                "summary": {**report.to_dict(""), "decision": report.decision, "reason": report.reason,
-                            "cadence": report.cadence, "delay_K": report.delay_K},
+                "summary": {
+                    **report.to_dict(""),
+                    "decision": report.decision,
+                    "reason": report.reason,
+                    "cadence": report.cadence,
+                    "delay_K": report.delay_K,
+                },
                 "fires": [r.to_dict("") for r in report.readings],
             }
             args.json.write_text(json.dumps(payload, indent=2))

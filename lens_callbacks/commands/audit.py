@@ -33,20 +33,36 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..credit.engine import disintegrate
+from ..credit.guard import non_finite
 from ..credit.inputs.partition import PARTITIONS, Partition, resolve_partition
-from ..credit.report import CreditReport
+from ..credit.inputs.trajectories import by_role, by_turn
 from ..credit.readings.step_readings import RecordingPartition
 from ..credit.readings.table import CreditTable, credit_table, module_decoder
-from ..credit.inputs.trajectories import by_role, by_turn
+from ..credit.report import CreditReport
 from ..io.budget import shown_value
-from ..credit.guard import non_finite
 from ..io.records import RunRecord, step_path
 from ..io.safe import ReadLimits
 from ..io.trust import TrustPolicy, check_init_args, resolve_batch_builder, resolve_module_class
 from ..refusal import Refusal
-from ._errors import EXIT_REFUSED, OneLineArgumentParser, add_debug_flag, one_line, print_safely, report_error, shown_path
+from ._errors import (
+    EXIT_REFUSED,
+    OneLineArgumentParser,
+    add_debug_flag,
+    one_line,
+    print_safely,
+    report_error,
+    shown_path,
+)
 
-__all__ = ["audit_record", "audit_record_table", "load_module", "replay_to", "rebuild_batch", "main", "AUDIT_PARTITIONS"]
+__all__ = [
+    "audit_record",
+    "audit_record_table",
+    "load_module",
+    "replay_to",
+    "rebuild_batch",
+    "main",
+    "AUDIT_PARTITIONS",
+]
 
 AUDIT_PARTITIONS = {**PARTITIONS, "by_turn": by_turn, "by_role": by_role}
 
@@ -69,10 +85,16 @@ def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.
     where = _manifest_where(record)
     for field in ("module", "init_args"):
         if field not in record.manifest:
-            raise ValueError(f"{where}: field `{field}` is missing; the module cannot be rebuilt without it "
-                             "(records written by RunRecordCallback hold it).")
+            raise ValueError(
+                f"{where}: field `{field}` is missing; the module cannot be rebuilt without it "
+                "(records written by RunRecordCallback hold it)."
+            )
     cls = resolve_module_class(record.manifest["module"], _trust(record), where)
-    args = dict(record.manifest["init_args"]) if isinstance(record.manifest["init_args"], dict) else record.manifest["init_args"]
+    args = (
+        dict(record.manifest["init_args"])
+        if isinstance(record.manifest["init_args"], dict)
+        else record.manifest["init_args"]
+    )
     if isinstance(args, dict):
         args.update(overrides)
     args = check_init_args(cls, args, where)
@@ -84,17 +106,21 @@ def load_module(record: RunRecord, step: int = 0, **overrides: Any) -> torch.nn.
     try:
         module = cls(**args)
     except Exception as err:
-        raise ValueError(f"{where}: building {cls.__qualname__} from `init_args` failed ({type(err).__name__}: "
-                         f"{one_line(str(err), 300)}).") from None
+        raise ValueError(
+            f"{where}: building {cls.__qualname__} from `init_args` failed ({type(err).__name__}: "
+            f"{one_line(str(err), 300)})."
+        ) from None
     _load_policy_into(module, record, step, state)
     return module
 
 
 #: init args that size a module (``n_embd``, ``n_layer``, ``vocab_size``, ``hidden_size``, ``d_model`` ...).
-_SIZE_NAME = re.compile(r"^(n_(layer|layers|embd|embed|head|heads|positions|inner|ctx|kv_heads)|"
-                        r"num_(layers|hidden_layers|heads|attention_heads|key_value_heads|experts)|"
-                        r"(hidden|intermediate|vocab|embed|embedding|model|ffn|head)_(size|dim)|d_(model|ff|head)|"
-                        r"max_position_embeddings)$")
+_SIZE_NAME = re.compile(
+    r"^(n_(layer|layers|embd|embed|head|heads|positions|inner|ctx|kv_heads)|"
+    r"num_(layers|hidden_layers|heads|attention_heads|key_value_heads|experts)|"
+    r"(hidden|intermediate|vocab|embed|embedding|model|ffn|head)_(size|dim)|d_(model|ff|head)|"
+    r"max_position_embeddings)$"
+)
 #: init args that count repeated blocks (layers, experts): each one is tensors of its own in the checkpoint.
 _COUNT_NAME = re.compile(r"^(n_(layer|layers)|num_(layers|hidden_layers|experts))$")
 
@@ -106,7 +132,9 @@ def _block_count(state: dict) -> int:
     return max(1, len(seen))
 
 
-def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: str, record: RunRecord, step: int) -> None:
+def check_sizes_against_checkpoint(
+    cls: type, args: dict, state: dict, where: str, record: RunRecord, step: int
+) -> None:
     """The module ``init_args`` describe must be the checkpoint's, checked before anything is built for real.
 
     First, without building: an init arg named like a size (``n_embd``, ``n_layer``, ``*_size`` ...) cannot exceed
@@ -127,12 +155,16 @@ def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: st
         if _COUNT_NAME.search(name) and v > blocks:
             # a count of blocks is bounded by the blocks the file holds tensors for: one large tensor added to the
             # checkpoint lifts the dimensions' ceiling, not this one
-            raise ValueError(f"{where}: field `init_args.{name}` is {shown_value(v)}, more blocks than {ckpt} holds tensors for "
-                             f"({blocks:,} distinct indices in its keys): the module it builds is not the checkpoint's; nothing "
-                             "was built.")
+            raise ValueError(
+                f"{where}: field `init_args.{name}` is {shown_value(v)}, more blocks than {ckpt} holds tensors for "
+                f"({blocks:,} distinct indices in its keys): the module it builds is not the checkpoint's; nothing "
+                "was built."
+            )
         if v > ceiling:
-            raise ValueError(f"{where}: field `init_args.{name}` is {shown_value(v)}, larger than every dimension and the tensor count "
-                             f"of {ckpt} (at most {ceiling:,}): the module it builds is not the checkpoint's; nothing was built.")
+            raise ValueError(
+                f"{where}: field `init_args.{name}` is {shown_value(v)}, larger than every dimension and the tensor count "
+                f"of {ckpt} (at most {ceiling:,}): the module it builds is not the checkpoint's; nothing was built."
+            )
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             probe = cls(**args)
@@ -146,8 +178,10 @@ def check_sizes_against_checkpoint(cls: type, args: dict, state: dict, where: st
         if k not in state:
             raise ValueError(f"{fit} (Missing key `{_short_key(k)}` of shape {list(shape)}); nothing was built.")
         if tuple(state[k].shape) != shape:
-            raise ValueError(f"{fit} (size mismatch for `{_short_key(k)}`: the checkpoint holds {list(state[k].shape)}, the init "
-                             f"args build {list(shape)}); nothing was built.")
+            raise ValueError(
+                f"{fit} (size mismatch for `{_short_key(k)}`: the checkpoint holds {list(state[k].shape)}, the init "
+                f"args build {list(shape)}); nothing was built."
+            )
     extra = [k for k in state if k not in shapes]
     if extra:
         raise ValueError(f"{fit} (Unexpected key `{_short_key(extra[0])}`); nothing was built.")
@@ -164,8 +198,10 @@ def _load_policy_into(module: torch.nn.Module, record: RunRecord, step: int, sta
     try:
         module.load_state_dict(state)
     except Exception as err:  # missing/unexpected keys, wrong shapes
-        raise ValueError(f"{policy_path(record.run_dir, step)}: the policy checkpoint does not fit {type(module).__name__} "
-                         f"({type(err).__name__}: {one_line(str(err), 400)}).") from None
+        raise ValueError(
+            f"{policy_path(record.run_dir, step)}: the policy checkpoint does not fit {type(module).__name__} "
+            f"({type(err).__name__}: {one_line(str(err), 400)})."
+        ) from None
 
 
 def _vocab_size(module: torch.nn.Module) -> Optional[int]:
@@ -223,9 +259,11 @@ def _turn_length(module: torch.nn.Module, turn: Any, positions: Optional[int], w
         return len(turn.token_ids)
     text = turn.text
     if positions is not None and len(text) > TEXT_CHARS_PER_POSITION * positions:
-        raise ValueError(f"{where}: field `text` holds {len(text):,} characters with `token_ids: null`, more than "
-                         f"{TEXT_CHARS_PER_POSITION} per position of the policy's {positions:,} positions; record the "
-                         "turn's token ids, or shorten it.")
+        raise ValueError(
+            f"{where}: field `text` holds {len(text):,} characters with `token_ids: null`, more than "
+            f"{TEXT_CHARS_PER_POSITION} per position of the policy's {positions:,} positions; record the "
+            "turn's token ids, or shorten it."
+        )
     tok = getattr(module, "tokenizer", None)
     if callable(tok):
         try:
@@ -236,8 +274,13 @@ def _turn_length(module: torch.nn.Module, turn: Any, positions: Optional[int], w
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where: str,
-                    limits: Optional[ReadLimits] = None, what: str = "the batch") -> None:
+def check_token_ids(
+    module: torch.nn.Module,
+    trajectories: Sequence[Any],
+    where: str,
+    limits: Optional[ReadLimits] = None,
+    what: str = "the batch",
+) -> None:
     """Refuse what the policy cannot embed, before anything is built from it: token ids outside its vocabulary,
     sequences (text turns tokenised) longer than its positions, and a padded batch whose forward and backward
     would hold more than the memory budget (``LENS_MEMORY_MB``: rows × longest row × (vocabulary + hidden ×
@@ -251,21 +294,27 @@ def check_token_ids(module: torch.nn.Module, trajectories: Sequence[Any], where:
             ids = turn.token_ids or ()
             bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
             if bad:
-                raise ValueError(f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {shown_value(bad[0])}, outside the policy's "
-                                 f"vocabulary 0..{vocab - 1 if vocab is not None else '?'}.")
+                raise ValueError(
+                    f"{where}, trajectory {k}, turn {j}: field `token_ids` holds {shown_value(bad[0])}, outside the policy's "
+                    f"vocabulary 0..{vocab - 1 if vocab is not None else '?'}."
+                )
             total += _turn_length(module, turn, positions, f"{where}, trajectory {k}, turn {j}")
         if positions is not None and total > positions:
-            raise ValueError(f"{where}, trajectory {k}: its turns hold {total:,} tokens (field `token_ids`, or `text` "
-                             f"tokenised), more than the policy's {positions:,} positions.")
+            raise ValueError(
+                f"{where}, trajectory {k}: its turns hold {total:,} tokens (field `token_ids`, or `text` "
+                f"tokenised), more than the policy's {positions:,} positions."
+            )
         longest = max(longest, total)
     limits = limits or ReadLimits.from_env()
     width, layers = _hidden_and_layers(module)
     need = len(trajectories) * longest * (LOGIT_BYTES * (vocab or 1) + ACTIVATION_BYTES * width * layers)
     if need > limits.memory_bytes:
-        raise ValueError(f"{where}: {what} pads {len(trajectories):,} trajectories to {longest:,} positions, whose forward and "
-                         f"backward would hold about {need / (1 << 20):,.0f} MiB (vocabulary {vocab or '?'}, width {width}, "
-                         f"{layers} blocks), beyond the memory budget of {limits.memory_bytes / (1 << 20):,.0f} MiB "
-                         "(LENS_MEMORY_MB); nothing was built. Raise LENS_MEMORY_MB only for a file you trust.")
+        raise ValueError(
+            f"{where}: {what} pads {len(trajectories):,} trajectories to {longest:,} positions, whose forward and "
+            f"backward would hold about {need / (1 << 20):,.0f} MiB (vocabulary {vocab or '?'}, width {width}, "
+            f"{layers} blocks), beyond the memory budget of {limits.memory_bytes / (1 << 20):,.0f} MiB "
+            "(LENS_MEMORY_MB); nothing was built. Raise LENS_MEMORY_MB only for a file you trust."
+        )
 
 
 def check_part_count(n_parts: int, where: str, field: str, limits: Optional[ReadLimits] = None) -> None:
@@ -275,10 +324,12 @@ def check_part_count(n_parts: int, where: str, field: str, limits: Optional[Read
     need = 32 * n_parts * n_parts
     if need > limits.memory_bytes:
         most = int((limits.memory_bytes / 32) ** 0.5)
-        raise ValueError(f"{where}: field `{field}` makes {n_parts:,} parts; their {n_parts:,} x {n_parts:,} interference "
-                         f"matrix would need {need / (1 << 20):,.0f} MiB, beyond the memory budget "
-                         f"(LENS_MEMORY_MB = {limits.memory_bytes / (1 << 20):,.0f} MiB, at most {most:,} parts); nothing was "
-                         "built. Audit a coarser partition (by_group), or raise LENS_MEMORY_MB for a file you trust.")
+        raise ValueError(
+            f"{where}: field `{field}` makes {n_parts:,} parts; their {n_parts:,} x {n_parts:,} interference "
+            f"matrix would need {need / (1 << 20):,.0f} MiB, beyond the memory budget "
+            f"(LENS_MEMORY_MB = {limits.memory_bytes / (1 << 20):,.0f} MiB, at most {most:,} parts); nothing was "
+            "built. Audit a coarser partition (by_group), or raise LENS_MEMORY_MB for a file you trust."
+        )
 
 
 class _PartCountBound:
@@ -301,8 +352,10 @@ def _check_built_positions(module: torch.nn.Module, batch: Any, where: str) -> N
     positions = _max_positions(module)
     ids = batch.get("input_ids") if isinstance(batch, dict) else getattr(batch, "input_ids", None)
     if positions is not None and isinstance(ids, torch.Tensor) and ids.dim() >= 1 and ids.shape[-1] > positions:
-        raise ValueError(f"{where}: the batch built from its trajectories holds rows of {ids.shape[-1]:,} tokens, more "
-                         f"than the policy's {positions:,} positions; shorten the turns.")
+        raise ValueError(
+            f"{where}: the batch built from its trajectories holds rows of {ids.shape[-1]:,} tokens, more "
+            f"than the policy's {positions:,} positions; shorten the turns."
+        )
 
 
 def _make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -316,7 +369,9 @@ def _make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
         if isinstance(out, dict):
             out = out["optimizer"]
     if not isinstance(out, torch.optim.Optimizer):
-        raise ValueError(f"`configure_optimizers` must give a torch.optim.Optimizer to replay, got {type(out).__name__}.")
+        raise ValueError(
+            f"`configure_optimizers` must give a torch.optim.Optimizer to replay, got {type(out).__name__}."
+        )
     return out
 
 
@@ -328,27 +383,46 @@ def _stateless(opt: torch.optim.Optimizer) -> bool:
 def _replay_blocker(record: RunRecord, opt: torch.optim.Optimizer) -> Optional[Refusal]:
     man = record.manifest
     tr = man.get("trainer", {})
-    if tr.get("gradient_clip_val") not in (None, 0, 0.0) and (tr.get("gradient_clip_algorithm") or "norm") not in ("norm", "value"):
-        return Refusal("gradient_clip_algorithm", f"training clipped gradients with {shown_value(tr['gradient_clip_algorithm'])}, which the replay "
-                       "does not know.", remedy="record with checkpoint_every=1 and audit at a checkpoint")
+    if tr.get("gradient_clip_val") not in (None, 0, 0.0) and (tr.get("gradient_clip_algorithm") or "norm") not in (
+        "norm",
+        "value",
+    ):
+        return Refusal(
+            "gradient_clip_algorithm",
+            f"training clipped gradients with {shown_value(tr['gradient_clip_algorithm'])}, which the replay "
+            "does not know.",
+            remedy="record with checkpoint_every=1 and audit at a checkpoint",
+        )
     if int(tr.get("world_size", 1)) != 1:
-        return Refusal("world_size", f"training ran on {tr['world_size']} processes; the replay of an averaged DDP step is not exact.",
-                       remedy="record with checkpoint_every=1 and audit at a checkpoint")
+        return Refusal(
+            "world_size",
+            f"training ran on {tr['world_size']} processes; the replay of an averaged DDP step is not exact.",
+            remedy="record with checkpoint_every=1 and audit at a checkpoint",
+        )
     if str(tr.get("precision", "32-true")) not in ("32-true", "32", "64-true", "64"):
-        return Refusal("precision", f"training ran at precision {shown_value(tr['precision'])}; the replay runs at full precision.",
-                       remedy="record with checkpoint_every=1 and audit at a checkpoint")
+        return Refusal(
+            "precision",
+            f"training ran at precision {shown_value(tr['precision'])}; the replay runs at full precision.",
+            remedy="record with checkpoint_every=1 and audit at a checkpoint",
+        )
     recorded = man.get("optimizer") or []
     if recorded:
         cls = recorded[0].get("class", "")
         mine = f"{type(opt).__module__}.{type(opt).__qualname__}"
         if cls != mine:
-            return Refusal("optimizer", f"the record's optimizer is {shown_value(cls)}, the rebuilt module's is {mine!r}.",
-                           remedy="audit with the module code the run was trained with, or at a checkpoint")
+            return Refusal(
+                "optimizer",
+                f"the record's optimizer is {shown_value(cls)}, the rebuilt module's is {mine!r}.",
+                remedy="audit with the module code the run was trained with, or at a checkpoint",
+            )
         for i, (rg, g) in enumerate(zip(recorded[0].get("param_groups", []), opt.param_groups)):
             for k in ("lr", "momentum", "weight_decay", "dampening", "nesterov", "betas", "eps"):
                 if k in rg and k in g and _plain_value(g[k]) != rg[k]:
-                    return Refusal("optimizer", f"param group {i}: `{k}` is {shown_value(rg[k])} in the record, {g[k]!r} in the rebuilt optimizer.",
-                                   remedy="audit with the module code the run was trained with, or at a checkpoint")
+                    return Refusal(
+                        "optimizer",
+                        f"param group {i}: `{k}` is {shown_value(rg[k])} in the record, {g[k]!r} in the rebuilt optimizer.",
+                        remedy="audit with the module code the run was trained with, or at a checkpoint",
+                    )
     return None
 
 
@@ -380,8 +454,10 @@ def set_recorded_lrs(record: RunRecord, step: int, opt: torch.optim.Optimizer) -
     if len(lrs) != len(opt.param_groups):
         from ..io.records import meta_path
 
-        raise ValueError(f"{meta_path(record.run_dir, step)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
-                         f"{len(opt.param_groups)} param groups; re-record the step with the module's own optimizer.")
+        raise ValueError(
+            f"{meta_path(record.run_dir, step)}: field `lr` holds {len(lrs)} rates, but the rebuilt optimizer has "
+            f"{len(opt.param_groups)} param groups; re-record the step with the module's own optimizer."
+        )
     for g, lr in zip(opt.param_groups, lrs):
         g["lr"] = lr
 
@@ -399,8 +475,10 @@ def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
         try:
             batch = fn(module, trajs, meta)
         except Exception as err:  # trusted code, but not this module's builder
-            raise ValueError(f"{_manifest_where(record)}: field `batch_builder` ({builder}) failed on the trajectories of {where} "
-                             f"with {type(module).__name__} ({type(err).__name__}: {one_line(str(err), 300)}).") from None
+            raise ValueError(
+                f"{_manifest_where(record)}: field `batch_builder` ({builder}) failed on the trajectories of {where} "
+                f"with {type(module).__name__} ({type(err).__name__}: {one_line(str(err), 300)})."
+            ) from None
     else:
         make = getattr(module, "make_rollout_batch", None)
         if make is None:
@@ -411,8 +489,10 @@ def rebuild_batch(module: torch.nn.Module, record: RunRecord, step: int) -> Any:
         try:
             batch = make(trajs)
         except Exception as err:
-            raise ValueError(f"{where}: {type(module).__name__}.make_rollout_batch failed on the recorded trajectories "
-                             f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
+            raise ValueError(
+                f"{where}: {type(module).__name__}.make_rollout_batch failed on the recorded trajectories "
+                f"({type(err).__name__}: {one_line(str(err), 300)})."
+            ) from None
     _check_built_positions(module, batch, str(where))
     return batch
 
@@ -423,9 +503,13 @@ def _dropout_blocker(record: RunRecord, steps: Sequence[int]) -> Optional[Refusa
         return None
     unseeded = [s for s in steps if "dropout_seed" not in record.step_meta(s)]
     if unseeded:
-        return Refusal("dropout", f"training used dropout and steps {unseeded[:5]} carry no recorded dropout seed, so "
-                       "their masks cannot be drawn again.", {"n_unseeded": len(unseeded)},
-                       remedy="train with dropout=0, have the module keep `last_rollout_batch.dropout_seed`, or record with checkpoint_every=1")
+        return Refusal(
+            "dropout",
+            f"training used dropout and steps {unseeded[:5]} carry no recorded dropout seed, so "
+            "their masks cannot be drawn again.",
+            {"n_unseeded": len(unseeded)},
+            remedy="train with dropout=0, have the module keep `last_rollout_batch.dropout_seed`, or record with checkpoint_every=1",
+        )
     return None
 
 
@@ -471,16 +555,22 @@ def replay_to(
         _load_policy_into(m, record, 0)
     n_missing, missing = _missing_steps(record.steps, start, step)
     if n_missing:
-        return Refusal("missing_steps", f"steps {missing} between checkpoint {start} and step {step} are not recorded.",
-                       {"start": start, "step": step, "n_missing": n_missing},
-                       remedy="record every step (RunRecordCallback on the whole run), or audit at a checkpoint")
+        return Refusal(
+            "missing_steps",
+            f"steps {missing} between checkpoint {start} and step {step} are not recorded.",
+            {"start": start, "step": step, "n_missing": n_missing},
+            remedy="record every step (RunRecordCallback on the whole run), or audit at a checkpoint",
+        )
     record.check_step_files(range(start, step))
     blocker = _dropout_blocker(record, range(start, step))
     if blocker is not None:
         return blocker
     if not record.manifest.get("batch_builder") and not hasattr(m, "make_rollout_batch"):
-        return Refusal("make_rollout_batch", f"{type(m).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`.",
-                       remedy="give the module make_rollout_batch, or record with RunRecordCallback(batch_builder='pkg.mod.fn')")
+        return Refusal(
+            "make_rollout_batch",
+            f"{type(m).__name__} has no `make_rollout_batch(trajectories)` and the record names no `batch_builder`.",
+            remedy="give the module make_rollout_batch, or record with RunRecordCallback(batch_builder='pkg.mod.fn')",
+        )
     try:
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
@@ -499,18 +589,26 @@ def replay_to(
                 loss = m.credit_terms(batch).terms.sum()
                 loss.backward()
             except Exception as err:  # the module's own code on a batch it rebuilt: name the step it failed on
-                raise ValueError(f"{step_path(record.run_dir, s)}: replaying the step failed in {type(m).__name__}.credit_terms "
-                                 f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
+                raise ValueError(
+                    f"{step_path(record.run_dir, s)}: replaying the step failed in {type(m).__name__}.credit_terms "
+                    f"({type(err).__name__}: {one_line(str(err), 300)})."
+                ) from None
             _clip_like_lightning(opt, clip_val, clip_algo)
             try:
                 opt.step()
-            except (RuntimeError, OverflowError) as err:  # an lr that overflows the weights' dtype: no weights, no reading
+            except (
+                RuntimeError,
+                OverflowError,
+            ) as err:  # an lr that overflows the weights' dtype: no weights, no reading
                 if "overflow" not in str(err):
                     raise
-                return Refusal("non_finite_update", f"replaying step {s} overflowed the weights' dtype "
-                               f"({one_line(str(err), 200)}); the weights at step {step} cannot be rebuilt.",
-                               {"step": s, "lr": [g["lr"] for g in opt.param_groups]},
-                               remedy="check field `lr` of the step's metadata (steps/step_NNNNNN.json)")
+                return Refusal(
+                    "non_finite_update",
+                    f"replaying step {s} overflowed the weights' dtype "
+                    f"({one_line(str(err), 200)}); the weights at step {step} cannot be rebuilt.",
+                    {"step": s, "lr": [g["lr"] for g in opt.param_groups]},
+                    remedy="check field `lr` of the step's metadata (steps/step_NNNNNN.json)",
+                )
     opt.zero_grad(set_to_none=True)
     return m
 
@@ -545,7 +643,15 @@ def audit_record(
         be rebuilt exactly.
     """
     return audit_record_table(
-        run_dir, step, partition, dtype, progress=progress, keep_grads=keep_grads, module=module, trust=trust, table=False
+        run_dir,
+        step,
+        partition,
+        dtype,
+        progress=progress,
+        keep_grads=keep_grads,
+        module=module,
+        trust=trust,
+        table=False,
     )
 
 
@@ -567,8 +673,12 @@ def audit_record_table(
     the start of its completion; ``table_parts`` parts shown, the rest summarised."""
     record = run_dir if isinstance(run_dir, RunRecord) else RunRecord(run_dir, trust=trust)  # the manifest read once
     if step not in set(record.steps):
-        raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
-    start = record.nearest_checkpoint(step)  # every listed step from there on needs its file: checked before anything is built
+        raise ValueError(
+            f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}."
+        )
+    start = record.nearest_checkpoint(
+        step
+    )  # every listed step from there on needs its file: checked before anything is built
     record.check_step_files([s for s in record.steps if start <= s <= step])
     part = AUDIT_PARTITIONS.get(partition) if isinstance(partition, str) else None
     part = part if part is not None else resolve_partition(partition)
@@ -583,9 +693,15 @@ def audit_record_table(
         report = disintegrate(m, batch, recorder if table else part, dtype=dtype, keep_grads=keep_grads)
     except (TypeError, IndexError, KeyError, AttributeError, RuntimeError, OverflowError) as err:
         # The module's own code on the batch rebuilt from the record: name the step file (and the builder, if any).
-        via = f" (batch from field `batch_builder` of {_manifest_where(record)})" if record.manifest.get("batch_builder") else ""
-        raise ValueError(f"{step_path(record.run_dir, step)}: auditing the step failed in {type(m).__name__}.credit_terms{via} "
-                         f"({type(err).__name__}: {one_line(str(err), 300)}).") from None
+        via = (
+            f" (batch from field `batch_builder` of {_manifest_where(record)})"
+            if record.manifest.get("batch_builder")
+            else ""
+        )
+        raise ValueError(
+            f"{step_path(record.run_dir, step)}: auditing the step failed in {type(m).__name__}.credit_terms{via} "
+            f"({type(err).__name__}: {one_line(str(err), 300)})."
+        ) from None
     if isinstance(partition, str) and report.partition != partition:
         report = _renamed(report, partition)
     refused = non_finite(report, step)  # NaN weights, an overflowing learning rate: no reading (exit status 3)
@@ -612,8 +728,11 @@ def _check_replay_fields(record: RunRecord) -> None:
     for field in ("module", "init_args", "optimizer", "trainer"):
         if field not in man:
             raise ValueError(f"{where}: field `{field}` is missing; records written by RunRecordCallback hold it.")
-    missing = [k for k in ("gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches", "precision", "world_size")
-               if k not in man["trainer"]]
+    missing = [
+        k
+        for k in ("gradient_clip_val", "gradient_clip_algorithm", "accumulate_grad_batches", "precision", "world_size")
+        if k not in man["trainer"]
+    ]
     if missing:
         raise ValueError(f"{where}: field `trainer` is missing {missing}; the replay needs every one of them.")
 
@@ -641,17 +760,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default="by_rollout", help=f"one of {sorted(AUDIT_PARTITIONS)} or an import path")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16 or native")
     p.add_argument("--no-progress", action="store_true", help="hide the replay progress bar")
-    p.add_argument("--probe", default=None, metavar="PROBE_FILE",
-                   help="probe credit instead: which parts of the step moved the module's probe objective on these "
-                   "trajectories (JSON Lines in the record's schema), checked against the real change (docs/probe_credit.md)")
-    p.add_argument("--table-parts", type=_positive_int, default=10, metavar="N",
-                   help="parts shown in the table, largest and smallest |projected share| (default 10); the rest summarised")
+    p.add_argument(
+        "--probe",
+        default=None,
+        metavar="PROBE_FILE",
+        help="probe credit instead: which parts of the step moved the module's probe objective on these "
+        "trajectories (JSON Lines in the record's schema), checked against the real change (docs/probe_credit.md)",
+    )
+    p.add_argument(
+        "--table-parts",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="parts shown in the table, largest and smallest |projected share| (default 10); the rest summarised",
+    )
     p.add_argument("--json", action="store_true", help="print the report's to_dict() as JSON instead of the table")
-    p.add_argument("--allow-module", action="append", default=[], metavar="PKG",
-                   help="also import record `module`/`batch_builder` paths under this package (repeatable); "
-                   "default: lens_callbacks and its examples only")
-    p.add_argument("--trust-record", action="store_true",
-                   help="import whatever the record names (runs that code: only for records you trust)")
+    p.add_argument(
+        "--allow-module",
+        action="append",
+        default=[],
+        metavar="PKG",
+        help="also import record `module`/`batch_builder` paths under this package (repeatable); "
+        "default: lens_callbacks and its examples only",
+    )
+    p.add_argument(
+        "--trust-record",
+        action="store_true",
+        help="import whatever the record names (runs that code: only for records you trust)",
+    )
     add_debug_flag(p)
     return p
 
@@ -672,8 +808,9 @@ def main(argv: Sequence[str]) -> int:
 
             got = probe_audit(record, step, a.probe, a.partition, a.dtype, progress=not a.no_progress, trust=trust)
         else:
-            got = audit_record_table(record, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust,
-                                     table_parts=a.table_parts)
+            got = audit_record_table(
+                record, step, a.partition, a.dtype, progress=not a.no_progress, trust=trust, table_parts=a.table_parts
+            )
         if isinstance(got, Refusal):
             print_safely(got.render())
             return EXIT_REFUSED

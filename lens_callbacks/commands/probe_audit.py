@@ -21,7 +21,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..credit.readings.probe import ProbeCreditReport, optimizer_update_map, probe_credit, probe_value_and_grad, with_actual
+from ..credit.readings.probe import (
+    ProbeCreditReport,
+    optimizer_update_map,
+    probe_credit,
+    probe_value_and_grad,
+    with_actual,
+)
 from ..io.records import RunRecord, read_trajectories, step_path
 from ..io.trust import TrustPolicy
 from ..refusal import Refusal
@@ -43,7 +49,11 @@ def _probe_fn(module: Any, record: RunRecord) -> Any:
 
 
 def _non_finite(report: ProbeCreditReport, step: int) -> Optional[Refusal]:
-    values = {"loss_before": report.loss_before, "grad_norm": report.grad_norm, "probe_grad_norm": report.probe_grad_norm}
+    values = {
+        "loss_before": report.loss_before,
+        "grad_norm": report.grad_norm,
+        "probe_grad_norm": report.probe_grad_norm,
+    }
     bad = [k for k, v in values.items() if not math.isfinite(v)]
     if not bad:
         return None
@@ -72,12 +82,13 @@ def probe_audit(
     Returns the :class:`ProbeCreditReport` (actual change included), or a :class:`Refusal` when the step
     cannot be rebuilt exactly or its optimizer is outside the known set.
     """
+    from ..credit.inputs.partition import resolve_partition
     from .audit import (
         AUDIT_PARTITIONS,
-        _make_optimizer,
-        _replay_blocker,
         _check_built_positions,
+        _make_optimizer,
         _PartCountBound,
+        _replay_blocker,
         _stateless,
         check_token_ids,
         load_module,
@@ -85,11 +96,12 @@ def probe_audit(
         replay_to,
         set_recorded_lrs,
     )
-    from ..credit.inputs.partition import resolve_partition
 
     record = run_dir if isinstance(run_dir, RunRecord) else RunRecord(run_dir, trust=trust)
     if step not in set(record.steps):
-        raise ValueError(f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}.")
+        raise ValueError(
+            f"`step` must be a recorded step (have {record.steps[:3]}..{record.steps[-3:]}), got {step!r}."
+        )
     probe_file = Path(probe_file)
     trajectories = read_trajectories(probe_file, record.limits)
     if not trajectories:
@@ -124,7 +136,8 @@ def probe_audit(
                 "optimizer_state",
                 f"step {step} is a policy checkpoint and the optimizer ({type(opt).__name__}) carries state the record "
                 "does not hold, so this step's update cannot be read.",
-                numbers={"step": step}, remedy="audit a step that is not a checkpoint (its state is replayed from step 0)",
+                numbers={"step": step},
+                remedy="audit a step that is not a checkpoint (its state is replayed from step 0)",
             )
     blocker = _replay_blocker(record, opt)
     if blocker is not None:
@@ -137,24 +150,40 @@ def probe_audit(
     try:
         probe_batch = make(trajectories) if callable(make) else trajectories
     except (ValueError, TypeError, KeyError, IndexError) as err:
-        raise ValueError(f"{probe_file}: the module's make_probe_batch cannot build a probe batch from these trajectories "
-                         f"({type(err).__name__}: {one_line(str(err), 300)}); write probe turns in the form the module's "
-                         "docs name.") from None
+        raise ValueError(
+            f"{probe_file}: the module's make_probe_batch cannot build a probe batch from these trajectories "
+            f"({type(err).__name__}: {one_line(str(err), 300)}); write probe turns in the form the module's "
+            "docs name."
+        ) from None
     _check_built_positions(m, probe_batch, str(probe_file))
     params = [p for p in m.parameters() if p.requires_grad]
     m.train()
     with torch.random.fork_rng():
         opt.zero_grad(set_to_none=True)
         m.credit_terms(batch).terms.sum().backward()
-        update = optimizer_update_map(opt, params, gradient_clip_val=tr.get("gradient_clip_val"),
-                                      accumulate_grad_batches=int(tr.get("accumulate_grad_batches", 1) or 1))
+        update = optimizer_update_map(
+            opt,
+            params,
+            gradient_clip_val=tr.get("gradient_clip_val"),
+            accumulate_grad_batches=int(tr.get("accumulate_grad_batches", 1) or 1),
+        )
         if isinstance(update, Refusal):
             return update
         m.eval()  # the probe is evaluated with dropout off, as the callback's default
         loss, gp = probe_value_and_grad(m, fn, probe_batch, dtype=dtype)
         m.train()
-        report = probe_credit(m, batch, part, update, gp, probe=probe_file.stem, loss_before=loss, dtype=dtype, step=step,
-                              texts=[_text(t) for t in record.trajectories(step)])
+        report = probe_credit(
+            m,
+            batch,
+            part,
+            update,
+            gp,
+            probe=probe_file.stem,
+            loss_before=loss,
+            dtype=dtype,
+            step=step,
+            texts=[_text(t) for t in record.trajectories(step)],
+        )
         refused = _non_finite(report, step)
         if refused is not None:
             opt.zero_grad(set_to_none=True)

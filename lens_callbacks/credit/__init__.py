@@ -6,11 +6,8 @@ Three folders, three concerns: ``inputs/`` (what goes in: terms, partitions, tra
 holds what the dispatcher and the engines share; ``report`` is the report they all make.
 """
 
-from .readings.conservation import ConservationReading, exact_optimizer_precondition, step_conservation, unit_roundoff
 from .engine import disintegrate, evaluate_terms, resolve_dtype
 from .inputs.partition import PARTITIONS, Partition, by_group, by_rollout, by_segment, resolve_partition
-from .report import CreditGrads, CreditReport
-from .readings.table import CreditTable, PartContext, credit_table, part_context
 from .inputs.terms import CreditSource, CreditTerms, is_credit_source
 from .inputs.trajectories import (
     ToolCall,
@@ -24,6 +21,9 @@ from .inputs.trajectories import (
     turn_claim_support,
     turn_segments,
 )
+from .readings.conservation import ConservationReading, exact_optimizer_precondition, step_conservation, unit_roundoff
+from .readings.table import CreditTable, PartContext, credit_table, part_context
+from .report import CreditGrads, CreditReport
 
 # Turn partitions live beside the tokenisation they depend on; register them so
 # `partition: by_turn` works by name in YAML.

@@ -22,14 +22,15 @@ from torch import nn
 from .engines import available_engines, check_engine, choose_engine, get_engine
 from .engines.ghost import NotRowSeparable, RowInteraction, SpansInteract
 from .inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
+from .inputs.terms import CreditTerms
 from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
     _DTYPES,
     DTypeSpec,
     _diff_norm,
     _dot,
-    _gram,
     _grad,
     _grad_match,
+    _gram,
     _native_dtype,
     _onto,
     _partition_name,
@@ -43,9 +44,9 @@ from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.cred
     resolve_dtype,
 )
 from .report import CreditGrads, CreditReport, PositionSplit, share_readings
-from .inputs.terms import CreditTerms
 
 __all__ = ["disintegrate", "resolve_dtype", "evaluate_terms", "DTypeSpec"]
+
 
 def disintegrate(
     module: nn.Module,
@@ -163,13 +164,29 @@ def disintegrate(
         )
     _check_engine(engine, readings)
     if full_grad is not None and engine not in ("auto", "ghost", "jvp"):
-        raise ValueError(f"`full_grad` needs engine='ghost', 'jvp' or 'auto' (the reference takes its own), got engine={engine!r}.")
+        raise ValueError(
+            f"`full_grad` needs engine='ghost', 'jvp' or 'auto' (the reference takes its own), got engine={engine!r}."
+        )
     if engine != "reference":
         fast = _dispatch(
-            module, batch, partition, spec, engine=engine, readings=readings, dtype=dtype,
-            reference_grads=reference_grads, terms_fn=terms_fn, keep_grads=keep_grads, keep_parts=keep_parts,
-            preserve_rng=preserve_rng, params=params, forward_context=forward_context, project_onto=project_onto,
-            full_grad=full_grad, verify_part=verify_part, position_split=position_split,
+            module,
+            batch,
+            partition,
+            spec,
+            engine=engine,
+            readings=readings,
+            dtype=dtype,
+            reference_grads=reference_grads,
+            terms_fn=terms_fn,
+            keep_grads=keep_grads,
+            keep_parts=keep_parts,
+            preserve_rng=preserve_rng,
+            params=params,
+            forward_context=forward_context,
+            project_onto=project_onto,
+            full_grad=full_grad,
+            verify_part=verify_part,
+            position_split=position_split,
         )
         if fast is not None:
             return _position_split_unread(fast, position_split)
@@ -179,7 +196,7 @@ def disintegrate(
             "pass full_grad=None (g_full by the audit's own backward)."
         )
     with _preserved_rng(module, preserve_rng):
-        with (forward_context() if forward_context is not None else contextlib.nullcontext()):
+        with forward_context() if forward_context is not None else contextlib.nullcontext():
             watch = precision_watch(module, dtype)
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
             compute = watch.coarser_than(used)
@@ -245,15 +262,38 @@ def disintegrate(
         readings="all",
         gram=_gram(kept) if keep_parts else None,
         compute_dtype=compute,
-        position_split=None if not position_split else PositionSplit(
-            (), (), float("nan"), reason="the position split is read by the one-pass engine, and the reference engine "
-            "made this reading"),
+        position_split=None
+        if not position_split
+        else PositionSplit(
+            (),
+            (),
+            float("nan"),
+            reason="the position split is read by the one-pass engine, and the reference engine made this reading",
+        ),
     )
 
 
-def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, reference_grads, terms_fn, keep_grads, keep_parts,
-              preserve_rng, params=None, forward_context=None, project_onto=None, full_grad=None, verify_part=False,
-              position_split=False):
+def _dispatch(
+    module,
+    batch,
+    partition,
+    spec,
+    *,
+    engine,
+    readings,
+    dtype,
+    reference_grads,
+    terms_fn,
+    keep_grads,
+    keep_parts,
+    preserve_rng,
+    params=None,
+    forward_context=None,
+    project_onto=None,
+    full_grad=None,
+    verify_part=False,
+    position_split=False,
+):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
     if keep_parts and engine != "auto":
         raise ValueError(f"`keep_parts=True` needs engine='reference' (it keeps every g_S), got engine={engine!r}.")
@@ -261,10 +301,21 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
     if name == "ghost":
         try:
             return get_engine("ghost")(
-                module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
-                keep_grads=keep_grads, preserve_rng=preserve_rng, readings=readings,
-                params=params, forward_context=forward_context, project_onto=project_onto, full_grad=full_grad,
-                verify_part=verify_part, position_split=position_split,
+                module,
+                batch,
+                partition,
+                dtype=dtype,
+                reference_grads=reference_grads,
+                terms_fn=terms_fn,
+                keep_grads=keep_grads,
+                preserve_rng=preserve_rng,
+                readings=readings,
+                params=params,
+                forward_context=forward_context,
+                project_onto=project_onto,
+                full_grad=full_grad,
+                verify_part=verify_part,
+                position_split=position_split,
             )
         except (NotRowSeparable, RowInteraction) as err:
             if engine != "auto" or isinstance(err, SpansInteract):
@@ -275,13 +326,24 @@ def _dispatch(module, batch, partition, spec, *, engine, readings, dtype, refere
     if name == "jvp" and keep_grads:
         # the forward-mode engine forms no part gradient, so it has no Σ g_S to keep (a global DDP reading needs it)
         if engine == "jvp":
-            raise ValueError("`keep_grads=True` needs the parts' sum, which engine='jvp' never forms; use engine='reference'.")
+            raise ValueError(
+                "`keep_grads=True` needs the parts' sum, which engine='jvp' never forms; use engine='reference'."
+            )
         return None
     if name == "jvp":
         return get_engine("jvp")(
-            module, batch, partition, dtype=dtype, reference_grads=reference_grads, terms_fn=terms_fn,
-            preserve_rng=preserve_rng, readings=readings, params=params, forward_context=forward_context,
-            project_onto=project_onto, full_grad=full_grad,
+            module,
+            batch,
+            partition,
+            dtype=dtype,
+            reference_grads=reference_grads,
+            terms_fn=terms_fn,
+            preserve_rng=preserve_rng,
+            readings=readings,
+            params=params,
+            forward_context=forward_context,
+            project_onto=project_onto,
+            full_grad=full_grad,
         )
     return None
 

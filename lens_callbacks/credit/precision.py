@@ -107,7 +107,9 @@ def rounding_scale(
 
 
 def floor_units(
-    dtype: Union[str, torch.dtype, None], compute_dtype: Union[str, torch.dtype, None] = None, projected_only: bool = False
+    dtype: Union[str, torch.dtype, None],
+    compute_dtype: Union[str, torch.dtype, None] = None,
+    projected_only: bool = False,
 ) -> float:
     """How many rounding units (:func:`rounding_scale`) the floor allows for the coarsest of the two dtypes."""
     units = FLOOR_UNITS[coarsest(dtype, compute_dtype)]

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .engines.reductions import diff_sq64, dot64, sq64
-from .precision import PrecisionWatch, autocast_dtype
 from .inputs.partition import Partition
 from .inputs.terms import CreditTerms, validate_terms
+from .precision import PrecisionWatch, autocast_dtype
 
 __all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms", "audit_passes"]
 
@@ -78,7 +78,9 @@ class _NonReentrantCheckpoint:
     def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         if not torch.is_grad_enabled():
             return function(*args)
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+        )
 
 
 @contextlib.contextmanager
@@ -113,8 +115,10 @@ def compiled_parts(module: nn.Module) -> list[str]:
 
     out = []
     for name, mod in module.named_modules():
-        if isinstance(mod, OptimizedModule) or getattr(mod, "_compiled_call_impl", None) is not None or (
-            getattr(mod, "_compiler_ctx", None) is not None
+        if (
+            isinstance(mod, OptimizedModule)
+            or getattr(mod, "_compiled_call_impl", None) is not None
+            or (getattr(mod, "_compiler_ctx", None) is not None)
         ):
             out.append(name)
     return out
@@ -196,7 +200,7 @@ def evaluate_terms(
     names, leaves, state = detached_state(module, target, params)
     used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
     wrapper = _TermsCall(module, fn)
-    with torch.enable_grad(), audit_passes(), (watch if watch is not None else contextlib.nullcontext()):
+    with torch.enable_grad(), audit_passes(), watch if watch is not None else contextlib.nullcontext():
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
     validate_terms(terms)  # the contract is checked here, not at construction inside the training step
     return terms, names, leaves, used
@@ -271,10 +275,14 @@ def _onto(
         if v is None:
             out.append(torch.zeros_like(x))
         elif tuple(v.shape) != tuple(x.shape):
-            raise ValueError(f"`{name}` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}.")
+            raise ValueError(
+                f"`{name}` entries must match their parameter's shape {list(x.shape)}, got {list(v.shape)}."
+            )
         else:
             out.append(v.detach().to(x.device))  # the dots are taken in float64 whatever the dtype
     return out
+
+
 def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
     """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
     return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
@@ -308,7 +316,9 @@ def _grad_match(
 
 
 def _reference(
-    module: nn.Module, names: Sequence[str], ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]]
+    module: nn.Module,
+    names: Sequence[str],
+    ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]],
 ) -> Optional[list[Optional[torch.Tensor]]]:
     if isinstance(ref, str):
         if ref != "grad":
@@ -320,5 +330,7 @@ def _reference(
         return [ref.get(n) for n in names]
     ref = list(ref)
     if len(ref) != len(names):
-        raise ValueError(f"`reference_grads` must hold one tensor per trainable parameter ({len(names)}), got {len(ref)}.")
+        raise ValueError(
+            f"`reference_grads` must hold one tensor per trainable parameter ({len(names)}), got {len(ref)}."
+        )
     return ref

@@ -115,7 +115,9 @@ class StepReplay:
     def clear(self) -> None:
         self.micro = []
 
-    def terms_fn(self, module: nn.Module, fn: Optional[Callable[[Any], CreditTerms]] = None) -> Callable[[Any], CreditTerms]:
+    def terms_fn(
+        self, module: nn.Module, fn: Optional[Callable[[Any], CreditTerms]] = None
+    ) -> Callable[[Any], CreditTerms]:
         """A ``terms_fn`` (its argument ignored) that replays every kept micro-batch through ``fn``
         (``module.credit_terms``) and returns their terms as one batch, divided by ``scale_by``."""
         if not self.micro:
@@ -136,8 +138,10 @@ class StepReplay:
                 start += n
             whole = cat_terms(parts)
             if len(parts) == 1:  # cat_terms numbers the micro-batches only when there are several
-                whole = _with(whole, micro_batch=torch.zeros(int(whole.terms.shape[0]), dtype=torch.long,
-                                                              device=whole.rollout.device))
+                whole = _with(
+                    whole,
+                    micro_batch=torch.zeros(int(whole.terms.shape[0]), dtype=torch.long, device=whole.rollout.device),
+                )
             return _with(whole, terms=whole.terms * scale) if scale != 1.0 else whole
 
         return replayed

@@ -58,8 +58,11 @@ class PositionSplit:
     def to_dict(self, prefix: str = "credit/", max_parts: Optional[int] = None) -> dict[str, float]:
         if not self.ok:
             return {f"{prefix}position_split/read": 0.0}
-        out = {f"{prefix}position_split/read": 1.0, f"{prefix}position_split/share_sum": math.fsum(self.projected_share),
-               f"{prefix}position_split/conservation_error": float(self.conservation_error)}
+        out = {
+            f"{prefix}position_split/read": 1.0,
+            f"{prefix}position_split/share_sum": math.fsum(self.projected_share),
+            f"{prefix}position_split/conservation_error": float(self.conservation_error),
+        }
         k = len(self.part_names) if max_parts is None else min(max_parts, len(self.part_names))
         for name, v in zip(self.part_names[:k], self.projected_share[:k]):
             out[f"{prefix}position_split/projected_share/{name}"] = float(v)
@@ -231,7 +234,11 @@ class CreditReport:
         return credit_table(self, top_k=(max_rows + 1) // 2, bottom_k=max_rows // 2).render()
 
     def _engine_line(self) -> str:
-        held = "projected shares only (norms NaN)" if self.readings == "projected" else "projected and norm shares, cancellation"
+        held = (
+            "projected shares only (norms NaN)"
+            if self.readings == "projected"
+            else "projected and norm shares, cancellation"
+        )
         if self.gram is not None:
             held += ", interference matrix"
         line = f"engine {self.engine}: {held}"

@@ -74,8 +74,13 @@ class ResumableDataLoader(DataLoader):
     """A single-process ``DataLoader`` over a :class:`ResumableSampler` whose state Lightning checkpoints."""
 
     def __init__(
-        self, dataset: Dataset, batch_size: int = 1, shuffle: bool = True, data_seed: int = 0,
-        sampler: Any = None, **kwargs: Any,
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        shuffle: bool = True,
+        data_seed: int = 0,
+        sampler: Any = None,
+        **kwargs: Any,
     ) -> None:
         if kwargs.get("num_workers", 0):
             raise ValueError(
@@ -86,7 +91,9 @@ class ResumableDataLoader(DataLoader):
         # Under DDP Lightning rebuilds the loader with a distributed sampler around the original one; that
         # sampler then decides the order (each epoch still a function of the seeds) and the position is not
         # checkpointed.
-        super().__init__(dataset, batch_size=batch_size, sampler=self.resumable_sampler if sampler is None else sampler, **kwargs)
+        super().__init__(
+            dataset, batch_size=batch_size, sampler=self.resumable_sampler if sampler is None else sampler, **kwargs
+        )
 
     def state_dict(self) -> dict[str, int]:
         return self.resumable_sampler.state_dict()

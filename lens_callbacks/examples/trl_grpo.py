@@ -18,7 +18,16 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["SYMBOLS", "tiny_tokenizer", "tiny_qwen2", "save_policy", "prompt_dataset", "digit_reward", "grpo_config", "main"]
+__all__ = [
+    "SYMBOLS",
+    "tiny_tokenizer",
+    "tiny_qwen2",
+    "save_policy",
+    "prompt_dataset",
+    "digit_reward",
+    "grpo_config",
+    "main",
+]
 
 #: The whole vocabulary besides the two special tokens: letters, digits and a few operators.
 SYMBOLS = tuple("abcdefghijklmnopqrstuvwxyz0123456789+=?")
@@ -43,8 +52,17 @@ def tiny_tokenizer():
 
 
 def tiny_qwen2(
-    tokenizer: Any, *, seed: int = 0, hidden: int = 32, layers: int = 2, heads: int = 4, kv_heads: Optional[int] = None,
-    intermediate: Optional[int] = None, vocab: Optional[int] = None, tie: bool = False, positions: int = 64,
+    tokenizer: Any,
+    *,
+    seed: int = 0,
+    hidden: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: Optional[int] = None,
+    intermediate: Optional[int] = None,
+    vocab: Optional[int] = None,
+    tie: bool = False,
+    positions: int = 64,
 ) -> torch.nn.Module:
     """A ``Qwen2ForCausalLM`` whose initial weights depend on ``seed`` only (the global RNG is left as it was).
 

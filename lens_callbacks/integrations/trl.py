@@ -103,16 +103,16 @@ _check_versions()
 from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
 
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
+from ..credit.engines.ghost import RideAlong, batch_rows, report_accumulated  # noqa: E402
 from ..credit.guard import Suspects, guard  # noqa: E402
+from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
+from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
 from ..credit.primitives import compiled_parts  # noqa: E402
 from ..credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
-from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.readings.distributed import Collectives, global_report  # noqa: E402
-from ..credit.engines.ghost import RideAlong, batch_rows, report_accumulated  # noqa: E402
-from .trl_fused_head import fused_head_refusal, head_captures  # noqa: E402
-from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
+from ..credit.readings.mismatch import grad_match_threshold, terms_not_loss_words  # noqa: E402
 from ..credit.report import CreditReport  # noqa: E402
-from ..credit.inputs.terms import CreditTerms, CreditTermsError  # noqa: E402
+from .trl_fused_head import fused_head_refusal, head_captures  # noqa: E402
 
 __all__ = [
     "LensGRPOMixin",
@@ -277,7 +277,9 @@ class LensGRPOMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # type: ignore[no-untyped-def]
         if not self.model.training:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         step = int(self.state.global_step)
         if self._lens_micro_step != step:
             self._lens_micro, self._lens_micro_step = [], step
@@ -299,7 +301,9 @@ class LensGRPOMixin:
         self._lens_in_loss = True
         try:
             if self._lens_ride is None:
-                return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+                return super().compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
             return self._lens_ride_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             self._lens_in_loss = False
@@ -331,7 +335,10 @@ class LensGRPOMixin:
         if len(self._lens_rides) != len(self._lens_micro) - 1:
             return None, "a micro-batch of this step was trained before the audit began riding along"
         if int(self.accelerator.num_processes) > 1:
-            return None, f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes"
+            return (
+                None,
+                f"{int(self.accelerator.num_processes)} processes: the global reading combines the ranks' separate passes",
+            )
         head = self._lens_trained_head()
         if head is not None:
             # known before the forward: spares the first step a capture that could not be read
@@ -341,11 +348,17 @@ class LensGRPOMixin:
         if cb.engine not in (None, "auto", "ghost"):
             return None, f"engine={cb.engine!r} asks for the separate pass"
         if self.args.bf16 or self.args.fp16:
-            return None, "mixed precision: the separate pass reads in the callback's dtype, the training step in its autocast dtypes"
+            return (
+                None,
+                "mixed precision: the separate pass reads in the callback's dtype, the training step in its autocast dtypes",
+            )
         dtypes = {p.dtype for p in self.model.parameters() if p.requires_grad}
         want = {"float32": torch.float32, "float64": torch.float64}.get(cb.dtype)
         if want is not None and dtypes != {want}:
-            return None, f"the trained parameters are {sorted(str(d) for d in dtypes)} and the audit's dtype is {cb.dtype!r}"
+            return (
+                None,
+                f"the trained parameters are {sorted(str(d) for d in dtypes)} and the audit's dtype is {cb.dtype!r}",
+            )
         return cb, None
 
     def _lens_trained_head(self) -> Optional[torch.nn.Module]:
@@ -357,8 +370,14 @@ class LensGRPOMixin:
     def _lens_ride_prepare(self, cb: "LensTRLCallback", mb: MicroBatch) -> "_Ride":
         spec = resolve_partition(cb.partition)
         forward = self._get_per_token_logps_and_entropies  # what TRL's loss calls (its profiling included)
-        ride = _Ride(cb=cb, mb=mb, step=int(self.state.global_step), forward=forward,
-                     partition_fn=lambda t: apply_partition(spec, t), keep_grads=cb.conservation)
+        ride = _Ride(
+            cb=cb,
+            mb=mb,
+            step=int(self.state.global_step),
+            forward=forward,
+            partition_fn=lambda t: apply_partition(spec, t),
+            keep_grads=cb.conservation,
+        )
         ride.rider = RideAlong(_RideModule(self.model, lambda args, kwargs: self._lens_ride_terms(ride, args, kwargs)))
         return ride
 
@@ -378,16 +397,24 @@ class LensGRPOMixin:
         for i, x in enumerate(outs):
             x.register_hook(lambda g, i=i: ride.trl_grads.__setitem__(i, g.detach()))
         given = dict(zip([id(x) for x in outs], mine))
-        self._lens_given_forward = (given.get(id(logps), logps.detach()),
-                                    None if entropies is None else given.get(id(entropies), entropies.detach()))
+        self._lens_given_forward = (
+            given.get(id(logps), logps.detach()),
+            None if entropies is None else given.get(id(entropies), entropies.detach()),
+        )
         try:
             terms, trained, tokens = self._lens_micro_terms(ride.mb)  # [B, T] each
         finally:
             self._lens_given_forward = None
         ride.mine, ride.terms = mine, terms
         inputs = ride.mb.inputs
-        return CreditTerms(terms, trained, inputs["lens_rollout"].long(), inputs["lens_group"].long(),
-                           rewards=inputs.get("lens_reward"), tokens=tokens)
+        return CreditTerms(
+            terms,
+            trained,
+            inputs["lens_rollout"].long(),
+            inputs["lens_group"].long(),
+            rewards=inputs.get("lens_reward"),
+            tokens=tokens,
+        )
 
     def _lens_ride_loss(self, model, inputs, return_outputs, num_items_in_batch):  # type: ignore[no-untyped-def]
         ride = self._lens_ride
@@ -406,7 +433,9 @@ class LensGRPOMixin:
 
         self._get_per_token_logps_and_entropies = forward  # TRL's loss calls it once per micro-batch
         try:
-            loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            loss = super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         finally:
             del self._get_per_token_logps_and_entropies
         if isinstance(loss, torch.Tensor):
@@ -460,8 +489,11 @@ class LensGRPOMixin:
         rides = self._lens_rides
         first = rides[0]
         return report_accumulated(
-            [r.rider for r in rides], first.partition_fn, partition_name=_partition_name(first.cb.partition),
-            readings=first.readings, keep_grads=first.keep_grads,
+            [r.rider for r in rides],
+            first.partition_fn,
+            partition_name=_partition_name(first.cb.partition),
+            readings=first.readings,
+            keep_grads=first.keep_grads,
         )
 
     def _lens_ride_check(self, ride: "_Ride") -> Optional[str]:
@@ -498,8 +530,12 @@ class LensGRPOMixin:
         broken = self._lens_ride_check(ride)
         if broken is not None:
             return broken
-        return ride.rider.report(ride.partition_fn, partition_name=_partition_name(ride.cb.partition),
-                                 readings=ride.readings, keep_grads=ride.keep_grads)
+        return ride.rider.report(
+            ride.partition_fn,
+            partition_name=_partition_name(ride.cb.partition),
+            readings=ride.readings,
+            keep_grads=ride.keep_grads,
+        )
 
     def lens_ride_result(self) -> Optional[Union[CreditReport, str]]:
         """This step's reading from riding along, the reason it did not ride, or None (no audit this step)."""
@@ -560,7 +596,11 @@ class LensGRPOMixin:
                 "vllm",
                 "generation with vLLM (use_vllm=True) brings sampler log-probs and an importance-sampling "
                 "correction into the loss, which this adapter has not been tested against.",
-                numbers={"vllm_importance_sampling_correction": int(bool(getattr(self, "vllm_importance_sampling_correction", False)))},
+                numbers={
+                    "vllm_importance_sampling_correction": int(
+                        bool(getattr(self, "vllm_importance_sampling_correction", False))
+                    )
+                },
                 remedy="audit a run that generates with transformers (use_vllm=False).",
             )
         proc = getattr(self, "processing_class", None)
@@ -593,7 +633,9 @@ class LensGRPOMixin:
     def lens_step_refusal(self, micro: Sequence[MicroBatch]) -> Optional[Refusal]:
         """A :class:`Refusal` for a step whose inputs the audit cannot read; None if it can."""
         if not micro:
-            return Refusal("no_micro_batches", "no micro-batch of this step was captured, so there is nothing to audit.")
+            return Refusal(
+                "no_micro_batches", "no micro-batch of this step was captured, so there is nothing to audit."
+            )
         for i, mb in enumerate(micro):
             present = [k for k in _MULTIMODAL_KEYS if mb.inputs.get(k) is not None]
             if present:
@@ -672,13 +714,21 @@ class LensGRPOMixin:
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [B, T]
 
         if self._lens_given_forward is not None:
-            per_token_logps, entropies = self._lens_given_forward  # [B, T], [B, T]: the training forward's, riding along
+            per_token_logps, entropies = (
+                self._lens_given_forward
+            )  # [B, T], [B, T]: the training forward's, riding along
         else:
             # TRL's own forward, without its profiling wrapper (an audit is not a training forward).
             fn = type(self)._get_per_token_logps_and_entropies
             fn = getattr(fn, "__wrapped__", fn)
             per_token_logps, entropies, _ = fn(
-                self, self.model, input_ids, attention_mask, logits_to_keep, compute_entropy=True, compute_aux_loss=False
+                self,
+                self.model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                compute_entropy=True,
+                compute_aux_loss=False,
             )  # [B, T], [B, T]
 
         entropy_mask = None
@@ -952,7 +1002,9 @@ class LensTRLCallback(TrainerCallback):
         ride_along: bool = True,
     ) -> None:
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step.")
+            raise ValueError(
+                f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step."
+            )
         if not (isinstance(tolerance, (int, float)) and tolerance > 0):
             raise ValueError(f"`tolerance` must be a positive number, got {tolerance!r}; e.g. 1e-4.")
         if max_parts is not None and (not isinstance(max_parts, int) or max_parts < 0):
@@ -1023,7 +1075,11 @@ class LensTRLCallback(TrainerCallback):
             self._log.values.update(report.to_dict(self.prefix))
             if _is_main(tr) and f"refused:{report.condition}" not in self._said:
                 # Once per reason: every later step refused for it is in `history` and `credit/refused`.
-                log.warning("LensTRLCallback step %d (later refusals for this reason are not repeated): %s", step, report.render())
+                log.warning(
+                    "LensTRLCallback step %d (later refusals for this reason are not repeated): %s",
+                    step,
+                    report.render(),
+                )
             self._said.add(f"refused:{report.condition}")
         else:
             values = report.to_dict(self.prefix, max_parts=self.max_parts)
@@ -1040,7 +1096,9 @@ class LensTRLCallback(TrainerCallback):
 
     def _grad_match_limit(self, tr: Any, report: CreditReport) -> float:
         args = getattr(tr, "args", None)
-        auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        auto = (
+            torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        )
         return grad_match_threshold(getattr(torch, str(report.dtype), None), auto)
 
     def _guarded(self, tr: Any, report: CreditReport, step: int) -> Union[CreditReport, Refusal]:
@@ -1193,7 +1251,10 @@ class LensTRLCallback(TrainerCallback):
                 kwargs["engine"] = self.engine
             elif self.engine != "reference" and not self._engine_note_done:
                 self._engine_note_done = True
-                log.warning("LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.", self.engine)
+                log.warning(
+                    "LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.",
+                    self.engine,
+                )
         try:
             return disintegrate(model, micro, self.partition, **kwargs), applied
         except CreditTermsError as e:  # the re-derived terms break the contract: named by field, as the callbacks do
@@ -1241,9 +1302,17 @@ class LensTRLCallback(TrainerCallback):
             # The parts were computed under the trainer's autocast (bf16=True: bfloat16 matmuls): their own
             # rounding, the audit's conservation_error, joins the conservation floor.
             args = getattr(tr, "args", None)
-            auto = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+            auto = (
+                torch.bfloat16
+                if getattr(args, "bf16", False)
+                else torch.float16
+                if getattr(args, "fp16", False)
+                else None
+            )
             own = getattr(torch, str(report.dtype), None)
             dtypes = [d for d in (auto, own) if isinstance(d, torch.dtype) and d in UNIT_ROUNDOFF]
             parts_error = report.conservation_error
             parts_dtype = max(dtypes, key=lambda d: UNIT_ROUNDOFF[d], default=None)
-        return _Pending(step, params, names, before, lrs, group_index, precondition, held, source, parts_error, parts_dtype)
+        return _Pending(
+            step, params, names, before, lrs, group_index, precondition, held, source, parts_error, parts_dtype
+        )

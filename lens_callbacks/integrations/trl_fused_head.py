@@ -221,10 +221,14 @@ class FusedHeadCapture:
         self._spans.add(cap.span)
         rows = int(cap.rows()) if cap.span is not None else max(int(cap.batch), 1)
         if rows < 1:
-            raise ValueError(f"the `batch_rows` span {cap.span} does not hold the {cap._last} rows the layers before the head saw")
+            raise ValueError(
+                f"the `batch_rows` span {cap.span} does not hold the {cap._last} rows the layers before the head saw"
+            )
         N, d = int(hidden.shape[0]), int(hidden.shape[-1])
         if N % rows:
-            raise ValueError(f"TRL's fused LM head scored {N} positions, not a whole number per row of the batch's {rows}")
+            raise ValueError(
+                f"TRL's fused LM head scored {N} positions, not a whole number per row of the batch's {rows}"
+            )
         use = cap.record(FUSED_HEAD, head, weight, bias, hidden.reshape(rows, N // rows, d))  # A: [B, n, d]
         # A backward to the head's input runs the function's backward, which forms the tiles (a backward
         # to its output would stop short of them).

@@ -118,7 +118,9 @@ def walk_files(root: PathLike, keep: Callable[[str], bool], what: str = "file") 
             with os.scandir(d) as it:
                 entries = list(it)
         except OSError as err:
-            raise BoundedReadError(f"{d}: the folder cannot be listed ({err.strerror or type(err).__name__}).") from None
+            raise BoundedReadError(
+                f"{d}: the folder cannot be listed ({err.strerror or type(err).__name__})."
+            ) from None
         seen += len(entries)
         if seen > MAX_ENTRIES:
             raise BoundedReadError(f"{root}: the folder holds more than {MAX_ENTRIES:,} entries; refused.")
@@ -136,7 +138,9 @@ def walk_files(root: PathLike, keep: Callable[[str], bool], what: str = "file") 
                 elif keep(e.name):
                     out.append(e.path)
             except OSError as err:
-                raise BoundedReadError(f"{e.path}: cannot be examined ({err.strerror or type(err).__name__}).") from None
+                raise BoundedReadError(
+                    f"{e.path}: cannot be examined ({err.strerror or type(err).__name__})."
+                ) from None
     return sorted(out)
 
 

@@ -52,8 +52,10 @@ def expanded_nodes(node: Any, limit: int, path: str) -> int:
             total = 1 + sum(memo[id(c)] for c in _children(n))
             open_.discard(i)
             if total > limit:
-                raise ValueError(f"{path}: the config expands to more than {limit:,} nodes once its aliases are expanded "
-                                 f"(line {n.start_mark.line + 1}); refused (an alias bomb).")
+                raise ValueError(
+                    f"{path}: the config expands to more than {limit:,} nodes once its aliases are expanded "
+                    f"(line {n.start_mark.line + 1}); refused (an alias bomb)."
+                )
             memo[i] = total
             continue
         if i in memo:
@@ -62,7 +64,9 @@ def expanded_nodes(node: Any, limit: int, path: str) -> int:
         stack.append((n, True))
         for c in _children(n):
             if id(c) in open_:
-                raise ValueError(f"{path}: the config holds an alias that contains itself (line {c.start_mark.line + 1}); refused.")
+                raise ValueError(
+                    f"{path}: the config holds an alias that contains itself (line {c.start_mark.line + 1}); refused."
+                )
             if id(c) not in memo:
                 stack.append((c, False))
     return memo[id(node)]
@@ -86,8 +90,10 @@ def read_config_yaml(path: PathLike, limits: Optional[ReadLimits] = None) -> Any
     fd, size = open_regular_file(shown, limits, "config")
     try:
         if size > MAX_CONFIG_BYTES:
-            raise BoundedReadError(f"{shown}: the config is {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a "
-                                   "LightningCLI config needs; refused before reading it.")
+            raise BoundedReadError(
+                f"{shown}: the config is {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a "
+                "LightningCLI config needs; refused before reading it."
+            )
         data = read_exactly(fd, size, shown, "config")
     finally:
         os.close(fd)
@@ -133,8 +139,10 @@ def _check_keys(doc: Any, path: str) -> None:
         if isinstance(obj, dict):
             bad = next((k for k in obj if not isinstance(k, str)), _NO_KEY)
             if bad is not _NO_KEY:
-                raise ValueError(f"{path}: every key of the config must be an option name (a string), got a "
-                                 f"{type(bad).__name__} key; quote it or remove it.")
+                raise ValueError(
+                    f"{path}: every key of the config must be an option name (a string), got a "
+                    f"{type(bad).__name__} key; quote it or remove it."
+                )
             stack.extend(obj.values())
         else:
             stack.extend(obj)

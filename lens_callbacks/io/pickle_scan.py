@@ -32,7 +32,14 @@ import pickletools
 import re
 from typing import Optional
 
-__all__ = ["PickleRefused", "scan_pickle_stream", "MAX_KEY_DEPTH", "MAX_KEY_NODES", "MAX_CONTAINER_KEYS", "MAX_INT_BITS"]
+__all__ = [
+    "PickleRefused",
+    "scan_pickle_stream",
+    "MAX_KEY_DEPTH",
+    "MAX_KEY_NODES",
+    "MAX_CONTAINER_KEYS",
+    "MAX_INT_BITS",
+]
 
 #: How deeply a dict key or set member may nest tuples (``((1, 2), 3)`` nests 2 deep).
 MAX_KEY_DEPTH = 3
@@ -51,8 +58,12 @@ _FOLD_BYTES = 1 << 16
 
 # Constructors whose arguments are hashed: sets hash their members, dict-likes the first item of each pair.
 _HASHING_CONSTRUCTORS = {
-    "builtins.set": "members", "builtins.frozenset": "members", "collections.Counter": "members",
-    "builtins.dict": "pairs", "collections.OrderedDict": "pairs", "collections.defaultdict": "pairs",
+    "builtins.set": "members",
+    "builtins.frozenset": "members",
+    "collections.Counter": "members",
+    "builtins.dict": "pairs",
+    "collections.OrderedDict": "pairs",
+    "collections.defaultdict": "pairs",
     "skyrl.backends.skyrl_train.training_batch.TrainingInputBatch": "pairs",
     "skyrl_train.training_batch.TrainingInputBatch": "pairs",
 }
@@ -74,8 +85,23 @@ class PickleRefused(ValueError):
 class _Item:
     """What one stack slot or memo entry would hold: own weight, kept children, and (for keys) nesting."""
 
-    __slots__ = ("kind", "w", "b", "kids", "labels", "depth", "hnodes", "name", "first", "xn", "xb", "state", "en", "eb",
-                 "dunder")
+    __slots__ = (
+        "kind",
+        "w",
+        "b",
+        "kids",
+        "labels",
+        "depth",
+        "hnodes",
+        "name",
+        "first",
+        "xn",
+        "xb",
+        "state",
+        "en",
+        "eb",
+        "dunder",
+    )
 
     def __init__(self, kind: int, b: int = 0, name: Optional[str] = None) -> None:
         self.kind = kind
@@ -97,20 +123,56 @@ class _Item:
 _MARK_ITEM = _Item(_MARK)
 
 # Opcode groups, most frequent first in the pass's dispatch.
-(_G_GET, _G_PUT, _G_MEMOIZE, _G_STR, _G_INT, _G_ATOM, _G_MARK, _G_SETITEMS, _G_SETITEM, _G_APPENDS, _G_APPEND, _G_TUPLEN,
- _G_TUPLE, _G_EMPTY, _G_STOP, _G_FRAME) = range(16)
+(
+    _G_GET,
+    _G_PUT,
+    _G_MEMOIZE,
+    _G_STR,
+    _G_INT,
+    _G_ATOM,
+    _G_MARK,
+    _G_SETITEMS,
+    _G_SETITEM,
+    _G_APPENDS,
+    _G_APPEND,
+    _G_TUPLEN,
+    _G_TUPLE,
+    _G_EMPTY,
+    _G_STOP,
+    _G_FRAME,
+) = range(16)
 _GROUPS = {
     **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _G_GET),
     **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT"), _G_PUT),
     "MEMOIZE": _G_MEMOIZE,
-    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8",
-                     "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"), _G_STR),
+    **dict.fromkeys(
+        (
+            "STRING",
+            "BINSTRING",
+            "SHORT_BINSTRING",
+            "BINBYTES",
+            "SHORT_BINBYTES",
+            "BINBYTES8",
+            "BYTEARRAY8",
+            "UNICODE",
+            "SHORT_BINUNICODE",
+            "BINUNICODE",
+            "BINUNICODE8",
+        ),
+        _G_STR,
+    ),
     **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"), _G_INT),
     **dict.fromkeys(("NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "NEXT_BUFFER"), _G_ATOM),
-    "MARK": _G_MARK, "SETITEMS": _G_SETITEMS, "SETITEM": _G_SETITEM, "APPENDS": _G_APPENDS, "APPEND": _G_APPEND,
-    **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _G_TUPLEN), "TUPLE": _G_TUPLE,
+    "MARK": _G_MARK,
+    "SETITEMS": _G_SETITEMS,
+    "SETITEM": _G_SETITEM,
+    "APPENDS": _G_APPENDS,
+    "APPEND": _G_APPEND,
+    **dict.fromkeys(("TUPLE1", "TUPLE2", "TUPLE3"), _G_TUPLEN),
+    "TUPLE": _G_TUPLE,
     **dict.fromkeys(("EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"), _G_EMPTY),
-    "STOP": _G_STOP, **dict.fromkeys(("PROTO", "FRAME"), _G_FRAME),
+    "STOP": _G_STOP,
+    **dict.fromkeys(("PROTO", "FRAME"), _G_FRAME),
 }
 
 
@@ -147,9 +209,16 @@ def _hashable_container(kind: int, kids: list) -> _Item:
 
 
 class _Scan:
-    def __init__(self, path: str, what: str, max_opcodes: int, max_nodes: int, max_bytes: int, budget_note: str) -> None:
+    def __init__(
+        self, path: str, what: str, max_opcodes: int, max_nodes: int, max_bytes: int, budget_note: str
+    ) -> None:
         self.path, self.what = path, what
-        self.max_opcodes, self.max_nodes, self.max_bytes, self.budget_note = max_opcodes, max_nodes, max_bytes, budget_note
+        self.max_opcodes, self.max_nodes, self.max_bytes, self.budget_note = (
+            max_opcodes,
+            max_nodes,
+            max_bytes,
+            budget_note,
+        )
         self.stack: list = []
         self.memo: dict = {}
         self.container_keys = 0
@@ -198,27 +267,35 @@ class _Scan:
     def grew(self, it: _Item, field: Optional[str] = None) -> None:
         """Refuse as soon as an item's expansion so far passes a limit (it can only grow)."""
         if it.en > self.max_nodes:
-            self.refuse(f"expands to more than {self.max_nodes:,} nodes once its shared references are counted at their "
-                        "full size; a walk or copy of it would never end.", field)
+            self.refuse(
+                f"expands to more than {self.max_nodes:,} nodes once its shared references are counted at their "
+                "full size; a walk or copy of it would never end.",
+                field,
+            )
         if it.eb > self.max_bytes:
-            self.refuse(f"expands to more than {self.max_bytes / (1 << 20):,.1f} MiB once its shared references are counted "
-                        f"at their full size, beyond the read budget{self.budget_note}.", field)
+            self.refuse(
+                f"expands to more than {self.max_bytes / (1 << 20):,.1f} MiB once its shared references are counted "
+                f"at their full size, beyond the read budget{self.budget_note}.",
+                field,
+            )
 
     def pop_mark(self) -> list:
         st = self.stack
         for i in range(len(st) - 1, -1, -1):
             if st[i] is _MARK_ITEM:
-                items = st[i + 1:]
+                items = st[i + 1 :]
                 del st[i:]
                 return items
-        raise PickleRefused(f"{self.path}: the {self.what} is corrupt (an opcode pops to a MARK that was never pushed).")
+        raise PickleRefused(
+            f"{self.path}: the {self.what} is corrupt (an opcode pops to a MARK that was never pushed)."
+        )
 
     def pop(self, n: int = 1) -> list:
         st = self.stack
-        if len(st) < n or any(x is _MARK_ITEM for x in st[len(st) - n:]):
+        if len(st) < n or any(x is _MARK_ITEM for x in st[len(st) - n :]):
             raise PickleRefused(f"{self.path}: the {self.what} is corrupt (an opcode pops more than the stack holds).")
-        items = st[len(st) - n:]
-        del st[len(st) - n:]
+        items = st[len(st) - n :]
+        del st[len(st) - n :]
         return items
 
     def top(self) -> _Item:
@@ -234,14 +311,23 @@ class _Scan:
             return  # a list or dict as a key fails at once in the unpickler (unhashable), before any work
         self.container_keys += 1
         if key.depth > MAX_KEY_DEPTH:
-            self.refuse(f"uses a key nesting containers {key.depth} deep (at most {MAX_KEY_DEPTH}); hashing such a key can "
-                        "cost as much as its fully expanded tree.", self.key_field(in_dict))
+            self.refuse(
+                f"uses a key nesting containers {key.depth} deep (at most {MAX_KEY_DEPTH}); hashing such a key can "
+                "cost as much as its fully expanded tree.",
+                self.key_field(in_dict),
+            )
         if key.hnodes > MAX_KEY_NODES:
-            self.refuse(f"uses a key of {key.hnodes:,} nodes once expanded (at most {MAX_KEY_NODES}); hashing it visits "
-                        "every one.", self.key_field(in_dict))
+            self.refuse(
+                f"uses a key of {key.hnodes:,} nodes once expanded (at most {MAX_KEY_NODES}); hashing it visits "
+                "every one.",
+                self.key_field(in_dict),
+            )
         if self.container_keys > MAX_CONTAINER_KEYS:
-            self.refuse(f"uses more than {MAX_CONTAINER_KEYS:,} tuple keys or set members; their hashes are not randomized "
-                        "and can be chosen to collide.", self.key_field(in_dict))
+            self.refuse(
+                f"uses more than {MAX_CONTAINER_KEYS:,} tuple keys or set members; their hashes are not randomized "
+                "and can be chosen to collide.",
+                self.key_field(in_dict),
+            )
 
     def check_hashed_args(self, callable_item: _Item, args: _Item) -> None:
         """A constructor that hashes what it is given: check the members or pair keys of its first argument."""
@@ -282,21 +368,27 @@ class _Scan:
             for op, arg, pos in pickletools.genops(io.BytesIO(data)):
                 n += 1
                 if n > max_ops:
-                    raise PickleRefused(f"{self.path}: the {self.what} holds more than {max_ops:,} opcodes; refused as "
-                                        "a time bomb (a SkyRL dump or checkpoint holds a few thousand).")
+                    raise PickleRefused(
+                        f"{self.path}: the {self.what} holds more than {max_ops:,} opcodes; refused as "
+                        "a time bomb (a SkyRL dump or checkpoint holds a few thousand)."
+                    )
                 g = groups.get(op.name, -1)
                 if g == _G_GET:
                     item = memo.get(int(arg))
                     if item is None:
-                        raise PickleRefused(f"{self.path}: the {self.what} reads memo index {int(arg)} at byte {pos}, which "
-                                            "was never stored.")
+                        raise PickleRefused(
+                            f"{self.path}: the {self.what} reads memo index {int(arg)} at byte {pos}, which "
+                            "was never stored."
+                        )
                     push(item)
                 elif g == _G_PUT:
                     idx = int(arg)
                     if idx < 0 or idx > len(memo):
-                        raise PickleRefused(f"{self.path}: the {self.what} stores memo index {idx} at byte {pos} while only "
-                                            f"{len(memo)} entries exist; refused (a memo table that large costs memory the "
-                                            "file does not hold).")
+                        raise PickleRefused(
+                            f"{self.path}: the {self.what} stores memo index {idx} at byte {pos} while only "
+                            f"{len(memo)} entries exist; refused (a memo table that large costs memory the "
+                            "file does not hold)."
+                        )
                     memo[idx] = self.top()
                 elif g == _G_MEMOIZE:
                     memo[len(memo)] = self.top()
@@ -307,9 +399,11 @@ class _Scan:
                         push(_Item(_ATOM, len(arg) if isinstance(arg, (bytes, bytearray)) else 0))
                 elif g == _G_INT:
                     if type(arg) is int and not -(1 << 63) <= arg < (1 << MAX_INT_BITS):
-                        self.refuse(f"holds an integer of {arg.bit_length():,} bits at byte {pos}; numbers wider than "
-                                    f"{MAX_INT_BITS} bits are refused (no dump or checkpoint holds one, and such keys can be "
-                                    "chosen so that all hash alike).")
+                        self.refuse(
+                            f"holds an integer of {arg.bit_length():,} bits at byte {pos}; numbers wider than "
+                            f"{MAX_INT_BITS} bits are refused (no dump or checkpoint holds one, and such keys can be "
+                            "chosen so that all hash alike)."
+                        )
                     push(_Item(_ATOM))
                 elif g == _G_ATOM:
                     push(_Item(_ATOM))
@@ -349,8 +443,10 @@ class _Scan:
                     break
                 elif g == _G_FRAME:
                     if op.name == "FRAME" and int(arg) > size - pos:
-                        raise PickleRefused(f"{self.path}: the {self.what} is truncated or corrupt: it declares a frame of "
-                                            f"{int(arg):,} bytes at byte {pos}; only {size - pos:,} remain.")
+                        raise PickleRefused(
+                            f"{self.path}: the {self.what} is truncated or corrupt: it declares a frame of "
+                            f"{int(arg):,} bytes at byte {pos}; only {size - pos:,} remain."
+                        )
                 else:
                     self._rare(op.name, arg, pos)
                     if stack and stack[-1] is not _MARK_ITEM:
@@ -429,13 +525,17 @@ class _Scan:
             if obj.kind == _GLOBAL:
                 # BUILD on what find_class handed out sets attributes of a class or function the reader itself
                 # runs (a `__del__` that builds another instance when one is freed never stops).
-                self.refuse(f"applies BUILD (attribute state) to the global {obj.name or '(unnamed)'} at byte {pos}: that "
-                            "would set attributes of a class the reader runs; no SkyRL dump or checkpoint does so.")
+                self.refuse(
+                    f"applies BUILD (attribute state) to the global {obj.name or '(unnamed)'} at byte {pos}: that "
+                    "would set attributes of a class the reader runs; no SkyRL dump or checkpoint does so."
+                )
             for part in [state] + (list(state.kids or []) if state.kind == _TUPLE else []):
                 if part.dunder is not None:
-                    self.refuse(f"sets the special attribute {part.dunder} through BUILD at byte {pos}: state that names "
-                                "__del__, __class__, __reduce__, __setstate__ or the like is refused (it changes how an "
-                                "object behaves, not what it holds).")
+                    self.refuse(
+                        f"sets the special attribute {part.dunder} through BUILD at byte {pos}: state that names "
+                        "__del__, __class__, __reduce__, __setstate__ or the like is refused (it changes how an "
+                        "object behaves, not what it holds)."
+                    )
             # A dict-like's __dict__.update(state) hashes the first item of each pair of a list state.
             s = state.first if state.kind == _TUPLE and state.first is not None else state
             if s.kind == _LIST:
@@ -447,8 +547,10 @@ class _Scan:
             (pid,) = self.pop(1)
             push(_hashable_container(_OBJ, [pid]))
         else:  # an opcode this pass does not model: refuse rather than guess its effect
-            raise PickleRefused(f"{self.path}: the {self.what} uses the opcode {name} at byte {pos}, which no SkyRL dump or "
-                                "checkpoint holds.")
+            raise PickleRefused(
+                f"{self.path}: the {self.what} uses the opcode {name} at byte {pos}, which no SkyRL dump or "
+                "checkpoint holds."
+            )
 
     def _setitems(self, d: _Item, items: list) -> None:
         if len(items) % 2:
@@ -496,13 +598,18 @@ class _Scan:
             it.state = 2
         nodes, nbytes = root.xn, root.xb
         if nodes > self.max_nodes:
-            self.refuse(f"expands to {'more than ' + format(_SAT, ',') if nodes >= _SAT else format(nodes, ',')} nodes once its "
-                        f"shared references are counted at their full size, more than {self.max_nodes:,}; a walk or copy of it "
-                        "would never end.", self._where(root, 0, self.max_nodes))
+            self.refuse(
+                f"expands to {'more than ' + format(_SAT, ',') if nodes >= _SAT else format(nodes, ',')} nodes once its "
+                f"shared references are counted at their full size, more than {self.max_nodes:,}; a walk or copy of it "
+                "would never end.",
+                self._where(root, 0, self.max_nodes),
+            )
         if nbytes > self.max_bytes:
-            self.refuse(f"expands to {nbytes / (1 << 20):,.1f} MiB once its shared references are counted at their full "
-                        f"size, beyond the read budget of {self.max_bytes / (1 << 20):,.1f} MiB{self.budget_note}.",
-                        self._where(root, 1, self.max_bytes))
+            self.refuse(
+                f"expands to {nbytes / (1 << 20):,.1f} MiB once its shared references are counted at their full "
+                f"size, beyond the read budget of {self.max_bytes / (1 << 20):,.1f} MiB{self.budget_note}.",
+                self._where(root, 1, self.max_bytes),
+            )
 
     def _where(self, root: _Item, which: int, cap: int) -> str:
         """The dict keys down to the child at which the expansion first passes ``cap``."""
@@ -534,7 +641,8 @@ def _label(it: _Item) -> str:
     return "<a key>" if it.kind == _ATOM else "<a container key>"
 
 
-def scan_pickle_stream(data: bytes, path: str, what: str, *, max_opcodes: int, max_nodes: int, max_bytes: int,
-                       budget_note: str = "") -> int:
+def scan_pickle_stream(
+    data: bytes, path: str, what: str, *, max_opcodes: int, max_nodes: int, max_bytes: int, budget_note: str = ""
+) -> int:
     """Run the static pass over ``data``; return the number of opcodes. Raises :class:`PickleRefused`."""
     return _Scan(path, what, max_opcodes, max_nodes, max_bytes, budget_note).run(data)

@@ -81,7 +81,9 @@ def trajectory_to_json(traj: Trajectory, step: Optional[int] = None) -> dict[str
                 "text": t.text,
                 "token_ids": None if t.token_ids is None else [int(i) for i in t.token_ids],
                 "trained": bool(t.trained) if t.trained is not None else t.role == "assistant",
-                "tool_call": None if t.tool_call is None else {"name": t.tool_call.name, "arguments": t.tool_call.arguments},
+                "tool_call": None
+                if t.tool_call is None
+                else {"name": t.tool_call.name, "arguments": t.tool_call.arguments},
             }
         )
     return {
@@ -122,7 +124,9 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
         if role not in ROLES:
             raise ValueError(f"{w}: `role` must be one of {ROLES}, got {shown_value(role)}.")
         ids = t.get("token_ids")
-        if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        if ids is not None and (
+            not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
             raise ValueError(f"{w}: `token_ids` must be a list of ints or null, got {shown_value(ids)}.")
         if ids and min(ids) < 0:
             raise ValueError(f"{w}: `token_ids` must be token ids >= 0, got {shown_value(min(ids))}.")
@@ -132,7 +136,9 @@ def trajectory_from_json(d: Mapping[str, Any], where: str = "record line") -> Tr
         if call is not None:
             if not isinstance(call, Mapping):
                 raise ValueError(f"{w}: `tool_call` must be null or {{'name', 'arguments'}}, got {shown_value(call)}.")
-            call = ToolCall(_need(call, "name", (str,), w + " tool_call"), _need(call, "arguments", (str,), w + " tool_call"))
+            call = ToolCall(
+                _need(call, "name", (str,), w + " tool_call"), _need(call, "arguments", (str,), w + " tool_call")
+            )
         trained = t.get("trained")
         if trained is not None and not isinstance(trained, bool):
             raise ValueError(f"{w}: `trained` must be true/false, got {shown_value(trained)}.")
@@ -215,8 +221,12 @@ def _read_json(path: Path, what: str, limits: Optional[ReadLimits] = None, root:
     return _loads(text, shown, what)
 
 
-def iter_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
-                      budget: Optional[HeldBudget] = None) -> Iterator[Trajectory]:
+def iter_trajectories(
+    path: PathLike,
+    limits: Optional[ReadLimits] = None,
+    root: Optional[PathLike] = None,
+    budget: Optional[HeldBudget] = None,
+) -> Iterator[Trajectory]:
     """The trajectories of a ``.jsonl`` file, one line at a time: memory stays one line's, whatever the file's size.
 
     Each line's parsed size is bounded before it is parsed (:func:`~lens_callbacks.io.budget.json_cost`) against
@@ -234,16 +244,22 @@ def iter_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root:
             try:
                 raw = f.readline(min(longest, size - got) + 1)
             except OSError as err:
-                raise BoundedReadError(f"{path}: the trajectory file cannot be read ({err.strerror or type(err).__name__}).") from None
+                raise BoundedReadError(
+                    f"{path}: the trajectory file cannot be read ({err.strerror or type(err).__name__})."
+                ) from None
             if not raw:
                 break
             got += len(raw)
             n += 1
             if got > size:
-                raise BoundedReadError(f"{path}: the trajectory file grew while being read (it held {size:,} bytes when opened); "
-                                       "refused: read it once nothing writes to it any more.")
+                raise BoundedReadError(
+                    f"{path}: the trajectory file grew while being read (it held {size:,} bytes when opened); "
+                    "refused: read it once nothing writes to it any more."
+                )
             if len(raw) > longest and not raw.endswith(b"\n"):
-                raise BoundedReadError(f"{path}:{n}: the line is longer than {longest:,} bytes (a quarter of LENS_MEMORY_MB); refused.")
+                raise BoundedReadError(
+                    f"{path}:{n}: the line is longer than {longest:,} bytes (a quarter of LENS_MEMORY_MB); refused."
+                )
             where = f"{path.name}:{n}"
             try:
                 line = raw.decode("utf-8")
@@ -267,8 +283,12 @@ def held_cost(traj: Trajectory) -> int:
     return n
 
 
-def read_trajectories(path: PathLike, limits: Optional[ReadLimits] = None, root: Optional[PathLike] = None,
-                      budget: Optional[HeldBudget] = None) -> list[Trajectory]:
+def read_trajectories(
+    path: PathLike,
+    limits: Optional[ReadLimits] = None,
+    root: Optional[PathLike] = None,
+    budget: Optional[HeldBudget] = None,
+) -> list[Trajectory]:
     """Read a ``.jsonl`` file of trajectories; errors name the file and line.
 
     The read is bounded (a regular file under ``limits.max_file_bytes`` and ``limits.memory_bytes``; see
@@ -322,10 +342,17 @@ class RunRecordWriter:
             raise ValueError(f"`checkpoint_every` must be an int >= 0, got {checkpoint_every!r}.")
         self.run_dir = Path(run_dir)
         if (self.run_dir / _MANIFEST).exists() and not overwrite:
-            raise ValueError(f"`run_dir` {str(self.run_dir)!r} already holds a record; pass overwrite=True or pick a new directory.")
+            raise ValueError(
+                f"`run_dir` {str(self.run_dir)!r} already holds a record; pass overwrite=True or pick a new directory."
+            )
         self.checkpoint_every = checkpoint_every
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._manifest: dict[str, Any] = {"schema": RECORD_SCHEMA, "trajectory_schema": TRAJECTORY_SCHEMA, "steps": [], "checkpoints": []}
+        self._manifest: dict[str, Any] = {
+            "schema": RECORD_SCHEMA,
+            "trajectory_schema": TRAJECTORY_SCHEMA,
+            "steps": [],
+            "checkpoints": [],
+        }
         if (self.run_dir / _MANIFEST).exists():
             old = json.loads((self.run_dir / _MANIFEST).read_text())
             if old.get("schema") == RECORD_SCHEMA:
@@ -355,7 +382,9 @@ class RunRecordWriter:
             self._flush()
         return path
 
-    def write_step(self, step: int, trajectories: Sequence[Trajectory], meta: Optional[Mapping[str, Any]] = None) -> Path:
+    def write_step(
+        self, step: int, trajectories: Sequence[Trajectory], meta: Optional[Mapping[str, Any]] = None
+    ) -> Path:
         """Write the trajectories the policy trained on at ``step`` (and ``meta``, e.g. a dropout seed)."""
         if meta:
             mpath = meta_path(self.run_dir, step)
@@ -407,7 +436,9 @@ def check_manifest(man: Any, where: str) -> dict[str, Any]:
     if man.get("schema") != RECORD_SCHEMA:
         raise ValueError(f"{where}: `schema` must be {RECORD_SCHEMA!r}, got {shown_value(man.get('schema'))}.")
     if "trajectory_schema" in man and man["trajectory_schema"] != TRAJECTORY_SCHEMA:
-        raise ValueError(f"{where}: field `trajectory_schema` must be {TRAJECTORY_SCHEMA!r}, got {shown_value(man['trajectory_schema'])}.")
+        raise ValueError(
+            f"{where}: field `trajectory_schema` must be {TRAJECTORY_SCHEMA!r}, got {shown_value(man['trajectory_schema'])}."
+        )
     for key in ("steps", "checkpoints"):
         if key not in man:
             raise ValueError(f"{where}: field `{key}` is missing.")
@@ -416,20 +447,32 @@ def check_manifest(man: Any, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: field `module` must be a class path string, got {shown_value(man['module'])}.")
     for key in ("module", "batch_builder"):  # before any regex sees them
         if isinstance(man.get(key), str) and len(man[key]) > MAX_NAME:
-            raise ValueError(f"{where}: field `{key}` must be an import path of at most {MAX_NAME} characters, got "
-                             f"{shown_value(man[key])}.")
+            raise ValueError(
+                f"{where}: field `{key}` must be an import path of at most {MAX_NAME} characters, got "
+                f"{shown_value(man[key])}."
+            )
     if "init_args" in man and not isinstance(man["init_args"], dict):
         raise ValueError(f"{where}: field `init_args` must be a JSON object, got {type(man['init_args']).__name__}.")
     if man.get("batch_builder") is not None and not isinstance(man["batch_builder"], str):
-        raise ValueError(f"{where}: field `batch_builder` must be an import path string or null, got {shown_value(man['batch_builder'])}.")
+        raise ValueError(
+            f"{where}: field `batch_builder` must be an import path string or null, got {shown_value(man['batch_builder'])}."
+        )
     if "optimizer" in man:
         opts = man["optimizer"]
         if not isinstance(opts, list):
-            raise ValueError(f"{where}: field `optimizer` must be a list (one entry per optimizer), got {type(opts).__name__}.")
+            raise ValueError(
+                f"{where}: field `optimizer` must be a list (one entry per optimizer), got {type(opts).__name__}."
+            )
         for i, o in enumerate(opts):
-            if not isinstance(o, dict) or not isinstance(o.get("class", ""), str) or not isinstance(o.get("param_groups", []), list) \
-                    or not all(isinstance(g, dict) for g in o.get("param_groups", [])):
-                raise ValueError(f"{where}: field `optimizer[{i}]` must be {{'class': str, 'param_groups': [object, ...]}}, got {shown_value(o)}.")
+            if (
+                not isinstance(o, dict)
+                or not isinstance(o.get("class", ""), str)
+                or not isinstance(o.get("param_groups", []), list)
+                or not all(isinstance(g, dict) for g in o.get("param_groups", []))
+            ):
+                raise ValueError(
+                    f"{where}: field `optimizer[{i}]` must be {{'class': str, 'param_groups': [object, ...]}}, got {shown_value(o)}."
+                )
     if "trainer" in man:
         tr = man["trainer"]
         if not isinstance(tr, dict):
@@ -447,14 +490,17 @@ def check_step_meta(meta: Any, where: str) -> dict[str, Any]:
     lr = meta.get("lr")
     if lr is not None:
         if not isinstance(lr, list) or not lr:
-            raise ValueError(f"{where}: field `lr` must be a list of learning rates (one per param group), got {shown_value(lr)}.")
+            raise ValueError(
+                f"{where}: field `lr` must be a list of learning rates (one per param group), got {shown_value(lr)}."
+            )
         for i, x in enumerate(lr):
             if not _is_number(x) or x < 0:
                 raise ValueError(f"{where}: field `lr[{i}]` must be a finite number >= 0, got {shown_value(x)}.")
     seed = meta.get("dropout_seed", 0)
     if not _is_int(seed) or not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
-        raise ValueError(f"{where}: field `dropout_seed` must be an int in [-2**63, 2**64) (a torch seed), got "
-                         f"{shown_value(seed)}.")
+        raise ValueError(
+            f"{where}: field `dropout_seed` must be an int in [-2**63, 2**64) (a torch seed), got {shown_value(seed)}."
+        )
     return meta
 
 
@@ -502,7 +548,9 @@ class RunRecord:
                     with os.scandir(folder) as it:
                         names = [e.name for e in it if e.name.endswith(".jsonl")]
                 except OSError as err:
-                    raise BoundedReadError(f"{folder}: the folder cannot be listed ({err.strerror or type(err).__name__}).") from None
+                    raise BoundedReadError(
+                        f"{folder}: the folder cannot be listed ({err.strerror or type(err).__name__})."
+                    ) from None
             self._listing = {n: str(folder / n) for n in names}
         return self._listing
 
@@ -517,18 +565,24 @@ class RunRecord:
         missing = [s for s, n in zip(steps, names) if n not in listing]
         if missing:
             more = f" (and {len(missing) - 1:,} more listed steps)" if len(missing) > 1 else ""
-            raise ValueError(f"{step_path(self.run_dir, missing[0])}: the trajectory file of step {missing[0]}{more} is missing, "
-                             f"though {self.run_dir / _MANIFEST} lists the step in field `steps`; the replay needs every one.")
+            raise ValueError(
+                f"{step_path(self.run_dir, missing[0])}: the trajectory file of step {missing[0]}{more} is missing, "
+                f"though {self.run_dir / _MANIFEST} lists the step in field `steps`; the replay needs every one."
+            )
         wanted = [listing[n] for n in names]
         dup = same_file_as(wanted)
         if dup:
             a, b = next(iter(dup.items()))
-            raise ValueError(f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused.")
+            raise ValueError(
+                f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused."
+            )
 
     def trajectories(self, step: int) -> list[Trajectory]:
         path = step_path(self.run_dir, step)
         if not os.path.lexists(path):
-            raise ValueError(f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing.")
+            raise ValueError(
+                f"`step` must be a recorded step ({_ranges(self.steps)}), got {step!r}: {path} is missing."
+            )
         return read_trajectories(path, self.limits, self.run_dir)
 
     def step_meta(self, step: int) -> dict[str, Any]:
@@ -547,13 +601,22 @@ class RunRecord:
         path = policy_path(self.run_dir, step)
         if not os.path.lexists(path):
             listed = step in self.checkpoints
-            raise ValueError(f"{path}: no policy checkpoint at step {step}: the file is missing"
-                             + (f", though {self.run_dir / _MANIFEST} lists the step in field `checkpoints`." if listed else
-                                f" (field `checkpoints` of {self.run_dir / _MANIFEST}: {_ranges(self.checkpoints)})."))
+            raise ValueError(
+                f"{path}: no policy checkpoint at step {step}: the file is missing"
+                + (
+                    f", though {self.run_dir / _MANIFEST} lists the step in field `checkpoints`."
+                    if listed
+                    else f" (field `checkpoints` of {self.run_dir / _MANIFEST}: {_ranges(self.checkpoints)})."
+                )
+            )
         state = load_torch_checkpoint(path, self.limits, "policy checkpoint", self.run_dir)
-        if not isinstance(state, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-            raise ValueError(f"{path}: the policy checkpoint must be a state dict (parameter name -> tensor), got "
-                             f"{type(state).__name__}.")
+        if not isinstance(state, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise ValueError(
+                f"{path}: the policy checkpoint must be a state dict (parameter name -> tensor), got "
+                f"{type(state).__name__}."
+            )
         return dict(state)
 
     def nearest_checkpoint(self, step: int) -> int:
@@ -561,8 +624,10 @@ class RunRecord:
         checkpoints = self.checkpoints
         before = [c for c in checkpoints if c <= step]
         if not before:
-            raise ValueError(f"{self.run_dir / _MANIFEST}: field `checkpoints` holds no policy checkpoint at or before step {step} "
-                             f"(have {_ranges(checkpoints)}).")
+            raise ValueError(
+                f"{self.run_dir / _MANIFEST}: field `checkpoints` holds no policy checkpoint at or before step {step} "
+                f"(have {_ranges(checkpoints)})."
+            )
         return before[-1]
 
 

@@ -60,10 +60,14 @@ def _env_number(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise BoundedReadError(f"`{name}` must be a number, got {raw[:40]!r}; unset it to use the default {default:g}.") from None
+        raise BoundedReadError(
+            f"`{name}` must be a number, got {raw[:40]!r}; unset it to use the default {default:g}."
+        ) from None
     if not 0 < value <= _ENV_MAX:  # NaN fails this too
-        raise BoundedReadError(f"`{name}` must be a number > 0 and at most {_ENV_MAX:g}, got {raw[:40]!r}; unset it to use "
-                               f"the default {default:g}.")
+        raise BoundedReadError(
+            f"`{name}` must be a number > 0 and at most {_ENV_MAX:g}, got {raw[:40]!r}; unset it to use "
+            f"the default {default:g}."
+        )
     return value
 
 
@@ -71,8 +75,10 @@ def _env_bytes(name: str, default_bytes: int) -> int:
     """An environment knob given in MiB, as bytes: at least one byte, or one line naming the variable."""
     n = int(_env_number(name, default_bytes / _MiB) * _MiB)
     if n < 1:
-        raise BoundedReadError(f"`{name}` must be at least one byte ({1 / _MiB:.2g} MiB), got {os.environ.get(name)!r}; "
-                               "it is a size in MiB.")
+        raise BoundedReadError(
+            f"`{name}` must be at least one byte ({1 / _MiB:.2g} MiB), got {os.environ.get(name)!r}; "
+            "it is a size in MiB."
+        )
     return n
 
 
@@ -107,8 +113,14 @@ class ReadLimits:
     memory_bytes: int = 256 * _MiB
 
     def __post_init__(self) -> None:
-        for name in ("max_file_bytes", "budget_floor", "max_pickle_opcodes", "max_zip_members", "max_pickle_nodes",
-                     "memory_bytes"):
+        for name in (
+            "max_file_bytes",
+            "budget_floor",
+            "max_pickle_opcodes",
+            "max_zip_members",
+            "max_pickle_nodes",
+            "memory_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"`{name}` must be an int > 0, got {v!r}.")
@@ -187,12 +199,15 @@ def check_inside(root: PathLike, path: PathLike, what: str = "file") -> None:
             continue
         cur = os.path.join(cur, comp)
         if os.path.islink(cur) and not _under(os.path.realpath(cur), root_real):
-            raise BoundedReadError(f"{cur}: the {what} is reached through a symbolic link out of the folder {root_abs}; refused "
-                                   "(links in a shared folder must stay inside it).")
+            raise BoundedReadError(
+                f"{cur}: the {what} is reached through a symbolic link out of the folder {root_abs}; refused "
+                "(links in a shared folder must stay inside it)."
+            )
 
 
-def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file",
-                      root: Optional[PathLike] = None) -> tuple[int, int]:
+def open_regular_file(
+    path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file", root: Optional[PathLike] = None
+) -> tuple[int, int]:
     """Open a regular file for reading; return ``(fd, size)``. The caller closes ``fd``.
 
     Symlinks are resolved and the target is checked again: a FIFO, socket, device or directory is refused
@@ -214,13 +229,20 @@ def open_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
     except FileNotFoundError:
         raise FileNotFoundError(f"{shown}: no such {what}.") from None
     except OSError as err:  # a link loop, a name too long, a folder without permission
-        raise BoundedReadError(f"{shown}: the {what} cannot be opened ({err.strerror or type(err).__name__}).") from None
+        raise BoundedReadError(
+            f"{shown}: the {what} cannot be opened ({err.strerror or type(err).__name__})."
+        ) from None
     if not stat.S_ISREG(st.st_mode):
-        raise BoundedReadError(f"{shown}: the {what} must be a regular file, got {_kind(st.st_mode)}"
-                               + (f" (resolved to {real})" if real != os.path.abspath(shown) else "") + ".")
+        raise BoundedReadError(
+            f"{shown}: the {what} must be a regular file, got {_kind(st.st_mode)}"
+            + (f" (resolved to {real})" if real != os.path.abspath(shown) else "")
+            + "."
+        )
     if any(_under(real, r) for r in _SPECIAL_ROOTS):
-        raise BoundedReadError(f"{shown}: the {what} must be a regular file, got a kernel file under "
-                               f"{next(r for r in _SPECIAL_ROOTS if _under(real, r))}/ (resolved to {real}); refused.")
+        raise BoundedReadError(
+            f"{shown}: the {what} must be a regular file, got a kernel file under "
+            f"{next(r for r in _SPECIAL_ROOTS if _under(real, r))}/ (resolved to {real}); refused."
+        )
     if root is not None:  # after the kind of file is known: a FIFO or device out of the folder is named as such
         check_inside(root, shown, what)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
@@ -265,13 +287,16 @@ def read_exactly(fd: int, size: int, shown: str, what: str) -> bytes:
     except OSError as err:
         raise BoundedReadError(f"{shown}: the {what} cannot be read ({err.strerror or type(err).__name__}).") from None
     if extra:
-        raise BoundedReadError(f"{shown}: the {what} grew while being read (it held {size:,} bytes when opened); refused: read "
-                               "it once nothing writes to it any more.")
+        raise BoundedReadError(
+            f"{shown}: the {what} grew while being read (it held {size:,} bytes when opened); refused: read "
+            "it once nothing writes to it any more."
+        )
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file",
-                      root: Optional[PathLike] = None) -> bytes:
+def read_regular_file(
+    path: PathLike, limits: Optional[ReadLimits] = None, what: str = "file", root: Optional[PathLike] = None
+) -> bytes:
     """The bytes of a regular file, at most ``limits.max_file_bytes`` and ``limits.memory_bytes`` of them.
 
     See :func:`open_regular_file` (``root``: the shared folder no link may leave). The file is read once, at the
@@ -291,15 +316,25 @@ def read_regular_file(path: PathLike, limits: Optional[ReadLimits] = None, what:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, what: str = "pickle",
-                budget: Optional["ReadBudget"] = None) -> int:
+def scan_pickle(
+    data: bytes,
+    path: str,
+    limits: Optional[ReadLimits] = None,
+    what: str = "pickle",
+    budget: Optional["ReadBudget"] = None,
+) -> int:
     """Walk a pickle's opcodes without running any of them; refuse what its bytes cannot honestly hold.
 
     The static pass of :mod:`lens_callbacks.io.pickle_scan`: memo indices beyond the entries stored so far (the
@@ -315,11 +350,20 @@ def scan_pickle(data: bytes, path: str, limits: Optional[ReadLimits] = None, wha
     """
     limits = limits or ReadLimits.from_env()
     total = budget.total if budget is not None else limits.budget_for(len(data), path).total
-    note = (f" ({limits.budget_factor:g} x file size + {_mib(limits.budget_floor)}; raise LENS_READ_BUDGET_FACTOR only for a "
-            "file you trust)")
+    note = (
+        f" ({limits.budget_factor:g} x file size + {_mib(limits.budget_floor)}; raise LENS_READ_BUDGET_FACTOR only for a "
+        "file you trust)"
+    )
     try:
-        return scan_pickle_stream(data, path, what, max_opcodes=limits.max_pickle_opcodes, max_nodes=limits.max_pickle_nodes,
-                                  max_bytes=total, budget_note=note)
+        return scan_pickle_stream(
+            data,
+            path,
+            what,
+            max_opcodes=limits.max_pickle_opcodes,
+            max_nodes=limits.max_pickle_nodes,
+            max_bytes=total,
+            budget_note=note,
+        )
     except PickleRefused as err:
         raise BoundedReadError(str(err)) from None
 
@@ -358,8 +402,9 @@ def _entry(name: str) -> str:
     return repr(name) if len(name) <= 80 and name.isprintable() else f"<an entry name of {len(name):,} characters>"
 
 
-def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimits, what: str, stored_only: bool,
-              raw: Any = None) -> None:
+def check_zip(
+    zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimits, what: str, stored_only: bool, raw: Any = None
+) -> None:
     """The central directory of a zip, checked before any member is read.
 
     Member count at most ``limits.max_zip_members``; names unique; every member's bytes (its local header, name,
@@ -371,18 +416,22 @@ def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimit
     """
     infos = zf.infolist()
     if len(infos) > limits.max_zip_members:
-        raise BoundedReadError(f"{path}: the {what} holds {len(infos):,} zip members, more than {limits.max_zip_members:,}.")
+        raise BoundedReadError(
+            f"{path}: the {what} holds {len(infos):,} zip members, more than {limits.max_zip_members:,}."
+        )
     if raw is None:
         raw = zf.fp
     if isinstance(raw, (bytes, bytearray, memoryview)):
         view = memoryview(raw)
 
         def head_at(off: int) -> bytes:
-            return bytes(view[off: off + 30])
+            return bytes(view[off : off + 30])
     else:
+
         def head_at(off: int) -> bytes:
             raw.seek(off)
             return raw.read(30)
+
     start_dir = getattr(zf, "start_dir", None)
     end_of_data = start_dir if isinstance(start_dir, int) and 0 <= start_dir <= file_bytes else file_bytes
     seen: set = set()
@@ -391,8 +440,10 @@ def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimit
     for info in infos:
         name = info.filename
         if name in seen:
-            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} appears twice in its central directory; "
-                                   "refused (an alias reads one member's bytes twice).")
+            raise BoundedReadError(
+                f"{path}: zip entry {_entry(name)} of the {what} appears twice in its central directory; "
+                "refused (an alias reads one member's bytes twice)."
+            )
         seen.add(name)
         if stored_only:
             if info.compress_type != zipfile.ZIP_STORED:
@@ -401,32 +452,42 @@ def check_zip(zf: zipfile.ZipFile, path: str, file_bytes: int, limits: ReadLimit
                     "stores members uncompressed, and a compressed one could inflate far beyond the file."
                 )
             if info.file_size > file_bytes:
-                raise BoundedReadError(f"{path}: member {_entry(name)} of the {what} declares {info.file_size:,} bytes, "
-                                       f"more than the whole file ({file_bytes:,}).")
+                raise BoundedReadError(
+                    f"{path}: member {_entry(name)} of the {what} declares {info.file_size:,} bytes, "
+                    f"more than the whole file ({file_bytes:,})."
+                )
         off = int(info.header_offset)
         head = head_at(off) if 0 <= off <= end_of_data - 30 else b""
         if len(head) != 30 or head[:4] != b"PK\x03\x04":
-            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} points at byte {off:,}, where no member "
-                                   "begins.")
+            raise BoundedReadError(
+                f"{path}: zip entry {_entry(name)} of the {what} points at byte {off:,}, where no member begins."
+            )
         n_name = int.from_bytes(head[26:28], "little")
         n_extra = int.from_bytes(head[28:30], "little")
         end = off + 30 + n_name + n_extra + int(info.compress_size)
         if end > end_of_data:
-            raise BoundedReadError(f"{path}: zip entry {_entry(name)} of the {what} declares {int(info.compress_size):,} bytes "
-                                   f"at byte {off:,}, past the end of the members (byte {end_of_data:,}).")
+            raise BoundedReadError(
+                f"{path}: zip entry {_entry(name)} of the {what} declares {int(info.compress_size):,} bytes "
+                f"at byte {off:,}, past the end of the members (byte {end_of_data:,})."
+            )
         total += end - off
         spans.append((off, end, name))
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise BoundedReadError(f"{path}: zip entry {_entry(bn)} of the {what} overlaps entry {_entry(an)} (bytes "
-                                   f"{b0:,}-{b1:,} and {a0:,}-{a1:,}); refused (an alias reads the same bytes as two members).")
+            raise BoundedReadError(
+                f"{path}: zip entry {_entry(bn)} of the {what} overlaps entry {_entry(an)} (bytes "
+                f"{b0:,}-{b1:,} and {a0:,}-{a1:,}); refused (an alias reads the same bytes as two members)."
+            )
     if total > file_bytes:  # disjoint spans inside the file cannot exceed it; kept as the invariant the loaders rely on
-        raise BoundedReadError(f"{path}: the zip entries of the {what} declare {total:,} bytes, more than the file holds "
-                               f"({file_bytes:,}).")
+        raise BoundedReadError(
+            f"{path}: the zip entries of the {what} declare {total:,} bytes, more than the file holds ({file_bytes:,})."
+        )
 
 
-def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "checkpoint", max_visits: Optional[int] = None) -> int:
+def check_tensor_views(
+    obj: Any, path: str, budget: ReadBudget, what: str = "checkpoint", max_visits: Optional[int] = None
+) -> int:
     """Refuse tensors that view more elements than their storage holds (stride 0 included); count them.
 
     A stride-0 view of shape ``(14, 2**24)`` over one element costs nothing until someone copies it; the
@@ -452,21 +513,27 @@ def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "che
         seen.add(id(o))
         visits += 1
         if visits > limit:
-            raise BoundedReadError(f"{path}: the {what} holds more than {limit:,} distinct containers and tensors; refused (a "
-                                   "walk of it would not end in reasonable time).")
+            raise BoundedReadError(
+                f"{path}: the {what} holds more than {limit:,} distinct containers and tensors; refused (a "
+                "walk of it would not end in reasonable time)."
+            )
         if depth > 64:
             raise BoundedReadError(f"{path}: the {what} nests containers more than 64 deep.")
         if isinstance(o, torch.Tensor):
             sizes, strides = tuple(o.shape), tuple(o.stride())
             if any(st == 0 and sz > 1 for sz, st in zip(sizes, strides)):
-                raise BoundedReadError(f"{path}: a tensor of the {what} has shape {list(sizes)} with stride {list(strides)}: "
-                                       "stride 0 repeats one element; refused, since a copy of it would allocate memory the "
-                                       "file does not hold.")
+                raise BoundedReadError(
+                    f"{path}: a tensor of the {what} has shape {list(sizes)} with stride {list(strides)}: "
+                    "stride 0 repeats one element; refused, since a copy of it would allocate memory the "
+                    "file does not hold."
+                )
             need = o.numel() * o.element_size()
             have = o.untyped_storage().nbytes()
             if need > have:
-                raise BoundedReadError(f"{path}: a tensor of the {what} of shape {list(sizes)} views {need:,} bytes of a storage "
-                                       f"that holds {have:,}; refused (overlapping strides).")
+                raise BoundedReadError(
+                    f"{path}: a tensor of the {what} of shape {list(sizes)} views {need:,} bytes of a storage "
+                    f"that holds {have:,}; refused (overlapping strides)."
+                )
             budget.charge(need, f"a tensor of the {what} of shape {list(sizes)}")
             n += 1
         elif isinstance(o, Mapping):
@@ -476,8 +543,9 @@ def check_tensor_views(obj: Any, path: str, budget: ReadBudget, what: str = "che
     return n
 
 
-def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint",
-                          root: Optional[PathLike] = None) -> Any:
+def load_torch_checkpoint(
+    path: PathLike, limits: Optional[ReadLimits] = None, what: str = "checkpoint", root: Optional[PathLike] = None
+) -> Any:
     """``torch.load(..., weights_only=True)`` of a file, bounded and checked before and after.
 
     Before: a regular file under the size cap (:func:`open_regular_file`); a ``torch.save`` zip archive (the
@@ -494,8 +562,10 @@ def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, w
     with os.fdopen(fd, "rb") as f:
         budget = limits.budget_for(size, shown)
         if f.read(4) != b"PK\x03\x04":
-            raise BoundedReadError(f"{shown}: the {what} is not a torch.save zip archive (it does not start with a zip header); "
-                                   "legacy torch.save streams and other formats are not read.")
+            raise BoundedReadError(
+                f"{shown}: the {what} is not a torch.save zip archive (it does not start with a zip header); "
+                "legacy torch.save streams and other formats are not read."
+            )
         f.seek(0)
         try:
             with zipfile.ZipFile(f) as zf:
@@ -512,7 +582,8 @@ def load_torch_checkpoint(path: PathLike, limits: Optional[ReadLimits] = None, w
         try:
             obj = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as err:  # weights_only refusals, corrupt records, bad persistent ids: one message
-            raise BoundedReadError(f"{shown}: the {what} cannot be loaded with weights_only=True ({type(err).__name__}: "
-                                   f"{_one_line(err)}).") from None
+            raise BoundedReadError(
+                f"{shown}: the {what} cannot be loaded with weights_only=True ({type(err).__name__}: {_one_line(err)})."
+            ) from None
     check_tensor_views(obj, shown, budget, what)
     return obj

@@ -96,10 +96,14 @@ class _Sealed(type):
     refuses such a stream first; this holds whatever the scan misses)."""
 
     def __setattr__(cls, name: str, value: Any) -> None:
-        raise pickle.UnpicklingError(f"the stand-in {cls.__name__} takes no attributes (a pickle tried to set {name[:40]!r})")
+        raise pickle.UnpicklingError(
+            f"the stand-in {cls.__name__} takes no attributes (a pickle tried to set {name[:40]!r})"
+        )
 
     def __delattr__(cls, name: str) -> None:
-        raise pickle.UnpicklingError(f"the stand-in {cls.__name__} takes no attributes (a pickle tried to delete {name[:40]!r})")
+        raise pickle.UnpicklingError(
+            f"the stand-in {cls.__name__} takes no attributes (a pickle tried to delete {name[:40]!r})"
+        )
 
 
 class _SealedInstance:
@@ -107,7 +111,9 @@ class _SealedInstance:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("__") and name.endswith("__"):
-            raise pickle.UnpicklingError(f"a pickle tried to set the special attribute {name[:40]!r} of a {type(self).__name__}")
+            raise pickle.UnpicklingError(
+                f"a pickle tried to set the special attribute {name[:40]!r} of a {type(self).__name__}"
+            )
         object.__setattr__(self, name, value)
 
 
@@ -138,8 +144,10 @@ def _device(*args: Any) -> str:
     if ok and len(args) == 2:
         ok = type(args[1]) is int and 0 <= args[1] < 10_000
     if not ok:
-        raise ValueError("a torch.device in the dump is not (device type, index): its arguments are "
-                         f"{', '.join(type(a).__name__ for a in args[:4])}{', ...' if len(args) > 4 else ''}")
+        raise ValueError(
+            "a torch.device in the dump is not (device type, index): its arguments are "
+            f"{', '.join(type(a).__name__ for a in args[:4])}{', ...' if len(args) > 4 else ''}"
+        )
     return ":".join(str(a) for a in args)
 
 
@@ -215,7 +223,9 @@ class _OuterUnpickler(pickle.Unpickler):
 class _ZipTensorUnpickler(pickle.Unpickler):
     """The ``data.pkl`` of a ``torch.save`` zip: ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``."""
 
-    def __init__(self, f: io.BufferedIOBase, path: str, load_record: Callable[[str], bytes], budget: ReadBudget, key: str) -> None:
+    def __init__(
+        self, f: io.BufferedIOBase, path: str, load_record: Callable[[str], bytes], budget: ReadBudget, key: str
+    ) -> None:
         super().__init__(f)
         self._path = path
         self._load_record = load_record
@@ -234,25 +244,37 @@ class _ZipTensorUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Storage)):
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: unexpected persistent id (a {type(pid).__name__}) in an embedded "
-                                 "torch.save payload.")
+            raise SkyRLDumpError(
+                f"{self._path}: `{self._key}`: unexpected persistent id (a {type(pid).__name__}) in an embedded "
+                "torch.save payload."
+            )
         _, storage, key, _location, numel = pid
         if not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: the storage key (a {type(key).__name__}) and element count (a "
-                                 f"{type(numel).__name__}) must be a str and an int >= 0.")
+            raise SkyRLDumpError(
+                f"{self._path}: `{self._key}`: the storage key (a {type(key).__name__}) and element count (a "
+                f"{type(numel).__name__}) must be a str and an int >= 0."
+            )
         # The declared element count is checked against the record's real size before anything is decoded.
         raw = self._load_record(key)
         if len(raw) % storage.np_dtype.itemsize:
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {len(raw)} bytes, not a whole number of "
-                                 f"{storage.np_dtype.itemsize}-byte elements.")
+            raise SkyRLDumpError(
+                f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {len(raw)} bytes, not a whole number of "
+                f"{storage.np_dtype.itemsize}-byte elements."
+            )
         arr = np.frombuffer(raw, dtype=storage.np_dtype)
         if arr.size != int(numel):
-            raise SkyRLDumpError(f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {arr.size} elements, expected {numel}.")
+            raise SkyRLDumpError(
+                f"{self._path}: `{self._key}`: storage {_short(key, 40)} holds {arr.size} elements, expected {numel}."
+            )
         return (arr, storage)
 
 
 def _ints(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, (tuple, list)) or len(v) > 8 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+    if (
+        not isinstance(v, (tuple, list))
+        or len(v) > 8
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    ):
         raise ValueError(f"{what} must be a tuple of at most 8 ints, got {_short(v)}")
     return tuple(v)
 
@@ -261,7 +283,9 @@ def _short(v: Any, limit: int = 120) -> str:
     return short_repr(v, limit)
 
 
-def _rebuild_tensor_from_storage(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str, path: str = "") -> _Tensor:
+def _rebuild_tensor_from_storage(
+    storage: Any, offset: Any, size: Any, stride: Any, *rest: Any, budget: ReadBudget, key: str, path: str = ""
+) -> _Tensor:
     try:
         return _rebuild_checked(storage, offset, size, stride, budget, key)
     except ValueError as err:
@@ -280,8 +304,10 @@ def _rebuild_checked(storage: Any, offset: Any, size: Any, stride: Any, budget: 
     if len(size) != len(stride) or any(s < 0 for s in size) or any(s < 0 for s in stride):
         raise ValueError(f"`{key}` has a bad size/stride {size}/{stride}")
     if any(st_ == 0 and n > 1 for n, st_ in zip(size, stride)):
-        raise ValueError(f"`{key}` has stride 0 in size/stride {size}/{stride}: it repeats one element, which a "
-                         "torch.save of a real batch does not write, and its copy would need memory the file does not hold")
+        raise ValueError(
+            f"`{key}` has stride 0 in size/stride {size}/{stride}: it repeats one element, which a "
+            "torch.save of a real batch does not write, and its copy would need memory the file does not hold"
+        )
     span = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
     if offset < 0 or span > arr.size:
         raise ValueError(f"`{key}` tensor view {size}/{stride} at offset {offset} exceeds its storage of {arr.size}")
@@ -311,14 +337,18 @@ def _decode_torch_zip(data: Any, path: str, budget: ReadBudget, key: str) -> _Te
         if prefix + "byteorder" in names:
             order = read_zip_member(zf, prefix + "byteorder", budget, what).decode(errors="replace").strip()
         if order != "little":
-            raise SkyRLDumpError(f"{path}: embedded torch.save payload is {_short(order)}-endian; only little-endian is read.")
+            raise SkyRLDumpError(
+                f"{path}: embedded torch.save payload is {_short(order)}-endian; only little-endian is read."
+            )
         inner = read_zip_member(zf, pkl[0], budget, what)
         scan_pickle(inner, path, budget.limits, f"{what} data.pkl", budget)
 
         def load_record(name: str) -> bytes:
             member = f"{prefix}data/{name}"
             if member not in names:
-                raise SkyRLDumpError(f"{path}: `{key}`: the torch.save payload has no storage record {_short(name, 40)}.")
+                raise SkyRLDumpError(
+                    f"{path}: `{key}`: the torch.save payload has no storage record {_short(name, 40)}."
+                )
             return read_zip_member(zf, member, budget, what)
 
         out = _ZipTensorUnpickler(io.BytesIO(inner), path, load_record, budget, key).load()
@@ -344,14 +374,18 @@ def _decode_entry(key: str, entry: Any, path: str, budget: ReadBudget, depth: in
             "it is not read, because decoding it safely needs torch's legacy loader."
         )
     if not isinstance(entry, dict) or "format" not in entry:
-        raise SkyRLDumpError(f"{path}: `{key}` is a {type(entry).__name__}, expected a {{'format': ...}} entry or None.")
+        raise SkyRLDumpError(
+            f"{path}: `{key}` is a {type(entry).__name__}, expected a {{'format': ...}} entry or None."
+        )
     fmt = entry["format"]
     if fmt == "numpy":
         for field in ("data", "shape", "dtype"):
             if field not in entry:
                 raise SkyRLDumpError(f"{path}: `{key}` is a numpy entry without its `{field}` field.")
         if not isinstance(entry["dtype"], str) or entry["dtype"] not in _NUMPY_DTYPES:
-            raise SkyRLDumpError(f"{path}: `{key}` dtype must be one of {sorted(_NUMPY_DTYPES)}, got {_short(entry['dtype'])}.")
+            raise SkyRLDumpError(
+                f"{path}: `{key}` dtype must be one of {sorted(_NUMPY_DTYPES)}, got {_short(entry['dtype'])}."
+            )
         dtype = np.dtype(entry["dtype"])
         try:
             shape = _ints(entry["shape"], f"`{key}` shape")
@@ -364,7 +398,9 @@ def _decode_entry(key: str, entry: Any, path: str, budget: ReadBudget, depth: in
             raise SkyRLDumpError(f"{path}: `{key}` shape {list(shape)} has a negative size.")
         need = int(np.prod(shape, dtype=object)) * dtype.itemsize if shape else dtype.itemsize
         if need != len(data):
-            raise SkyRLDumpError(f"{path}: `{key}` shape {list(shape)} of {dtype} needs {need:,} bytes; its data holds {len(data):,}.")
+            raise SkyRLDumpError(
+                f"{path}: `{key}` shape {list(shape)} of {dtype} needs {need:,} bytes; its data holds {len(data):,}."
+            )
         # Every decoded array is charged, so one byte string memo-referenced by thousands of entries is refused.
         budget.charge(need, f"`{key}` (an array of shape {list(shape)})")
         arr = np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
@@ -374,7 +410,9 @@ def _decode_entry(key: str, entry: Any, path: str, budget: ReadBudget, depth: in
     if fmt == "tensor_list":
         items = entry.get("items")
         if not isinstance(items, (list, tuple)) or depth > 0:
-            raise SkyRLDumpError(f"{path}: `{key}` tensor_list items must be a flat list of entries, got {type(items).__name__}.")
+            raise SkyRLDumpError(
+                f"{path}: `{key}` tensor_list items must be a flat list of entries, got {type(items).__name__}."
+            )
         return [_decode_entry(key, item, path, budget, depth + 1) for item in items]
     raise SkyRLDumpError(f"{path}: `{key}` has format {_short(fmt)}; expected 'numpy', 'torch' or 'tensor_list'.")
 
@@ -580,7 +618,9 @@ def _assemble(obj: Any, data: bytes, path: str, budget: ReadBudget) -> SkyRLDump
     batch: dict[str, Any] = {}
     for key, entry in dict(state["batch_dict"]).items():
         if not isinstance(key, str):
-            raise SkyRLDumpError(f"{path}: batch_dict keys must be str, got the key {_short(key)} ({type(key).__name__}).")
+            raise SkyRLDumpError(
+                f"{path}: batch_dict keys must be str, got the key {_short(key)} ({type(key).__name__})."
+            )
         dec = _decode_entry(key, entry, path, budget)
         if dec is None:
             batch[key] = None
@@ -614,8 +654,16 @@ def _assemble(obj: Any, data: bytes, path: str, budget: ReadBudget) -> SkyRLDump
 
 # Keys whose tensors are [N, S] or [N, R] when present; SkyRL's loss and this reader index them so.
 _SEQUENCE_KEYS = ("sequences", "attention_mask")
-_RESPONSE_KEYS = ("response_mask", "loss_mask", "advantages", "returns", "action_log_probs", "base_action_log_probs",
-                  "rollout_logprobs", "values")
+_RESPONSE_KEYS = (
+    "response_mask",
+    "loss_mask",
+    "advantages",
+    "returns",
+    "action_log_probs",
+    "base_action_log_probs",
+    "rollout_logprobs",
+    "values",
+)
 
 
 def _check_shapes(batch: dict[str, Any], path: str) -> None:
@@ -624,7 +672,9 @@ def _check_shapes(batch: dict[str, Any], path: str) -> None:
     if seq.dim() != 2 or seq.shape[1] < 1:
         raise SkyRLDumpError(f"{path}: `sequences` must be [rows, S] with S >= 1, got shape {list(seq.shape)}.")
     if seq.dtype.is_floating_point or seq.dtype == torch.bool:
-        raise SkyRLDumpError(f"{path}: `sequences` must hold integer token ids, got {str(seq.dtype).replace('torch.', '')}.")
+        raise SkyRLDumpError(
+            f"{path}: `sequences` must hold integer token ids, got {str(seq.dtype).replace('torch.', '')}."
+        )
     N, S = seq.shape
     if N and int(seq.min()) < 0:
         raise SkyRLDumpError(f"{path}: `sequences` holds a negative token id ({int(seq.min())}).")
@@ -645,8 +695,10 @@ def _check_shapes(batch: dict[str, Any], path: str) -> None:
             bad = ~torch.isfinite(t.float() if t.dtype == torch.bfloat16 else t)
             if bool(bad.any()):
                 r, c = (int(x) for x in bad.nonzero()[0])
-                raise SkyRLDumpError(f"{path}: `{key}` holds {int(bad.sum())} non-finite values (first at row {r}, column {c}: "
-                                     f"{float(t[r, c])}); a step trained on them cannot be read.")
+                raise SkyRLDumpError(
+                    f"{path}: `{key}` holds {int(bad.sum())} non-finite values (first at row {r}, column {c}: "
+                    f"{float(t[r, c])}); a step trained on them cannot be read."
+                )
 
 
 def _detect_layout(batch: dict[str, Any], path: str) -> str:
@@ -679,8 +731,13 @@ def _check_boundaries(bounds: Any, n: int, path: str) -> None:
     prev = 0
     if ok:
         for b in bounds:
-            if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
-                    and b[0] == prev and prev < b[1] <= n):
+            if not (
+                isinstance(b, (list, tuple))
+                and len(b) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                and b[0] == prev
+                and prev < b[1] <= n
+            ):
                 ok = False
                 break
             prev = b[1]
@@ -691,7 +748,9 @@ def _check_boundaries(bounds: Any, n: int, path: str) -> None:
         )
 
 
-def _groups(batch: dict[str, Any], metadata: dict[str, Any], layout: str, n: int, path: str) -> tuple[list[list[int]], str]:
+def _groups(
+    batch: dict[str, Any], metadata: dict[str, Any], layout: str, n: int, path: str
+) -> tuple[list[list[int]], str]:
     bounds = metadata.get("policy_prompt_boundaries")
     if bounds:
         _check_boundaries(bounds, n, path)

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ..credit.engine import disintegrate
-from ..credit.report import CreditReport
 from ..credit.inputs.terms import CreditTerms
+from ..credit.report import CreditReport
 from .skyrl import SkyRLDump
 
 __all__ = [
@@ -137,7 +137,9 @@ class SkyRLCreditSource(nn.Module):
 
     def response_logprobs(self, batch: SkyRLCreditBatch) -> torch.Tensor:
         """``[N, R]``: log π of each response-window token given everything before it."""
-        out = self.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        out = self.policy(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+        )
         logits = getattr(out, "logits", out)  # [N, S, V]
         S, R = batch.input_ids.shape[1], batch.response_width
         # The token at column S-R+j is predicted by the logits at column S-R+j-1.

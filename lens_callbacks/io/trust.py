@@ -79,10 +79,14 @@ class TrustPolicy:
     def check(self, path: Any, field: str, where: str) -> str:
         """Raise ``ValueError`` unless the record's ``field`` names an import path this policy trusts."""
         if isinstance(path, str) and len(path) > _MAX_PATH:  # before the regex: an 8 MB string costs it half a gigabyte
-            raise ValueError(f"{where}: field `{field}` must be an import path 'package.module.Name' of at most {_MAX_PATH} "
-                             f"characters, got a string of {len(path):,}.")
+            raise ValueError(
+                f"{where}: field `{field}` must be an import path 'package.module.Name' of at most {_MAX_PATH} "
+                f"characters, got a string of {len(path):,}."
+            )
         if not isinstance(path, str) or not _DOTTED.match(path):
-            raise ValueError(f"{where}: field `{field}` must be an import path 'package.module.Name', got {_short(path)}.")
+            raise ValueError(
+                f"{where}: field `{field}` must be an import path 'package.module.Name', got {_short(path)}."
+            )
         if self.trust_all or any(path == p or path.startswith(p + ".") for p in self.allow_modules):
             return path
         top = path.split(".", 1)[0]
@@ -148,11 +152,15 @@ def resolve_module_class(path: Any, policy: TrustPolicy, where: str) -> type:
     policy.check(path, "module", where)
     obj = _import(path, "module", where)
     if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
-        raise ValueError(f"{where}: field `module` must name a LightningModule (or torch.nn.Module) class, got {path!r}, "
-                         f"a {type(obj).__name__}; it was not called.")
+        raise ValueError(
+            f"{where}: field `module` must name a LightningModule (or torch.nn.Module) class, got {path!r}, "
+            f"a {type(obj).__name__}; it was not called."
+        )
     if not callable(getattr(obj, "credit_terms", None)):
-        raise ValueError(f"{where}: field `module` names {path!r}, which does not implement `credit_terms(batch)`; "
-                         "only a module that does can be audited.")
+        raise ValueError(
+            f"{where}: field `module` names {path!r}, which does not implement `credit_terms(batch)`; "
+            "only a module that does can be audited."
+        )
     return obj
 
 
@@ -162,13 +170,17 @@ def resolve_batch_builder(path: Any, policy: TrustPolicy, where: str) -> Callabl
     policy.check(path, "batch_builder", where)
     fn = _import(path, "batch_builder", where)
     if not inspect.isfunction(fn):
-        raise ValueError(f"{where}: field `batch_builder` must name a Python function fn(module, trajectories, meta) -> batch, "
-                         f"got {path!r}, a {type(fn).__name__}; it was not called.")
+        raise ValueError(
+            f"{where}: field `batch_builder` must name a Python function fn(module, trajectories, meta) -> batch, "
+            f"got {path!r}, a {type(fn).__name__}; it was not called."
+        )
     try:
         inspect.signature(fn).bind(None, [], {})
     except TypeError as err:
-        raise ValueError(f"{where}: field `batch_builder` names {path!r}, whose signature {inspect.signature(fn)} does not take "
-                         f"(module, trajectories, meta) ({err}); it was not called.") from None
+        raise ValueError(
+            f"{where}: field `batch_builder` names {path!r}, whose signature {inspect.signature(fn)} does not take "
+            f"(module, trajectories, meta) ({err}); it was not called."
+        ) from None
     return fn
 
 
@@ -211,24 +223,34 @@ def check_init_args(cls: type, args: Any, where: str) -> dict[str, Any]:
     fit the parameter's annotation (or its default's type when unannotated); floats must be finite.
     """
     if not isinstance(args, dict):
-        raise ValueError(f"{where}: field `init_args` must be a JSON object of the module's init arguments, got {type(args).__name__}.")
+        raise ValueError(
+            f"{where}: field `init_args` must be a JSON object of the module's init arguments, got {type(args).__name__}."
+        )
     try:
         sig = inspect.signature(cls.__init__)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: the signature of {cls.__qualname__}.__init__ cannot be read ({err}).") from None
     params = [p for p in list(sig.parameters.values())[1:]]
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    named = {p.name: p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    named = {
+        p.name: p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     out = {k: v for k, v in args.items() if not (isinstance(k, str) and k.startswith("_"))}
     unknown = [k for k in out if k not in named]
     if unknown and not var_kw:
-        shown = ", ".join(_short(k, 40) for k in sorted(unknown[:1000])[:5]) + (f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else "")
-        raise ValueError(f"{where}: field `init_args` holds {shown}, which {cls.__qualname__}.__init__ does not take "
-                         f"(it takes {sorted(named)}).")
+        shown = ", ".join(_short(k, 40) for k in sorted(unknown[:1000])[:5]) + (
+            f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
+        )
+        raise ValueError(
+            f"{where}: field `init_args` holds {shown}, which {cls.__qualname__}.__init__ does not take "
+            f"(it takes {sorted(named)})."
+        )
     missing = [n for n in named if n not in out]
     if missing:
-        raise ValueError(f"{where}: field `init_args` is missing {missing[:8]}: the record must hold every argument "
-                         f"{cls.__qualname__} was built with (a default could rebuild a different module).")
+        raise ValueError(
+            f"{where}: field `init_args` is missing {missing[:8]}: the record must hold every argument "
+            f"{cls.__qualname__} was built with (a default could rebuild a different module)."
+        )
     try:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # unresolvable forward references: fall back to the defaults' types
@@ -241,6 +263,8 @@ def check_init_args(cls: type, args: Any, where: str) -> dict[str, Any]:
                 t = typing.Union[int, float]
         value = out[name]
         if not _fits(value, t):
-            raise ValueError(f"{where}: field `init_args.{name}` must be {_type_name(t)}"
-                             f"{' (finite)' if 'float' in _type_name(t) else ''}, got {_short(value)}.")
+            raise ValueError(
+                f"{where}: field `init_args.{name}` must be {_type_name(t)}"
+                f"{' (finite)' if 'float' in _type_name(t) else ''}, got {_short(value)}."
+            )
     return out

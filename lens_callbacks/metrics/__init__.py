@@ -3,7 +3,6 @@
 from .anchor import GatedOnFraction, WeightPredictionError, gated_on_fraction, weight_prediction_error
 from .conservation import ConservationMetric, conservation_summary
 from .credit import CreditMetric, credit_readings
-
 from .probe import ProbeCreditMetric, probe_summary
 from .process import ProcessRewardMetric, process_reward_stats
 

@@ -103,8 +103,12 @@ def _credit_compute(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "share_sum": mean(state["share_sum_sum"], nd),
         "grad_match": mean(state["grad_match_sum"], state["n_grad_match"]),
         "undefined_fraction": mean(state["n_undefined"], n),
-        "projected_share": torch.where(seen > 0, state["projected_share_sum"] / seen.clamp(min=1), torch.full_like(seen, float("nan"))),
-        "norm_share": torch.where(seen > 0, state["norm_share_sum"] / seen.clamp(min=1), torch.full_like(seen, float("nan"))),
+        "projected_share": torch.where(
+            seen > 0, state["projected_share_sum"] / seen.clamp(min=1), torch.full_like(seen, float("nan"))
+        ),
+        "norm_share": torch.where(
+            seen > 0, state["norm_share_sum"] / seen.clamp(min=1), torch.full_like(seen, float("nan"))
+        ),
     }
 
 
@@ -130,7 +134,9 @@ def credit_readings(
     """
     m = len(projected_share) if max_parts is None else max_parts
     return _credit_compute(
-        _credit_update(projected_share, norm_share, cancellation, conservation_error, grad_match, full_grad_norm, m, defined)
+        _credit_update(
+            projected_share, norm_share, cancellation, conservation_error, grad_match, full_grad_norm, m, defined
+        )
     )
 
 
@@ -177,8 +183,16 @@ class CreditMetric(Metric):
         defined: bool = True,
     ) -> None:
         inc = _credit_update(
-            projected_share, norm_share, cancellation, conservation_error, grad_match, full_grad_norm,
-            self.max_parts, defined, dtype=self.n_readings.dtype, device=self.n_readings.device,
+            projected_share,
+            norm_share,
+            cancellation,
+            conservation_error,
+            grad_match,
+            full_grad_norm,
+            self.max_parts,
+            defined,
+            dtype=self.n_readings.dtype,
+            device=self.n_readings.device,
         )
         for name, v in inc.items():
             if name == "conservation_error_max":
@@ -192,8 +206,13 @@ class CreditMetric(Metric):
             self.update(defined=False)
             return
         self.update(
-            list(report.projected_share), list(report.norm_share), report.cancellation,
-            report.conservation_error, report.grad_match, report.full_grad_norm, defined=report.ok,
+            list(report.projected_share),
+            list(report.norm_share),
+            report.cancellation,
+            report.conservation_error,
+            report.grad_match,
+            report.full_grad_norm,
+            defined=report.ok,
         )
 
     def compute(self) -> dict[str, torch.Tensor]:

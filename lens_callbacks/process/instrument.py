@@ -413,7 +413,9 @@ class ProcessAudit:
         """The aggregate table: kill fires on N of M, depth range, informative maximum, mean zero share."""
         lo, hi = self.mean_divergence_depth_range
         m = self.n_groups
-        depth = f"{lo:.2f} in every group" if lo == hi else f"{lo:.2f} to {hi:.2f} (mean {self.mean_divergence_depth:.2f})"
+        depth = (
+            f"{lo:.2f} in every group" if lo == hi else f"{lo:.2f} to {hi:.2f} (mean {self.mean_divergence_depth:.2f})"
+        )
         fmax = self.informative_fraction_max
         info = (
             f"{fmax:.3f}, and that is the maximum over all of them"
@@ -424,7 +426,10 @@ class ProcessAudit:
             ("Kill condition fires", f"on {self.n_killed} of {m}"),
             ("Mean divergence depth", depth),
             ("informative_fraction", info),
-            ("Zero process reward", f"{100 * self.zero_reward_fraction:.2f}% of trained positions, averaged over the {m} groups"),
+            (
+                "Zero process reward",
+                f"{100 * self.zero_reward_fraction:.2f}% of trained positions, averaged over the {m} groups",
+            ),
             ("Longest common prefix", f"{self.common_prefix_len_max} tokens at most"),
         ]
         w = max(len(a) for a, _ in rows)

@@ -57,11 +57,15 @@ def _record_files(run_dir: str) -> list[str]:
     dup = same_file_as(files)
     if dup:  # one file under two step names would count its groups twice
         a, b = next(iter(dup.items()))
-        raise ValueError(f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused.")
+        raise ValueError(
+            f"{a}: the trajectory file is the same file as {b} (a link); every step needs its own; refused."
+        )
     return files
 
 
-def groups_from_record(run_dir: Union[str, "os.PathLike[str]"], steps: Optional[Sequence[int]] = None) -> list[RolloutGroup]:
+def groups_from_record(
+    run_dir: Union[str, "os.PathLike[str]"], steps: Optional[Sequence[int]] = None
+) -> list[RolloutGroup]:
     """Every group of every step of a run record (``trajectories/step_{N:06d}.jsonl``).
 
     A trajectory's completion is the token ids of its trained turns, in order (``trained`` unset means
@@ -148,10 +152,16 @@ def load_groups(path: Union[str, "os.PathLike[str]"]) -> tuple[list[RolloutGroup
             d = read_skyrl_dump(p)
             new = [RolloutGroup(f"step{d.step}/group{g.key}", g.completions, g.rewards) for g in groups_from_dump(d)]
             del d
-            budget.charge(sum(_held(len(c)) for g in new for c in g.completions), p, f"the groups of {len(groups) + len(new):,} so far")
+            budget.charge(
+                sum(_held(len(c)) for g in new for c in g.completions),
+                p,
+                f"the groups of {len(groups) + len(new):,} so far",
+            )
             groups += new
         return groups, f"{len(dumps)} SkyRL dumps under {path} (advantage as outcome)"
     if not os.path.exists(path):
-        raise FileNotFoundError(f"`path` must be a run record directory or a SkyRL dump file, got {path!r} (no such path).")
+        raise FileNotFoundError(
+            f"`path` must be a run record directory or a SkyRL dump file, got {path!r} (no such path)."
+        )
     d = read_skyrl_dump(path)
     return groups_from_dump(d), f"SkyRL dump {path} (step {d.step}, advantage as outcome)"

@@ -18,14 +18,13 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module  # noqa: E402
 from lens_callbacks.credit.engine import disintegrate  # noqa: E402
 from lens_callbacks.credit.inputs.trajectories import by_role, by_turn, turn_claim_support  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
-
 
 LR = 0.5
 STEPS = 3
@@ -34,8 +33,13 @@ STEPS = 3
 def _train(run_dir, **kw):
     m = GRPOToolsModule(**kw)
     trainer = Trainer(
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", default_root_dir=str(run_dir),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(run_dir),
         callbacks=[RunRecordCallback(str(run_dir / "record"), checkpoint_every=1)],
     )
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2, data_seed=1))
@@ -92,8 +96,13 @@ def test_one_real_sgd_step_against_the_summed_parts(record):
     )
     assert pre[0] is True, pre
     reading = step_conservation(
-        [before[n] for n in names], [after[n] for n in names], LR, rep.grads.parts_sum,
-        precondition=pre, source="credit_parts", step=step,
+        [before[n] for n in names],
+        [after[n] for n in names],
+        LR,
+        rep.grads.parts_sum,
+        precondition=pre,
+        source="credit_parts",
+        step=step,
     )
     print(
         f"\none real torch.optim.SGD step vs summed parts (float64): {reading.relative_error:.3e} "

@@ -23,15 +23,30 @@ def _toy_config(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_anchor_arms_harness_on_a_3_step_toy_config(tmp_path, run_cli, monkeypatch):
-    from lens_callbacks.examples.grpo import GRPOModule
     from lens_callbacks.callbacks.arms_recorder import parameter_hash
     from lens_callbacks.cli import cli_main
+    from lens_callbacks.examples.grpo import GRPOModule
 
     cfg, out = _toy_config(tmp_path), tmp_path / "arms"
-    common = ["anchor-arms", "--config", cfg, "--seeds", "1", "--steps", "3", "--cadence", "1", "--delay-K", "1",
-              "--out", out, "--no-progress"]
-    r = run_cli(*common, "--arms", ",".join(ARMS), "--arm", 'X={"mode": "bogus"}', "--jobs", "2", timeout=900,
-                check=True)
+    common = [
+        "anchor-arms",
+        "--config",
+        cfg,
+        "--seeds",
+        "1",
+        "--steps",
+        "3",
+        "--cadence",
+        "1",
+        "--delay-K",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+    ]
+    r = run_cli(
+        *common, "--arms", ",".join(ARMS), "--arm", 'X={"mode": "bogus"}', "--jobs", "2", timeout=900, check=True
+    )
     dec = json.loads((out / "decision.json").read_text())
     md = (out / "decision.md").read_text()
 
@@ -79,9 +94,20 @@ def test_anchor_arms_harness_on_a_3_step_toy_config(tmp_path, run_cli, monkeypat
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lens-callbacks"])
     torch.set_num_threads(1)
-    cli = cli_main(["fit", "--config", str(tmp_path / "plain.yaml"), "--trainer.max_steps", "3",
-                    "--seed_everything", "0", "--trainer.enable_progress_bar", "false",
-                    f"--trainer.default_root_dir={tmp_path / 'plain'}"])
+    cli = cli_main(
+        [
+            "fit",
+            "--config",
+            str(tmp_path / "plain.yaml"),
+            "--trainer.max_steps",
+            "3",
+            "--seed_everything",
+            "0",
+            "--trainer.enable_progress_bar",
+            "false",
+            f"--trainer.default_root_dir={tmp_path / 'plain'}",
+        ]
+    )
     want = parameter_hash(cli.model)
     assert runs[("off", 0)]["param_hash"] == want == runs[("none", 0)]["param_hash"]
     assert runs[("A", 0)]["param_hash"] != want  # the merger did change the run: the hash is not blind

@@ -24,8 +24,29 @@ def test_arms_on_two_powersgd_ranks_count_the_gradient_traffic(tmp_path, run_cli
     cfg["data"]["init_args"]["num_val_prompts"] = 8
     path, out = tmp_path / "toy.yaml", tmp_path / "arms"
     path.write_text(yaml.safe_dump(cfg))
-    r = run_cli("anchor-arms", "--config", path, "--arms", "A,C", "--seeds", "1", "--steps", STEPS, "--cadence", "1",
-                "--delay-K", "1", "--out", out, "--no-progress", "--no-parity", "--jobs", "2", timeout=600, check=True)
+    r = run_cli(
+        "anchor-arms",
+        "--config",
+        path,
+        "--arms",
+        "A,C",
+        "--seeds",
+        "1",
+        "--steps",
+        STEPS,
+        "--cadence",
+        "1",
+        "--delay-K",
+        "1",
+        "--out",
+        out,
+        "--no-progress",
+        "--no-parity",
+        "--jobs",
+        "2",
+        timeout=600,
+        check=True,
+    )
     dec = json.loads((out / "decision.json").read_text())
     runs = {x["arm"]: x for x in dec["runs"]}
     errors = "\n".join(f"{a}: {runs[a]['error']}" for a in ("A", "C") if runs[a]["error"])
@@ -66,8 +87,10 @@ def test_arms_on_two_powersgd_ranks_count_the_gradient_traffic(tmp_path, run_cli
     (row,) = [x for x in dec["rows"] if x["check"] == "comm bytes = arm A's" and x["arm"] == "C"]
     total = 2 * per_rank + 2 * per_fire
     assert row["passed"] is True
-    assert row["value"] == (f"total {total:.6g} (grad {2 * per_rank:.6g} + anchor {2 * per_fire:.6g}) vs "
-                            f"total {total:.6g} (grad {2 * per_rank:.6g} + anchor {2 * per_fire:.6g})")
+    assert row["value"] == (
+        f"total {total:.6g} (grad {2 * per_rank:.6g} + anchor {2 * per_fire:.6g}) vs "
+        f"total {total:.6g} (grad {2 * per_rank:.6g} + anchor {2 * per_fire:.6g})"
+    )
     assert "grad comm bytes" in r.stdout and f"{2 * per_rank:.6g}" in r.stdout
     # the score is the ranks' mean greedy accuracy after step 3
     assert [s for s, _ in runs["A"]["scores"]] == [STEPS] and 0.0 <= runs["A"]["score"] <= 1.0

@@ -12,8 +12,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_anchor_cost_benchmark_runs():
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "anchor_cost.py"), "--steps", "5", "--repeats", "1"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "anchor_cost.py"), "--steps", "5", "--repeats", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if re.match(r"\| (4|8|16) \|", line)]
     assert len(rows) == 3

@@ -5,8 +5,14 @@ import importlib
 
 import pytest
 
-MODULES = ["lens_callbacks.anchor.ring", "lens_callbacks.anchor.fit", "lens_callbacks.anchor.projector",
-           "lens_callbacks.anchor.merger", "lens_callbacks.anchor.gate", "lens_callbacks.metrics.anchor"]
+MODULES = [
+    "lens_callbacks.anchor.ring",
+    "lens_callbacks.anchor.fit",
+    "lens_callbacks.anchor.projector",
+    "lens_callbacks.anchor.merger",
+    "lens_callbacks.anchor.gate",
+    "lens_callbacks.metrics.anchor",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

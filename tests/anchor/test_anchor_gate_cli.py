@@ -44,14 +44,32 @@ def test_cli_prints_the_table_of_the_replay(tmp_path):
     saved = _save_run(tmp_path)
     out_json = tmp_path / "gate.json"
     r = subprocess.run(
-        [sys.executable, "-m", "lens_callbacks", "anchor-gate", str(tmp_path), "--cadence", "10", "--delay-K", "20",
-         "--pool", "global", "--json", str(out_json), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "lens_callbacks",
+            "anchor-gate",
+            str(tmp_path),
+            "--cadence",
+            "10",
+            "--delay-K",
+            "20",
+            "--pool",
+            "global",
+            "--json",
+            str(out_json),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert "ratio_gated" in r.stdout and "decision: project" in r.stdout
-    rep = replay({t: {k: x for k, x in sd.items() if x.is_floating_point()} for t, sd in saved.items()},
-                 10, 20, pool="global")
+    rep = replay(
+        {t: {k: x for k, x in sd.items() if x.is_floating_point()} for t, sd in saved.items()}, 10, 20, pool="global"
+    )
     payload = json.loads(out_json.read_text())
     assert payload["summary"]["median_ratio"] == pytest.approx(rep.median_ratio, rel=1e-12)
     assert len(payload["fires"]) == len(rep.readings) == 11  # snapshots 0..100 fire at 20..120
@@ -89,8 +107,14 @@ def test_replays_checkpoints_that_lightning_wrote(tmp_path):
         def on_train_batch_end(self, trainer, pl_module, *a):
             live[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
-    Trainer(max_steps=24, callbacks=[Record(), ck], logger=False, enable_progress_bar=False,
-            enable_model_summary=False, accelerator="cpu").fit(model)
+    Trainer(
+        max_steps=24,
+        callbacks=[Record(), ck],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    ).fit(model)
     got = load_checkpoints(tmp_path)
     assert sorted(got) == list(range(2, 25, 2))
     for t, sd in got.items():  # the step read back is the number of optimizer steps the weights carry

@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from lens_callbacks.metrics.anchor import GatedOnFraction, WeightPredictionError, gated_on_fraction, weight_prediction_error
+from lens_callbacks.metrics.anchor import (
+    GatedOnFraction,
+    WeightPredictionError,
+    gated_on_fraction,
+    weight_prediction_error,
+)
 
 
 def test_weight_prediction_error_pools_over_fires_like_numpy():

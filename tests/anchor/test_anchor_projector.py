@@ -66,7 +66,7 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
             continue
         ws = [snaps[t] for t in window]
         base, v1, c, a, b, S = _ref_fit(ws, window)
-        assert r.evr1 == pytest.approx(S[0] ** 2 / np.sum(S ** 2), rel=1e-6)
+        assert r.evr1 == pytest.approx(S[0] ** 2 / np.sum(S**2), rel=1e-6)
         assert r.r2 == pytest.approx(np.corrcoef(window, c)[0, 1] ** 2, rel=1e-5)
         t_tgt = tick + K  # h_safe = None: de-stale to the present
         assert r.t_tgt == t_tgt <= tick + K
@@ -92,7 +92,9 @@ def test_projection_matches_numpy_reference_and_lies_in_the_span():
         want = np.linalg.norm(theta_ref - tr) / np.linalg.norm(ws[-1].double().numpy() - tr)
         assert r.weight_err_ratio == pytest.approx(want, rel=1e-4)
         vel = ws[-1].double().numpy() + K / cad * (ws[-1].double().numpy() - ws[-2].double().numpy())
-        assert r.vel_err_ratio == pytest.approx(np.linalg.norm(vel - tr) / np.linalg.norm(ws[-1].double().numpy() - tr), rel=1e-4)
+        assert r.vel_err_ratio == pytest.approx(
+            np.linalg.norm(vel - tr) / np.linalg.norm(ws[-1].double().numpy() - tr), rel=1e-4
+        )
         if prev_ref is not None:
             assert r.fire_cos == pytest.approx(float(prev_ref[2] @ v1), abs=1e-6)
         prev_ref = (window, base, v1, c, a, b)
@@ -122,7 +124,7 @@ def test_gate_is_pooled_per_layer_and_sign_agree_matches_numpy():
         for blk, names in (("h.0", ["h.0.a", "h.0.b"]), ("h.1", ["h.1.a"])):
             X = np.stack([np.concatenate([snap[t][n].double().reshape(-1).numpy() for n in names]) for t in window])
             S = np.linalg.svd(X[1:] - X[0], compute_uv=False)
-            assert prj.reading.blocks[blk]["evr1"] == pytest.approx(S[0] ** 2 / np.sum(S ** 2), rel=1e-6)
+            assert prj.reading.blocks[blk]["evr1"] == pytest.approx(S[0] ** 2 / np.sum(S**2), rel=1e-6)
             on[blk].append(prj.gate[names[0]])
             assert all(prj.gate[n] == prj.gate[names[0]] for n in names)  # one decision per block
         # Resolution B's sign cross-check, pooled over all tensors, from per-tensor fits
@@ -151,8 +153,12 @@ def test_below_n0_is_a_strict_no_op():
 def test_linear_drift_beats_stale_and_matches_velocity_extrapolation():
     d, cad, K = 200, 10, 20
     snaps = _walk(260, d, 7, drift=0.05, noise=0.01)
-    rep = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=cad, delay_K=K,
-                 projector=Rank1TrajProjector(n0=4, w_cap=10, pool="global"))
+    rep = replay(
+        {t: {"w": s} for t, s in enumerate(snaps)},
+        cadence=cad,
+        delay_K=K,
+        projector=Rank1TrajProjector(n0=4, w_cap=10, pool="global"),
+    )
     proj = [r for r in rep.readings if r.projected]
     assert len(proj) >= 15
     assert rep.median_ratio < 0.1
@@ -169,8 +175,12 @@ def test_random_walk_gate_stays_mostly_off(retro_gate):
     fr = []
     for seed in range(3):
         snaps = _walk(200, d, 100 + seed, 0, 0, kind="walk")
-        rep = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=cad, delay_K=K,
-                     projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro_gate))
+        rep = replay(
+            {t: {"w": s} for t, s in enumerate(snaps)},
+            cadence=cad,
+            delay_K=K,
+            projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro_gate),
+        )
         fr += [r.gated_on_fraction for r in rep.readings if r.projected]
         # ungated, extrapolating a walk is worse than the stale snapshot (the gate is needed) ...
         assert rep.median_ratio > 1.0
@@ -196,8 +206,12 @@ def test_retro_gate_refuses_a_coherent_but_unextrapolable_trajectory(rate):
     snaps = _drift_walk(200, 500, 7, rate)
     reps = {}
     for retro in (False, True):
-        reps[retro] = replay({t: {"w": s} for t, s in enumerate(snaps)}, cadence=10, delay_K=10,
-                             projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro))
+        reps[retro] = replay(
+            {t: {"w": s} for t, s in enumerate(snaps)},
+            cadence=10,
+            delay_K=10,
+            projector=Rank1TrajProjector(n0=4, w_cap=8, pool="global", retro_gate=retro),
+        )
     proj = [r for r in reps[True].readings if r.projected]
     assert np.median([r.evr1 - r.evr1_null for r in proj]) > 0.05 and np.median([r.r2 for r in proj]) > 0.95
     assert reps[False].gated_on_fraction == 1.0
@@ -257,8 +271,13 @@ def test_mergers_against_a_per_coordinate_loop():
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 64), seed=st.integers(0, 2**31 - 1), alpha=st.floats(0.0, 1.0),
-       zeros=st.floats(0.0, 0.5), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+@given(
+    n=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1),
+    alpha=st.floats(0.0, 1.0),
+    zeros=st.floats(0.0, 0.5),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+)
 def test_full_confidence_is_signed_ema_bit_for_bit_on_any_tensor(n, seed, alpha, zeros, dtype):
     g_ = torch.Generator().manual_seed(seed)
     g = torch.randn(n, generator=g_).to(dtype)

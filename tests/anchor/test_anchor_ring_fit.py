@@ -52,7 +52,7 @@ def test_fit_matches_numpy_svd_of_stacked_deltas(W, n_t, d, seed):
     X = np.stack([_flat(s, names) - _flat(snaps[0], names) for s in snaps[1:]])  # [W-1, d]
     U, S, Vt = np.linalg.svd(X, full_matrices=False)
     assert f.sigma1 == pytest.approx(S[0], rel=1e-5)
-    assert f.evr1 == pytest.approx(S[0] ** 2 / np.sum(S ** 2), rel=1e-5)
+    assert f.evr1 == pytest.approx(S[0] ** 2 / np.sum(S**2), rel=1e-5)
     np.testing.assert_allclose(np.abs(f.c[1:]), np.abs(U[:, 0] * S[0]), rtol=1e-4, atol=1e-5 * S[0])
     # The pinned sign makes the coefficient grow with time.
     assert f.a >= 0.0
@@ -142,9 +142,9 @@ def test_random_walk_null_quantile_matches_direct_simulation():
         steps = rng.standard_normal((W - 1, d))
         X = np.cumsum(steps, axis=0)
         s = np.linalg.svd(X, compute_uv=False)
-        evr.append(s[0] ** 2 / np.sum(s ** 2))
+        evr.append(s[0] ** 2 / np.sum(s**2))
     q = evr1_null_quantile(list(range(0, 20 * W, 20)), d=d, q=0.9)
     assert q == pytest.approx(np.quantile(evr, 0.9), abs=0.01)
     # high-d limit: the Brownian spectrum (8/π² for many snapshots)
-    assert evr1_null_limit(range(0, 20 * 400, 20)) == pytest.approx(8 / math.pi ** 2, abs=2e-3)
+    assert evr1_null_limit(range(0, 20 * 400, 20)) == pytest.approx(8 / math.pi**2, abs=2e-3)
     assert 0.6 < evr1_null_quantile([0, 20, 40, 60], d=10**7, q=0.05)

@@ -1,8 +1,8 @@
 """The anchor arms' decision on hand-made results: each threshold trips the verdict it should."""
 
 import json
-from dataclasses import replace
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,16 +15,29 @@ COMM = 1000.0
 def run(arm, seed, score, *, grad=1.0, comm=COMM, fires=None, status="ok", hash_="h", scores=None):
     """A finished run: ``grad`` is its largest gradient norm, ``comm`` its anchor traffic over two fires."""
     if fires is None:
-        fires = () if arm == "off" else (
-            {"t_fast": 4, "projected": False, "comm_bytes": comm / 2, "gated_on_fraction": 0.0},
-            {"t_fast": 8, "projected": True, "comm_bytes": comm / 2, "gated_on_fraction": 0.0,
-             "weight_err_ratio": 1.5, "coef_pred_error": 0.4, "evr1": 0.95, "evr1_null": 0.84},
+        fires = (
+            ()
+            if arm == "off"
+            else (
+                {"t_fast": 4, "projected": False, "comm_bytes": comm / 2, "gated_on_fraction": 0.0},
+                {
+                    "t_fast": 8,
+                    "projected": True,
+                    "comm_bytes": comm / 2,
+                    "gated_on_fraction": 0.0,
+                    "weight_err_ratio": 1.5,
+                    "coef_pred_error": 0.4,
+                    "evr1": 0.95,
+                    "evr1_null": 0.84,
+                },
+            )
         )
     if status != "ok":
         return RunResult(arm, seed, status, error="exit status 1\nValueError: boom", returncode=1)
     sc = scores if scores is not None else ((10, score / 2), (20, score))
-    return RunResult(arm, seed, "ok", score=score, scores=sc, grad_norms=((0, grad / 2), (1, grad)), fires=fires,
-                     param_hash=hash_)
+    return RunResult(
+        arm, seed, "ok", score=score, scores=sc, grad_norms=((0, grad / 2), (1, grad)), fires=fires, param_hash=hash_
+    )
 
 
 def base(a_scores=(0.50, 0.52, 0.54), c_scores=(0.50, 0.52, 0.54), **c_kw):
@@ -48,11 +61,19 @@ def test_all_safe_without_margin_stays_on_a_and_every_row_is_there():
     assert rep.verdict == "stay on A"
     assert all(r.passed for r in rep.rows if r.kind == "safety")
     assert row(rep, "margin (promotes C)", "C").passed is False
-    for check, arm in [("runs finished", "off"), ("runs finished", "A"), ("runs finished", "C"),
-                       ("off-path parity", "off"), ("comm bytes = arm A's", "C"), ("grad-norm stability", "A"),
-                       ("grad-norm stability", "C"), ("no regression", "C"),
-                       ("gated-ON ≈ 0 where projection does not help", "C"), ("coefficient-prediction error", "C"),
-                       ("EVR1 against its null", "C")]:
+    for check, arm in [
+        ("runs finished", "off"),
+        ("runs finished", "A"),
+        ("runs finished", "C"),
+        ("off-path parity", "off"),
+        ("comm bytes = arm A's", "C"),
+        ("grad-norm stability", "A"),
+        ("grad-norm stability", "C"),
+        ("no regression", "C"),
+        ("gated-ON ≈ 0 where projection does not help", "C"),
+        ("coefficient-prediction error", "C"),
+        ("EVR1 against its null", "C"),
+    ]:
         row(rep, check, arm)
     # the JSON and the Markdown hold every row
     js = json.loads(json.dumps(rep.to_json()))
@@ -136,8 +157,9 @@ def test_a_crashed_run_is_reported_and_stops():
 
 def test_gated_on_must_be_near_zero_where_the_projection_does_not_help():
     def fires(ratio, gated):
-        return ({"t_fast": 8, "projected": True, "comm_bytes": COMM, "gated_on_fraction": gated,
-                 "weight_err_ratio": ratio},)
+        return (
+            {"t_fast": 8, "projected": True, "comm_bytes": COMM, "gated_on_fraction": gated, "weight_err_ratio": ratio},
+        )
 
     rep = decide(base(fires=fires(1.4, 0.30)), parity())
     assert row(rep, "gated-ON ≈ 0 where projection does not help", "C").passed is False and rep.verdict == "stop"
@@ -161,8 +183,18 @@ def test_ablation_b_is_reported_but_d_is_held_to_safety():
 
 def test_a_score_never_logged_fails_and_names_the_logged_tags():
     res = [r for r in base() if r.arm != "C"]
-    res += [RunResult("C", s, "ok", grad_norms=((0, 1.0),), fires=run("C", s, 0).fires, param_hash="h",
-                      logged_tags=("train/loss", "val/acc")) for s in range(3)]
+    res += [
+        RunResult(
+            "C",
+            s,
+            "ok",
+            grad_norms=((0, 1.0),),
+            fires=run("C", s, 0).fires,
+            param_hash="h",
+            logged_tags=("train/loss", "val/acc"),
+        )
+        for s in range(3)
+    ]
     rep = decide(res, parity(), settings={"score": "val/accuracy"})
     r = row(rep, "no regression", "C")
     assert r.passed is False and "val/accuracy" in r.note and "val/acc" in r.note
@@ -175,16 +207,30 @@ def test_arm_a_is_required():
 
 
 def test_run_config_swaps_the_anchor_and_adds_the_recorder(tmp_path):
-    cfg = {"trainer": {"max_steps": 5, "callbacks": [
-        {"class_path": "x.Other", "init_args": {"k": 1}},
-        {"class_path": "lens_callbacks.callbacks.AnchorProjectionCallback", "init_args": {"mode": "projected", "cadence": 4, "w_cap": 8}},
-    ], "logger": {"class_path": "L"}}, "model": {"class_path": "M"}}
-    out = run_config(cfg, "B", tmp_path, anchor_args={"cadence": 2}, arm_args={"mode": "projected", "retro_gate": False})
+    cfg = {
+        "trainer": {
+            "max_steps": 5,
+            "callbacks": [
+                {"class_path": "x.Other", "init_args": {"k": 1}},
+                {
+                    "class_path": "lens_callbacks.callbacks.AnchorProjectionCallback",
+                    "init_args": {"mode": "projected", "cadence": 4, "w_cap": 8},
+                },
+            ],
+            "logger": {"class_path": "L"},
+        },
+        "model": {"class_path": "M"},
+    }
+    out = run_config(
+        cfg, "B", tmp_path, anchor_args={"cadence": 2}, arm_args={"mode": "projected", "retro_gate": False}
+    )
     cbs = out["trainer"]["callbacks"]
     assert cbs[0] == {"class_path": "x.Other", "init_args": {"k": 1}}
     assert cbs[1]["init_args"] == {"mode": "projected", "cadence": 2, "w_cap": 8, "retro_gate": False}
     assert cbs[2]["class_path"].endswith("ArmsRecorder") and cbs[2]["init_args"]["out"] == str(tmp_path / "record.json")
-    assert out["trainer"]["default_root_dir"] == str(tmp_path) and out["trainer"]["logger"]["init_args"]["save_dir"] == str(tmp_path)
+    assert out["trainer"]["default_root_dir"] == str(tmp_path) and out["trainer"]["logger"]["init_args"][
+        "save_dir"
+    ] == str(tmp_path)
     assert len(cfg["trainer"]["callbacks"]) == 2  # the user's config is left as it was
     none = run_config(cfg, "none", tmp_path)
     assert [c["class_path"].split(".")[-1] for c in none["trainer"]["callbacks"]] == ["Other", "ArmsRecorder"]
@@ -265,7 +311,10 @@ def test_single_process_has_no_gradient_traffic_and_says_so():
     rep = decide(rs, parity())
     r = row(rep, "comm bytes = arm A's", "C")
     assert r.passed is True and r.value == "1000 vs 1000" and r.note == "no gradient traffic (single process)"
-    assert "no gradient traffic (single process)" in rep.render() and "no gradient traffic (single process)" in rep.markdown()
+    assert (
+        "no gradient traffic (single process)" in rep.render()
+        and "no gradient traffic (single process)" in rep.markdown()
+    )
     assert "| C | 3/3 |" in rep.markdown() and "| 1000 | 0 (single process) |" in rep.markdown()
     # and the result survives the JSON round trip the harness uses to read finished runs back
     back = RunResult.from_dict(json.loads(json.dumps(rs[3].to_dict())))

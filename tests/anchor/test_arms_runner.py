@@ -12,7 +12,7 @@ import pytest
 
 from lens_callbacks.anchor.arms import run_arms
 
-FAKE_MAIN = textwrap.dedent('''
+FAKE_MAIN = textwrap.dedent("""
     import json, sys, yaml
     argv = sys.argv[1:]
     cfg = yaml.safe_load(open(argv[argv.index("--config") + 1]))
@@ -39,7 +39,7 @@ FAKE_MAIN = textwrap.dedent('''
                                                "gated_on_fraction": 0.0}]
     json.dump({"scores": [[steps, score]], "grad_norms": [[0, 1.0]], "fires": fires, "param_hash": f"{mode in (None, 'off')}{seed}",
                "logged_tags": [rec["score"]], "refusal": None}, open(rec["out"], "w"))
-''')
+""")
 
 
 @pytest.fixture
@@ -56,17 +56,36 @@ def calls(cwd):
     return p.read_text().splitlines() if p.exists() else []
 
 
-CFG = {"trainer": {"callbacks": [{"class_path": "lens_callbacks.callbacks.AnchorProjectionCallback",
-                                  "init_args": {"mode": "projected", "cadence": 2}}]}, "model": {"class_path": "M"}}
+CFG = {
+    "trainer": {
+        "callbacks": [
+            {
+                "class_path": "lens_callbacks.callbacks.AnchorProjectionCallback",
+                "init_args": {"mode": "projected", "cadence": 2},
+            }
+        ]
+    },
+    "model": {"class_path": "M"},
+}
 
 
 def test_resume_crash_and_rerun_on_a_changed_setting(fake_cwd, tmp_path):
     out = tmp_path / "out"
-    kw = dict(seeds=2, steps=3, out=out, cwd=fake_cwd, progress=False, jobs=2,
-              arm_defs={"X": {"mode": "bogus"}})
+    kw = dict(seeds=2, steps=3, out=out, cwd=fake_cwd, progress=False, jobs=2, arm_defs={"X": {"mode": "bogus"}})
     rep = run_arms(CFG, ["off", "A", "C", "X"], **kw)
-    assert sorted(calls(fake_cwd)) == sorted(["off 0 3", "off 1 3", "signed_ema 0 3", "signed_ema 1 3", "projected 0 3",
-                                              "projected 1 3", "bogus 0 3", "bogus 1 3", "None 0 3"])
+    assert sorted(calls(fake_cwd)) == sorted(
+        [
+            "off 0 3",
+            "off 1 3",
+            "signed_ema 0 3",
+            "signed_ema 1 3",
+            "projected 0 3",
+            "projected 1 3",
+            "bogus 0 3",
+            "bogus 1 3",
+            "None 0 3",
+        ]
+    )
     assert rep.verdict == "stop" and rep.arms["C"].delta_mean == pytest.approx(0.05, abs=1e-12)
     crashed = [r for r in rep.runs if r.arm == "X"]
     assert all(r.status == "crashed" and "bogus" in r.error for r in crashed)
@@ -77,7 +96,8 @@ def test_resume_crash_and_rerun_on_a_changed_setting(fake_cwd, tmp_path):
     rep2 = run_arms(CFG, ["off", "A", "C", "X"], **kw)
     assert sorted(calls(fake_cwd)) == ["bogus 0 3", "bogus 1 3"]
     assert sorted(rep2.settings["read_back"]) == sorted(
-        [f"{a}/seed{s}" for a in ("off", "A", "C") for s in (0, 1)] + ["none/seed0"])
+        [f"{a}/seed{s}" for a in ("off", "A", "C") for s in (0, 1)] + ["none/seed0"]
+    )
 
     # a changed setting (steps, or the arm's arguments) is not read back
     (fake_cwd / "calls.txt").unlink()
@@ -102,10 +122,20 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 
 def test_parallel_runs_get_their_own_port_and_a_port_clash_is_run_again(fake_cwd, tmp_path):
-    from lens_callbacks.anchor.arms import PORT_RETRIES, _PORT_RANGE
+    from lens_callbacks.anchor.arms import _PORT_RANGE, PORT_RETRIES
 
-    rep = run_arms(CFG, ["A", "C", "X", "Y"], seeds=2, steps=3, out=tmp_path / "out", cwd=fake_cwd, progress=False,
-                   jobs=4, parity=False, arm_defs={"X": {"mode": "clash"}, "Y": {"mode": "clash_always"}})
+    rep = run_arms(
+        CFG,
+        ["A", "C", "X", "Y"],
+        seeds=2,
+        steps=3,
+        out=tmp_path / "out",
+        cwd=fake_cwd,
+        progress=False,
+        jobs=4,
+        parity=False,
+        arm_defs={"X": {"mode": "clash"}, "Y": {"mode": "clash_always"}},
+    )
     lines = [x.split() for x in (fake_cwd / "ports.txt").read_text().splitlines()]
     ports = [int(p) for _, _, p in lines]
     # every start, in parallel or again after a clash, had a port of its own, outside the ephemeral range
@@ -113,8 +143,11 @@ def test_parallel_runs_get_their_own_port_and_a_port_clash_is_run_again(fake_cwd
     starts = {}
     for mode, seed, _ in lines:
         starts[(mode, int(seed))] = starts.get((mode, int(seed)), 0) + 1
-    assert starts == {**{(m, s): 1 for m in ("signed_ema", "projected") for s in (0, 1)},
-                      **{("clash", s): 2 for s in (0, 1)}, **{("clash_always", s): PORT_RETRIES + 1 for s in (0, 1)}}
+    assert starts == {
+        **{(m, s): 1 for m in ("signed_ema", "projected") for s in (0, 1)},
+        **{("clash", s): 2 for s in (0, 1)},
+        **{("clash_always", s): PORT_RETRIES + 1 for s in (0, 1)},
+    }
     runs = {(r.arm, r.seed): r for r in rep.runs}
     assert all(runs[("X", s)].ok for s in (0, 1))  # a clash says nothing about the arm: the second start counts
     assert not any(runs[("Y", s)].ok for s in (0, 1))  # but a port that never frees is a crash, reported as one

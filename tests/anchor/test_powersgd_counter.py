@@ -89,8 +89,13 @@ def train(hook, state, monkeypatch=None, counting=True, one_bucket=True):
 
 
 def psgd_state():
-    return PowerSGDState(process_group=None, matrix_approximation_rank=RANK, start_powerSGD_iter=START,
-                         min_compression_rate=2, random_seed=0)
+    return PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=RANK,
+        start_powerSGD_iter=START,
+        min_compression_rate=2,
+        random_seed=0,
+    )
 
 
 def test_powersgd_bytes_match_the_hand_count_and_the_real_all_reduces(group, monkeypatch):

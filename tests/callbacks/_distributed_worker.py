@@ -135,14 +135,25 @@ class Recorder(pl.Callback):
 
     def on_train_end(self, trainer, pl_module):
         torch.save(
-            {"rows": self.rows, "conservation": [
-                None if c is None else {"source": getattr(c, "source", None), "error": getattr(c, "relative_error", None),
-                                        "floor": getattr(c, "update_precision_floor", None),
-                                        "holds": bool(getattr(c, "holds", False)), "text": c.render()}
-                for c in self.conservation
-            ], "world_size": trainer.world_size, "strategy": type(trainer.strategy).__name__,
-             "warnings": [(w.category.__name__, str(w.message), w.filename) for w in self.caught],
-             "readings_text": self.audit.readings.render()},
+            {
+                "rows": self.rows,
+                "conservation": [
+                    None
+                    if c is None
+                    else {
+                        "source": getattr(c, "source", None),
+                        "error": getattr(c, "relative_error", None),
+                        "floor": getattr(c, "update_precision_floor", None),
+                        "holds": bool(getattr(c, "holds", False)),
+                        "text": c.render(),
+                    }
+                    for c in self.conservation
+                ],
+                "world_size": trainer.world_size,
+                "strategy": type(trainer.strategy).__name__,
+                "warnings": [(w.category.__name__, str(w.message), w.filename) for w in self.caught],
+                "readings_text": self.audit.readings.render(),
+            },
             os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
         )
 
@@ -157,22 +168,38 @@ class AnchorRecorder(pl.Callback):
         from lens_callbacks.callbacks._distributed import full_grads
 
         r = self.anchor.last_reading
-        self.rows.append({"grad": [g.clone() for g in full_grads(pl_module)],
-                          "reading": None if r is None else r.to_dict("anchor/"),
-                          "refusal": None if self.anchor.last_refusal is None else self.anchor.last_refusal.reason})
+        self.rows.append(
+            {
+                "grad": [g.clone() for g in full_grads(pl_module)],
+                "reading": None if r is None else r.to_dict("anchor/"),
+                "refusal": None if self.anchor.last_refusal is None else self.anchor.last_refusal.reason,
+            }
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         c = self.check.last_reading
-        self.conservation.append({"kind": type(c).__name__, "source": getattr(c, "source", None),
-                                  "error": getattr(c, "relative_error", None), "holds": bool(getattr(c, "holds", False)),
-                                  "text": c.render()})
+        self.conservation.append(
+            {
+                "kind": type(c).__name__,
+                "source": getattr(c, "source", None),
+                "error": getattr(c, "relative_error", None),
+                "holds": bool(getattr(c, "holds", False)),
+                "text": c.render(),
+            }
+        )
 
     def on_train_end(self, trainer, pl_module):
         from lens_callbacks.callbacks._distributed import full_params
 
-        torch.save({"rows": self.rows, "params": full_params(pl_module), "strategy": type(trainer.strategy).__name__,
-                    "conservation": self.conservation},
-                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+        torch.save(
+            {
+                "rows": self.rows,
+                "params": full_params(pl_module),
+                "strategy": type(trainer.strategy).__name__,
+                "conservation": self.conservation,
+            },
+            os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
+        )
 
 
 def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit") -> None:
@@ -191,9 +218,17 @@ def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit")
         # No audit: the check holds each step against the (merged, sharded) .grad it gathers.
         check = ConservationCheckCallback(tolerance=1e-4, log_figure=False)
         pl.Trainer(
-            max_steps=ANCHOR_STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, callbacks=[anchor, check, AnchorRecorder(anchor, check, out_dir)], default_root_dir=out_dir,
+            max_steps=ANCHOR_STEPS,
+            accelerator="cpu",
+            devices=W,
+            strategy=strategy,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[anchor, check, AnchorRecorder(anchor, check, out_dir)],
+            default_root_dir=out_dir,
         ).fit(Policy(dtype, fsdp=fsdp, steps=ANCHOR_STEPS))
         return
     extras = EXTRAS if what == "extras" else None
@@ -202,9 +237,17 @@ def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always" if extras else "ignore")
         trainer = pl.Trainer(
-            max_steps=STEPS, accelerator="cpu", devices=W, strategy=strategy, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-            callbacks=[audit, check, Recorder(audit, check, out_dir, caught)], default_root_dir=out_dir,
+            max_steps=STEPS,
+            accelerator="cpu",
+            devices=W,
+            strategy=strategy,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[audit, check, Recorder(audit, check, out_dir, caught)],
+            default_root_dir=out_dir,
         )
         trainer.fit(Policy(dtype, fsdp=fsdp))
 

@@ -19,9 +19,9 @@ sys.path.insert(0, HERE)
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore")
 
+import _distributed_worker as base  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 
-import _distributed_worker as base  # noqa: E402
 from lens_callbacks.callbacks.probe import ProbeCreditCallback  # noqa: E402
 
 STEPS, W = 2, base.W
@@ -51,13 +51,22 @@ class Recorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         r = self.probe.last_reports["heldout"]
-        self.rows.append({
-            "step": trainer.global_step - 1, "before": self.before,
-            "after": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-            "part_names": r.part_names, "contribution": r.contribution, "carried": r.carried,
-            "loss_before": r.loss_before, "loss_after": r.loss_after, "alignment": r.alignment,
-            "update_match": r.update_match, "splits": r.splits, "logged": dict(self.probe.last_values),
-        })
+        self.rows.append(
+            {
+                "step": trainer.global_step - 1,
+                "before": self.before,
+                "after": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                "part_names": r.part_names,
+                "contribution": r.contribution,
+                "carried": r.carried,
+                "loss_before": r.loss_before,
+                "loss_after": r.loss_after,
+                "alignment": r.alignment,
+                "update_match": r.update_match,
+                "splits": r.splits,
+                "logged": dict(self.probe.last_values),
+            }
+        )
 
     def on_train_end(self, trainer, pl_module):
         torch.save({"rows": self.rows}, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
@@ -66,9 +75,17 @@ class Recorder(pl.Callback):
 def main(out_dir: str) -> None:
     probe = ProbeCreditCallback(dtype="float64", log_table_every_n_steps=0, split_by=[])
     pl.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=W, strategy="ddp", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        callbacks=[probe, Recorder(probe, out_dir)], default_root_dir=out_dir,
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=W,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[probe, Recorder(probe, out_dir)],
+        default_root_dir=out_dir,
     ).fit(ProbePolicy(torch.float64, steps=STEPS))
 
 

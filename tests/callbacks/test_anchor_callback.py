@@ -3,7 +3,6 @@
 import math
 
 import numpy as np
-
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
@@ -64,8 +63,17 @@ class Plain(Tiny):
 
 
 def _trainer(steps, callbacks=(), **kw):
-    return Trainer(max_steps=steps, callbacks=list(callbacks), logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1, **kw)
+    return Trainer(
+        max_steps=steps,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        **kw,
+    )
 
 
 def _run(steps, cb=None, seed=0, model_kw=None, callbacks_around=None, **kw):
@@ -120,11 +128,13 @@ class _Probe(Callback):
         self.store, self.key = store, key
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.store.setdefault(self.key, []).append((
-            trainer.global_step,
-            {n: p.detach().clone() for n, p in pl_module.named_parameters()},
-            {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()},
-        ))
+        self.store.setdefault(self.key, []).append(
+            (
+                trainer.global_step,
+                {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()},
+            )
+        )
 
 
 def test_signed_ema_merger_matches_an_independent_torch_func_reference():
@@ -153,7 +163,11 @@ def test_signed_ema_merger_matches_an_independent_torch_func_reference():
             return torch.func.functional_call(_Wrap(m), {"m." + k: v for k, v in p.items()}, (batch,)).sum()
 
         g_anchor = torch.func.grad(loss)(anchor)
-        M = {n: g_anchor[n].clone() for n in names} if M is None else {n: beta * M[n] + (1 - beta) * g_anchor[n] for n in names}
+        M = (
+            {n: g_anchor[n].clone() for n in names}
+            if M is None
+            else {n: beta * M[n] + (1 - beta) * g_anchor[n] for n in names}
+        )
         for n in names:
             want = alpha * G[n] + (1 - alpha) * G[n].abs() * torch.sign(M[n])
             torch.testing.assert_close(merged[n], want, rtol=1e-5, atol=1e-7)
@@ -206,8 +220,9 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
 
 
 def test_projected_mode_uses_theta_hat_and_logs_readings():
-    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=4, w_cap=6, pool="global",
-                                  null_quantile=0.5, r2_min=0.3)
+    cb = AnchorProjectionCallback(
+        mode="projected", cadence=2, delay_K=4, w_cap=6, pool="global", null_quantile=0.5, r2_min=0.3
+    )
     seed_everything(0, verbose=False)
     m = Tiny()
     tr = _trainer(30, [cb])
@@ -215,8 +230,15 @@ def test_projected_mode_uses_theta_hat_and_logs_readings():
     proj = [r for r in cb.readings if r.projected]
     assert proj and all(r.t_tgt <= r.t_fast for r in proj)
     assert all(r.span_residual < 1e-9 for r in proj)
-    for k in ("anchor/evr1", "anchor/r2", "anchor/weight_err_ratio", "anchor/comm_bytes", "anchor/disagree_fraction",
-              "anchor/run/weight_err_ratio", "anchor/run/gated_on_fraction"):
+    for k in (
+        "anchor/evr1",
+        "anchor/r2",
+        "anchor/weight_err_ratio",
+        "anchor/comm_bytes",
+        "anchor/disagree_fraction",
+        "anchor/run/weight_err_ratio",
+        "anchor/run/gated_on_fraction",
+    ):
         assert k in tr.callback_metrics, k
     # weights up in fp32 plus one sign bit per parameter down (bytes rounded up per tensor)
     want = sum(p.numel() * 4 + math.ceil(p.numel() / 8) for p in m.parameters())
@@ -255,12 +277,23 @@ def test_a_merger_failing_midway_leaves_every_grad_as_it_was(monkeypatch):
     assert _same(m, _run(6, None))
 
 
-@pytest.mark.parametrize("kw, word", [
-    (dict(cadence=0), "cadence"), (dict(cadence=-3), "cadence"), (dict(delay_K=-1), "delay_K"),
-    (dict(alpha=1.5), "alpha"), (dict(alpha=-0.1), "alpha"), (dict(w_cap=3, n0=4), "w_cap"),
-    (dict(mode="on"), "mode"), (dict(beta_anc=1.0), "beta_anc"), (dict(kappa=0), "kappa"), (dict(p=0.0), "`p`"),
-    (dict(pool="rows"), "pool"), (dict(h_safe=-1), "h_safe"),
-])
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        (dict(cadence=0), "cadence"),
+        (dict(cadence=-3), "cadence"),
+        (dict(delay_K=-1), "delay_K"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(alpha=-0.1), "alpha"),
+        (dict(w_cap=3, n0=4), "w_cap"),
+        (dict(mode="on"), "mode"),
+        (dict(beta_anc=1.0), "beta_anc"),
+        (dict(kappa=0), "kappa"),
+        (dict(p=0.0), "`p`"),
+        (dict(pool="rows"), "pool"),
+        (dict(h_safe=-1), "h_safe"),
+    ],
+)
 def test_bad_configuration_is_a_clear_error(kw, word):
     with pytest.raises(ValueError, match=word):
         AnchorProjectionCallback(mode=kw.pop("mode", "projected"), **kw)
@@ -277,10 +310,20 @@ def test_readings_and_the_coefficient_figure_reach_tensorboard(tmp_path):
     from lightning.pytorch.loggers import TensorBoardLogger
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global", figure_every_n_fires=2)
+    cb = AnchorProjectionCallback(
+        mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global", figure_every_n_fires=2
+    )
     seed_everything(0, verbose=False)
-    tr = Trainer(max_steps=16, callbacks=[cb], logger=TensorBoardLogger(tmp_path, name="a"), log_every_n_steps=1,
-                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    tr = Trainer(
+        max_steps=16,
+        callbacks=[cb],
+        logger=TensorBoardLogger(tmp_path, name="a"),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     tr.fit(Tiny())
     ea = EventAccumulator(str(tmp_path / "a" / "version_0"), size_guidance={"images": 0, "scalars": 0})
     ea.Reload()
@@ -318,9 +361,17 @@ class _SameOnRanks(Callback):
 def test_ddp_two_cpu_ranks_stay_identical():
     seed_everything(0, verbose=False)
     cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="global")
-    Trainer(max_steps=14, callbacks=[cb, _SameOnRanks(), DestroyGroupAtExit()], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
-            strategy="ddp_spawn").fit(_RankTiny())
+    Trainer(
+        max_steps=14,
+        callbacks=[cb, _SameOnRanks(), DestroyGroupAtExit()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+    ).fit(_RankTiny())
 
 
 class _AnchorProbe(Callback):
@@ -331,14 +382,34 @@ class _AnchorProbe(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         a = self.cb._anchor
-        self.store.append(None if a is None else (
-            {n: x.clone() for n, x in a.items()}, dict(self.cb._tau), dict(self.cb._gate), self.cb._projected_active))
+        self.store.append(
+            None
+            if a is None
+            else (
+                {n: x.clone() for n, x in a.items()},
+                dict(self.cb._tau),
+                dict(self.cb._gate),
+                self.cb._projected_active,
+            )
+        )
 
 
 def test_projected_merger_matches_a_reference_at_the_recorded_anchor():
     alpha, beta, kappa, p = 0.25, 0.5, 1.5, 0.4
-    cb = AnchorProjectionCallback(mode="projected", cadence=2, delay_K=2, w_cap=6, pool="tensor", alpha=alpha,
-                                  beta_anc=beta, kappa=kappa, p=p, null_quantile=0.5, r2_min=0.3, retro_gate=False)
+    cb = AnchorProjectionCallback(
+        mode="projected",
+        cadence=2,
+        delay_K=2,
+        w_cap=6,
+        pool="tensor",
+        alpha=alpha,
+        beta_anc=beta,
+        kappa=kappa,
+        p=p,
+        null_quantile=0.5,
+        r2_min=0.3,
+        retro_gate=False,
+    )
     store, used = {}, []
     seed_everything(0, verbose=False)
     m = Tiny()
@@ -358,7 +429,11 @@ def test_projected_merger_matches_a_reference_at_the_recorded_anchor():
         g_anchor = torch.func.grad(
             lambda q: torch.func.functional_call(_Wrap(m), {"m." + k: v for k, v in q.items()}, (batch,)).sum()
         )(anchor)
-        M = {n: g_anchor[n].clone() for n in names} if M is None else {n: beta * M[n] + (1 - beta) * g_anchor[n] for n in names}
+        M = (
+            {n: g_anchor[n].clone() for n in names}
+            if M is None
+            else {n: beta * M[n] + (1 - beta) * g_anchor[n] for n in names}
+        )
         for n in names:
             g, mm = G[n].double(), M[n].double()
             if active and gate[n]:
@@ -415,14 +490,27 @@ def test_grpo_anchor_demo_projects_and_logs_to_tensorboard(tmp_path, run_cli):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_cli(
-        "fit", "--config", ROOT / "cli_configs" / "grpo_anchor.yaml", "--trainer.max_steps=21",
-        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", check=True,
+        "fit",
+        "--config",
+        ROOT / "cli_configs" / "grpo_anchor.yaml",
+        "--trainer.max_steps=21",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        check=True,
     )
     ea = EventAccumulator(str(tmp_path / "grpo_anchor" / "version_0"), size_guidance={"scalars": 0, "images": 0})
     ea.Reload()
     proj = {e.step: e.value for e in ea.Scalars("anchor/projected")}
     assert proj[16] == 1.0 and proj[20] == 1.0  # snapshots 0, 4, 8, 12 visible at 16: the first projection
-    for tag in ("anchor/evr1", "anchor/evr1_null", "anchor/r2", "anchor/weight_err_ratio", "anchor/vel_err_ratio",
-                "anchor/coef_pred_error", "anchor/comm_bytes", "anchor/disagree_fraction"):
+    for tag in (
+        "anchor/evr1",
+        "anchor/evr1_null",
+        "anchor/r2",
+        "anchor/weight_err_ratio",
+        "anchor/vel_err_ratio",
+        "anchor/coef_pred_error",
+        "anchor/comm_bytes",
+        "anchor/disagree_fraction",
+    ):
         assert tag in ea.Tags()["scalars"], tag
     assert "anchor/coefficient_trajectory" in ea.Tags()["images"]

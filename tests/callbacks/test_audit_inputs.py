@@ -24,12 +24,21 @@ class Module(pl.LightningModule):
     def __init__(self, zero_steps=(), nan_steps=(), segments=True, stray_steps=()):
         super().__init__()
         self.w = torch.nn.Parameter(torch.tensor([0.4, -0.3], dtype=torch.float64))
-        self.zero_steps, self.nan_steps, self.segments, self.stray_steps = set(zero_steps), set(nan_steps), segments, set(stray_steps)
+        self.zero_steps, self.nan_steps, self.segments, self.stray_steps = (
+            set(zero_steps),
+            set(nan_steps),
+            segments,
+            set(stray_steps),
+        )
 
     def _terms(self, i):
         g = torch.Generator().manual_seed(i)
         x = torch.randn(B, T, 2, generator=g, dtype=torch.float64)  # [B, T, 2]
-        adv = torch.zeros(B, dtype=torch.float64) if i in self.zero_steps else torch.tensor([1.0, -0.5], dtype=torch.float64)
+        adv = (
+            torch.zeros(B, dtype=torch.float64)
+            if i in self.zero_steps
+            else torch.tensor([1.0, -0.5], dtype=torch.float64)
+        )
         terms = -adv[:, None] * torch.tanh(x @ self.w)  # [B, T]
         if i in self.nan_steps:
             terms = terms * torch.tensor(float("nan"), dtype=torch.float64)
@@ -62,24 +71,44 @@ class _Text(pl.Callback):
         self.audit, self.rows = audit, []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.rows.append((self.audit._last_text[1], dict(self.audit.last_values), self.audit.last_refusal, self.audit.last_report))
+        self.rows.append(
+            (self.audit._last_text[1], dict(self.audit.last_values), self.audit.last_refusal, self.audit.last_report)
+        )
 
 
 def _fit(module, steps, partition="by_segment"):
     audit = CreditAuditCallback(partition=partition, dtype="float64", log_table_every_n_steps=0)
     text = _Text(audit)
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[audit, text])
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[audit, text],
+    )
     trainer.fit(module)
     return audit, text.rows
 
 
 def test_segment_partition_without_segments_is_one_error_at_the_first_step():
     audit = CreditAuditCallback(partition="by_segment", dtype="float64")
-    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[audit])
+    trainer = pl.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[audit],
+    )
     m = Module(segments=False)
-    with pytest.raises(ValueError, match=r"`partition` must match what credit_terms returns, got partition='by_segment'") as e:
+    with pytest.raises(
+        ValueError, match=r"`partition` must match what credit_terms returns, got partition='by_segment'"
+    ) as e:
         trainer.fit(m)
     assert trainer.global_step == 0 and audit.n_refusals == 0
     assert str(e.value).count("partition='by_rollout'") == 1, str(e.value)  # the fix is said once
@@ -118,7 +147,10 @@ def test_text_and_scalars_agree_on_every_step():
 
         for label in ("conservation_error", "cancellation"):
             printed, logged = number(label), values[f"credit/{label}"]
-            assert (math.isnan(printed) and math.isnan(logged)) or printed == pytest.approx(logged, rel=1e-3), (label, text)
+            assert (math.isnan(printed) and math.isnan(logged)) or printed == pytest.approx(logged, rel=1e-3), (
+                label,
+                text,
+            )
         if not report.ok:  # an undefined reading prints its reason instead of rows of NaN
             assert "UNDEFINED" in text and not any(re.search(rf"^{name}\s", text, re.M) for name in report.part_names)
             continue

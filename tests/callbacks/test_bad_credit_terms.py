@@ -77,8 +77,16 @@ def _run_in_tmp(tmp_path, monkeypatch):
 def _fit(module, check=False):
     audit = CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False)
     callbacks = [audit] + ([ConservationCheckCallback(log_figure=False)] if check else [])
-    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer = Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module)
@@ -90,7 +98,11 @@ def _fit(module, check=False):
     "flaw, condition, words",
     [
         ("stray", "credit_terms.terms", "`terms` must be exactly 0 at untrained positions"),
-        ("short_mask", "credit_terms.trained", f"`trained` must have the shape of `terms` [B, T] = [{B}, {T}], got [{B}, {T - 1}]"),
+        (
+            "short_mask",
+            "credit_terms.trained",
+            f"`trained` must have the shape of `terms` [B, T] = [{B}, {T}], got [{B}, {T - 1}]",
+        ),
         ("nan", "non_finite_loss", "the loss of this step is not finite"),
     ],
 )
@@ -121,11 +133,23 @@ def test_terms_that_are_not_the_loss_are_said_once_in_words_by_the_audit_and_the
     texts = [str(w.message) for w in ours]
     assert len(texts) == 2, texts  # one from each instrument, over five steps
     audit_words = next(t for t in texts if t.startswith("CreditAuditCallback"))
-    for part in ("the audited terms are not the loss at step 0", "grad_match", "= 1", "Likely cause",
-                 "2·terms.sum()", "Fix: build the loss as `loss = self.credit_terms(batch).terms.sum()`"):
+    for part in (
+        "the audited terms are not the loss at step 0",
+        "grad_match",
+        "= 1",
+        "Likely cause",
+        "2·terms.sum()",
+        "Fix: build the loss as `loss = self.credit_terms(batch).terms.sum()`",
+    ):
         assert part in audit_words, (part, audit_words)
     check_words = next(t for t in texts if t.startswith("ConservationCheckCallback"))
-    for part in ("step conservation violated at step 0", "relative error of 1", "2 × Σ g_S", "wrong normaliser", "Fix:"):
+    for part in (
+        "step conservation violated at step 0",
+        "relative error of 1",
+        "2 × Σ g_S",
+        "wrong normaliser",
+        "Fix:",
+    ):
         assert part in check_words, (part, check_words)
 
 

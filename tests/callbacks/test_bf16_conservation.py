@@ -14,12 +14,11 @@ import warnings
 
 import pytest
 import torch
+from test_conservation_callback import LitPolicy, Recording, _fit  # noqa: E402  (tests/callbacks is on sys.path)
 
 from lens_callbacks import ReadingWarning
 from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
 from lens_callbacks.credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading
-
-from test_conservation_callback import LitPolicy, Recording, _fit  # noqa: E402  (tests/callbacks is on sys.path)
 
 
 @pytest.fixture(autouse=True)

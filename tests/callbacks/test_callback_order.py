@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import AnchorProjectionCallback, ConservationCheckCallback, CreditAuditCallback
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.refusal import Refusal
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, optimizer="sgd", lr=0.5, dtype="float64")
@@ -42,14 +42,16 @@ class _Record(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         r = self.audit.last_report
-        self.rows.append({
-            "step": trainer.global_step - 1,
-            "values": dict(self.audit.last_values),
-            "grad_match": None if r is None else r.grad_match,
-            "check": self.check.last_reading,
-            "merged": self.anchor.merged_at(trainer.global_step - 1),
-            "applied": {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()},
-        })
+        self.rows.append(
+            {
+                "step": trainer.global_step - 1,
+                "values": dict(self.audit.last_values),
+                "grad_match": None if r is None else r.grad_match,
+                "check": self.check.last_reading,
+                "merged": self.anchor.merged_at(trainer.global_step - 1),
+                "applied": {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()},
+            }
+        )
 
 
 def _run(order):
@@ -61,9 +63,16 @@ def _run(order):
     rec = _Record(audit, check, anchor)
     pl.seed_everything(0, verbose=False)
     m = GRPOModule(**SMALL)
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[own] + [by_name[k] for k in order] + [rec])
+    trainer = pl.Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[own] + [by_name[k] for k in order] + [rec],
+    )
     trainer.fit(m, AdditionDataModule(batch_size=2, data_seed=0))
     return m, own, rec
 

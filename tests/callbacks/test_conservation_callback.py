@@ -94,7 +94,12 @@ class LitPolicy(LightningModule):
             kwargs = {}
         else:
             params, kwargs = self.parameters(), self.opt_kwargs
-        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "lbfgs": torch.optim.LBFGS}[self.opt_name]
+        cls = {
+            "sgd": torch.optim.SGD,
+            "adam": torch.optim.Adam,
+            "adamw": torch.optim.AdamW,
+            "lbfgs": torch.optim.LBFGS,
+        }[self.opt_name]
         opt = cls(params, lr=self.lr, **kwargs)
         if not self.scheduler:
             return opt
@@ -136,7 +141,10 @@ class Spy(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         lr_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
-        self._grad = {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for n, p in pl_module.named_parameters()}
+        self._grad = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            for n, p in pl_module.named_parameters()
+        }
         self._lr = {n: lr_of[id(p)] for n, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -222,7 +230,13 @@ def test_refusal_shows_in_tensorboard(tmp_path):
 
     cb = ConservationCheckCallback()
     with pytest.warns(UserWarning, match="REFUSED"):
-        _fit(LitPolicy(optimizer="adam"), [cb], max_steps=3, logger=TensorBoardLogger(tmp_path, name="tb"), log_every_n_steps=1)
+        _fit(
+            LitPolicy(optimizer="adam"),
+            [cb],
+            max_steps=3,
+            logger=TensorBoardLogger(tmp_path, name="tb"),
+            log_every_n_steps=1,
+        )
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
     text_tags = [t for t in acc.Tags()["tensors"] if t.startswith("conservation/refusal")]
@@ -244,13 +258,20 @@ def test_error_vs_floor_figure_in_tensorboard(tmp_path):
     acc.Reload()
     assert acc.Tags()["images"] == ["conservation/error_vs_floor"]
     assert acc.Images("conservation/error_vs_floor")[0].step == 2
-    assert [e.value for e in acc.Scalars("conservation/error")] == pytest.approx([r.relative_error for r in cb.seen], rel=1e-6)
+    assert [e.value for e in acc.Scalars("conservation/error")] == pytest.approx(
+        [r.relative_error for r in cb.seen], rel=1e-6
+    )
 
 
 def test_skipped_amp_step_is_refused():
     cb, spy = Recording(), Spy()
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
-    _fit(LitPolicy(dtype=torch.float32, inf_at=1), [cb, spy], max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    _fit(
+        LitPolicy(dtype=torch.float32, inf_at=1),
+        [cb, spy],
+        max_steps=3,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
     assert [type(r).__name__ for r in cb.seen] == ["ConservationReading", "Refusal", "ConservationReading"]
     assert cb.seen[1].condition == "step_skipped"
     for k in (0, 2):
@@ -332,7 +353,7 @@ def test_training_is_bitwise_unchanged_with_the_callback(opt):
     for i in sa:
         for k in sa[i]:
             va, vb = sa[i][k], sb[i][k]
-            assert (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb), (i, k)
+            assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, (i, k)
 
 
 def test_metric_and_functional_agree_with_a_naive_loop():
@@ -353,7 +374,9 @@ def test_metric_and_functional_agree_with_a_naive_loop():
     for out in (m.compute(), conservation_summary(readings)):
         assert float(out["readings"]) == 12
         assert float(out["refused_fraction"]) == pytest.approx(3 / 12)
-        assert float(out["limited_fraction"]) == pytest.approx(sum(r.update_precision_limited for r in made) / len(made))
+        assert float(out["limited_fraction"]) == pytest.approx(
+            sum(r.update_precision_limited for r in made) / len(made)
+        )
         assert float(out["violations"]) == sum(not r.update_precision_limited and r.relative_error > 5e-4 for r in made)
         assert float(out["mean_resolved_error"]) == pytest.approx(np.mean(resolved), rel=1e-12)
         assert float(out["max_resolved_error"]) == pytest.approx(max(resolved), rel=1e-12)
@@ -429,7 +452,9 @@ def test_credit_parts_that_do_not_add_up_to_the_loss_are_a_violation():
             return LitPolicy.credit_terms(self, batch).terms.sum()
 
     cb = Recording()
-    _fit(Inflated(), [CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False), cb], max_steps=2)
+    _fit(
+        Inflated(), [CreditAuditCallback(dtype="float64", log_table_every_n_steps=0, log_figure=False), cb], max_steps=2
+    )
     for r in cb.seen:
         assert r.source == "credit_parts" and r.violated and not r.update_precision_limited
         assert r.relative_error == pytest.approx(0.02 / 1.02, rel=1e-6)  # ||g − 1.02g|| / ||1.02g||
@@ -464,8 +489,16 @@ def _watch(cb):
 @pytest.mark.slow
 def test_grpo_conservation_yaml_holds_the_audit_against_sgd(tmp_path, monkeypatch):
     cli = _cli(
-        ["--config", "cli_configs/grpo_conservation.yaml", "--trainer.max_steps", "4",
-         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+        [
+            "--config",
+            "cli_configs/grpo_conservation.yaml",
+            "--trainer.max_steps",
+            "4",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
         monkeypatch,
     )
     cb = next(c for c in cli.trainer.callbacks if isinstance(c, ConservationCheckCallback))
@@ -487,9 +520,17 @@ def test_shipped_adam_config_shows_the_refusal_in_tensorboard(tmp_path, monkeypa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cli = _cli(
-        ["--config", "cli_configs/grpo_credit.yaml", "--trainer.max_steps", "2",
-         "--trainer.callbacks+=lens_callbacks.callbacks.ConservationCheckCallback",
-         "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"],
+        [
+            "--config",
+            "cli_configs/grpo_credit.yaml",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.callbacks+=lens_callbacks.callbacks.ConservationCheckCallback",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ],
         monkeypatch,
     )
     cb = next(c for c in cli.trainer.callbacks if isinstance(c, ConservationCheckCallback))
@@ -544,7 +585,9 @@ class CheckInWorker(Callback):
     def on_train_end(self, trainer, pl_module):
         seen = self.check.seen
         assert len(seen) == 2, seen
-        assert self.local_gap and all(g > 1e-2 for g in self.local_gap), self.local_gap  # local parts would not conserve
+        assert self.local_gap and all(g > 1e-2 for g in self.local_gap), (
+            self.local_gap
+        )  # local parts would not conserve
         # Step 1: one rank has no audit parts, so every rank holds the step against .grad (no hang).
         assert [r.source for r in seen] == ["credit_parts", "grad"], seen
         for r in seen:

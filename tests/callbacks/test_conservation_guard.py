@@ -61,8 +61,9 @@ class Policy(pl.LightningModule):
         lp = torch.log_softmax(self.head(torch.tanh(h)), -1).gather(-1, self.ids[..., None])[..., 0]  # [B, T]
         trained = torch.ones(B, T, dtype=torch.bool)
         seg = torch.arange(T)[None].expand(B, T) // 2
-        return CreditTerms(-self.adv[:, None] * lp / (B * T), trained, torch.arange(B), torch.zeros(B, dtype=torch.long),
-                           segment=seg)
+        return CreditTerms(
+            -self.adv[:, None] * lp / (B * T), trained, torch.arange(B), torch.zeros(B, dtype=torch.long), segment=seg
+        )
 
     def training_step(self, batch, batch_idx):
         return self.credit_terms().terms.sum()
@@ -72,9 +73,17 @@ class Policy(pl.LightningModule):
 
 
 def _fit(module, audit, steps=5, **kw):
-    pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[audit], **kw).fit(
-        module, torch.utils.data.DataLoader(range(steps * kw.get("accumulate_grad_batches", 1)), batch_size=None))
+    pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[audit],
+        **kw,
+    ).fit(module, torch.utils.data.DataLoader(range(steps * kw.get("accumulate_grad_batches", 1)), batch_size=None))
 
 
 def test_the_planted_fault_breaks_conservation_in_the_reference_engine():
@@ -125,8 +134,15 @@ def test_with_accumulation_the_cause_is_named():
     assert audit.last_refusal.condition.startswith("conservation/accumulation")
 
 
-@pytest.mark.parametrize("precision, capture", [("32-true", "separate"), ("32-true", "training_step"),
-                                                ("bf16-mixed", "separate"), ("bf16-mixed", "training_step")])
+@pytest.mark.parametrize(
+    "precision, capture",
+    [
+        ("32-true", "separate"),
+        ("32-true", "training_step"),
+        ("bf16-mixed", "separate"),
+        ("bf16-mixed", "training_step"),
+    ],
+)
 def test_200_healthy_steps_never_trip_the_guard(precision, capture):
     from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
@@ -135,9 +151,17 @@ def test_200_healthy_steps_never_trip_the_guard(precision, capture):
     audit = CreditAuditCallback(capture=capture, readings="shares", log_figure=False, log_table_every_n_steps=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pl.Trainer(max_steps=200, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=[audit], precision=precision,
-                   ).fit(module, AdditionDataModule(batch_size=2, data_seed=0))
+        pl.Trainer(
+            max_steps=200,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[audit],
+            precision=precision,
+        ).fit(module, AdditionDataModule(batch_size=2, data_seed=0))
     assert audit.n_audits == 200
     conditions = {c for c in audit._once.refusals}
     assert not any(c.startswith("conservation") for c in conditions), audit._once.summary(audit.n_audits)

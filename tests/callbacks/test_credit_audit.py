@@ -6,7 +6,6 @@ shares in numpy float64; TensorBoard events read back with tensorboard's own Eve
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -16,20 +15,27 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.refusal import Refusal
 from tests._spawn_exit import DestroyGroupAtExit
-
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 
 
 def _trainer(callbacks=(), steps=3, logger=False, **kw):
     return pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
+        **kw,
     )
 
 
@@ -46,7 +52,9 @@ def _reference_shares(pl_module):
 
     def flat(loss):
         gs = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
-        return np.concatenate([(torch.zeros_like(p) if g is None else g).detach().double().flatten().numpy() for p, g in zip(params, gs)])
+        return np.concatenate(
+            [(torch.zeros_like(p) if g is None else g).detach().double().flatten().numpy() for p, g in zip(params, gs)]
+        )
 
     with torch.enable_grad():
         terms = pl_module.credit_terms(None).terms  # [B, T]
@@ -71,7 +79,9 @@ class _Reference(pl.Callback):
         self.rows = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.rows.append((trainer.global_step, self.audit.last_report, self.audit.last_report_step, _reference_shares(pl_module)))
+        self.rows.append(
+            (trainer.global_step, self.audit.last_report, self.audit.last_report_step, _reference_shares(pl_module))
+        )
 
 
 def test_readings_match_a_naive_per_rollout_loop_float64():
@@ -106,8 +116,15 @@ def test_tensorboard_holds_credit_scalars_text_and_figure(tmp_path):
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     acc.Reload()
     scalars = set(acc.Tags()["scalars"])
-    for tag in ("credit/cancellation", "credit/conservation_error", "credit/grad_match", "credit/share_sum",
-                "credit/projected_share/rollout_0", "credit/norm_share/rollout_2", "credit/epoch/cancellation"):
+    for tag in (
+        "credit/cancellation",
+        "credit/conservation_error",
+        "credit/grad_match",
+        "credit/share_sum",
+        "credit/projected_share/rollout_0",
+        "credit/norm_share/rollout_2",
+        "credit/epoch/cancellation",
+    ):
         assert tag in scalars, (tag, sorted(scalars))
     assert "credit/projected_share/rollout_3" not in scalars  # capped at max_logged_parts
     # The i-th logged value is the i-th audit; compare with the naive reference (float32 audit).
@@ -193,7 +210,9 @@ def test_audit_leaves_the_global_random_stream_to_training():
 
 class _GradSnapshot(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads = {n: (p.grad.clone(), p.grad.data_ptr()) for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.grads = {
+            n: (p.grad.clone(), p.grad.data_ptr()) for n, p in pl_module.named_parameters() if p.grad is not None
+        }
 
 
 class _GradCheck(pl.Callback):
@@ -265,14 +284,20 @@ def test_unimportable_partition_path_is_an_error_at_setup_before_any_step():
     calls = []
     m.training_step = lambda *a, **k: calls.append(1)  # would record any step that ran
     with pytest.raises(ValueError, match="no_such_module.by_turn"):
-        _trainer([CreditAuditCallback(partition="no_such_module.by_turn")], steps=1).fit(m, AdditionDataModule(batch_size=2))
+        _trainer([CreditAuditCallback(partition="no_such_module.by_turn")], steps=1).fit(
+            m, AdditionDataModule(batch_size=2)
+        )
     assert calls == []
 
 
 @pytest.mark.parametrize(
     "kw,needle",
-    [({"every_n_steps": 0}, "`every_n_steps`.*0"), ({"dtype": "float8"}, "'float8'"), ({"max_logged_parts": -1}, "`max_logged_parts`"),
-     ({"partition": 3}, r"`partition` must be one of .*by_rollout.*, got 3\.")],
+    [
+        ({"every_n_steps": 0}, "`every_n_steps`.*0"),
+        ({"dtype": "float8"}, "'float8'"),
+        ({"max_logged_parts": -1}, "`max_logged_parts`"),
+        ({"partition": 3}, r"`partition` must be one of .*by_rollout.*, got 3\."),
+    ],
 )
 def test_config_errors_at_init(kw, needle):
     with pytest.raises(ValueError, match=needle):
@@ -307,7 +332,10 @@ def test_a_failed_reading_is_a_refusal_and_training_continues(tmp_path):
     acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     [text] = acc.Tensors("credit/refusal/text_summary")
-    assert text.step == 1 and "REFUSED (credit_audit): ValueError: rollout 3 has no tokens" in text.tensor_proto.string_val[0].decode()
+    assert (
+        text.step == 1
+        and "REFUSED (credit_audit): ValueError: rollout 3 has no tokens" in text.tensor_proto.string_val[0].decode()
+    )
     assert [(e.step, e.value) for e in acc.Scalars("credit/refused")] == [(0, 0.0), (1, 1.0), (2, 0.0)]
     assert np.isnan(acc.Scalars("credit/cancellation")[1].value)
     assert m.trainer.global_step == 3
@@ -456,7 +484,9 @@ def test_small_part_caps(cap):
     logged = {k for k in audit.last_values if k.startswith("credit/projected_share/")}
     assert logged == ({"credit/projected_share/rollout_0"} if cap else set())
     if cap and audit.last_report.ok:
-        assert audit.last_values["credit/projected_share/rollout_0"] == pytest.approx(audit.last_report.projected_share[0], rel=1e-12)
+        assert audit.last_values["credit/projected_share/rollout_0"] == pytest.approx(
+            audit.last_report.projected_share[0], rel=1e-12
+        )
 
 
 class _DDPChecks(pl.Callback):
@@ -487,8 +517,15 @@ def test_ddp_two_cpu_ranks_each_audit_their_batch(tmp_path):
     pl.seed_everything(0, verbose=False)
     m = GRPOModule(**SMALL)
     trainer = pl.Trainer(
-        max_steps=3, accelerator="cpu", devices=2, strategy="ddp_spawn", logger=TensorBoardLogger(str(tmp_path), version=0),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        max_steps=3,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=TensorBoardLogger(str(tmp_path), version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
         callbacks=[audit, _DDPChecks(audit), DestroyGroupAtExit()],
     )
     trainer.fit(m, AdditionDataModule(batch_size=2))  # the workers assert; here we read what rank 0 wrote
@@ -510,14 +547,25 @@ def test_state_survives_a_checkpoint_resume(tmp_path):
     pl.seed_everything(0, verbose=False)
     m = GRPOModule(**SMALL)
     pl.Trainer(
-        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[first, ckpt],
     ).fit(m, AdditionDataModule(batch_size=2))
     assert first.n_audits == 2
     resumed = CreditAuditCallback()
     m2 = GRPOModule(**SMALL)
     pl.Trainer(
-        max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[resumed],
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[resumed],
     ).fit(m2, AdditionDataModule(batch_size=2), ckpt_path=str(tmp_path / "last.ckpt"))
     assert resumed.n_audits == 3 and resumed.last_report_step == 2

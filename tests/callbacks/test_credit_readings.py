@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 import lightning.pytorch as pl
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import Partition, disintegrate
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from tests.callbacks.test_credit_audit import SMALL, _fit
 
 F64 = {"dtype": "float64"}
@@ -41,22 +41,29 @@ class _Check(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         batch = pl_module.last_rollout_batch
         direct = {n: disintegrate(pl_module, batch, n, dtype="float64") for n in self.names}
-        self.rows.append((dict(self.audit.last_values), self.audit.last_report, direct,
-                          dict(self.audit.readings.last_extra)))
+        self.rows.append(
+            (dict(self.audit.last_values), self.audit.last_report, direct, dict(self.audit.readings.last_extra))
+        )
 
 
 def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scalars():
     names = ["by_advantage_sign", "by_source", "by_reward"]
-    audit = CreditAuditCallback(partition=["by_rollout", "by_advantage_sign"], extra_partitions=["by_source", "by_reward"],
-                                dtype="float64")
+    audit = CreditAuditCallback(
+        partition=["by_rollout", "by_advantage_sign"], extra_partitions=["by_source", "by_reward"], dtype="float64"
+    )
     check = _Check(audit, names)
     _fit([audit, check], steps=6, seed=2, module_kw=F64)
     defined = 0
     for values, report, direct, extra in check.rows:
         assert not any("rollout_" in k for k in values), sorted(k for k in values if "rollout_" in k)
-        for tag in ("credit/concentration/effective_parts_norm", "credit/concentration/top1_share",
-                    "credit/noise/grad_sq_ema", "credit/by_advantage_sign/projected_share/positive",
-                    "credit/by_source/projected_share/carry", "credit/by_source/projected_share/no_carry"):
+        for tag in (
+            "credit/concentration/effective_parts_norm",
+            "credit/concentration/top1_share",
+            "credit/noise/grad_sq_ema",
+            "credit/by_advantage_sign/projected_share/positive",
+            "credit/by_source/projected_share/carry",
+            "credit/by_source/projected_share/no_carry",
+        ):
             assert tag in values, tag
         # The smoothed noise scale is logged exactly when it is defined (the smoothed ‖G‖² is positive), never as NaN.
         assert ("credit/noise/b_simple_ema" in values) == (values["credit/noise/grad_sq_ema"] > 0)
@@ -68,7 +75,9 @@ def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scala
             assert extra[n].method == "derived" and extra[n].part_names == direct[n].part_names
             for a, b in zip(extra[n].projected_share, direct[n].projected_share):
                 assert a == pytest.approx(b, abs=1e-12)
-                assert values[f"credit/{n}/projected_share/{direct[n].part_names[extra[n].projected_share.index(a)]}"] == a
+                assert (
+                    values[f"credit/{n}/projected_share/{direct[n].part_names[extra[n].projected_share.index(a)]}"] == a
+                )
         assert values["credit/by_advantage_sign/projected_share/zero"] == 0.0  # zero advantage, zero terms
         assert "credit/noise/b_simple" in values and "credit/noise/grad_sq_ema" in values
     assert defined >= 2
@@ -124,7 +133,12 @@ def test_ledger_sums_the_per_step_readings_and_resumes_bitwise(tmp_path):
     ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_train_steps=2)
     pl.seed_everything(0, verbose=False)
     pl.Trainer(
-        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[first, ckpt],
     ).fit(GRPOModule(**{**SMALL, **F64}), AdditionDataModule(batch_size=2, data_seed=0))
     resumed = CreditAuditCallback(**kw)
@@ -132,15 +146,23 @@ def test_ledger_sums_the_per_step_readings_and_resumes_bitwise(tmp_path):
     pl.seed_everything(0, verbose=False)
     m = GRPOModule(**{**SMALL, **F64})
     pl.Trainer(
-        max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, callbacks=[resumed, after],
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[resumed, after],
     ).fit(m, AdditionDataModule(batch_size=2, data_seed=0), ckpt_path=str(tmp_path / "last.ckpt"))
     assert len(after.rows) == 2
     # The restored ledger is the checkpoint's, continued over steps 2 and 3: the same float additions
     # in the same order give the same bits.
     for part in ("by_advantage_sign", "by_source"):
         hist = resumed.readings.ledger.history("gradient", part)
-        assert hist[: len(first.readings.ledger.history("gradient", part))] == first.readings.ledger.history("gradient", part)
+        assert hist[: len(first.readings.ledger.history("gradient", part))] == first.readings.ledger.history(
+            "gradient", part
+        )
         for name, value in resumed.readings.ledger.totals("gradient", part).items():
             want = first.readings.ledger.totals("gradient", part)[name]
             for row in after.rows:

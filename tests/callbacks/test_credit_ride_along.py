@@ -18,8 +18,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, dropout=0.1)
 
@@ -28,8 +28,16 @@ def _fit(callbacks=(), steps=3, seed=0, module_cls=GRPOModule, logger=False, **k
     pl.seed_everything(seed, verbose=False)
     m = module_cls(**SMALL)
     pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
+        **kw,
     ).fit(m, AdditionDataModule(batch_size=2, data_seed=seed))
     return m
 
@@ -135,8 +143,15 @@ def test_accumulation_rides_along_the_whole_step():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning
         pl.Trainer(
-            max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[ride], accumulate_grad_batches=2,
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ride],
+            accumulate_grad_batches=2,
         ).fit(module, torch.utils.data.DataLoader(micro, batch_size=None))
     assert ride.n_audits == 2 and ride.n_ride_along == 2
     got = ride.last_report
@@ -158,8 +173,15 @@ def test_accumulation_with_rollout_ids_repeated_across_micro_batches_keys_them_b
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback: the step rides along
         pl.Trainer(
-            max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[ride], accumulate_grad_batches=2,
+            max_steps=1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ride],
+            accumulate_grad_batches=2,
         ).fit(module, torch.utils.data.DataLoader(micro, batch_size=None))
     got = ride.last_report
     assert ride.n_ride_along == 1 and got.engine == "ghost+training_step"
@@ -204,7 +226,9 @@ def test_bad_arguments_name_the_options():
 
 def test_projected_readings_ride_along():
     ride = CreditAuditCallback(capture="training_step", readings="projected", log_figure=False)
-    separate = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False)
+    separate = CreditAuditCallback(
+        partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False
+    )
     pairs = _Pairs(ride, separate)
     _fit([ride, separate, pairs], steps=2, seed=1)
     for r, s in pairs.rows:
@@ -218,7 +242,9 @@ def test_projected_readings_ride_along():
 
 def test_shares_readings_ride_along_hold_the_norms_without_the_interference_matrix():
     ride = CreditAuditCallback(capture="training_step", readings="shares", log_figure=False)
-    separate = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False)
+    separate = CreditAuditCallback(
+        partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="reference", log_figure=False
+    )
     pairs = _Pairs(ride, separate)
     _fit([ride, separate, pairs], steps=3, seed=1)
     compared = 0
@@ -254,8 +280,14 @@ def test_ride_along_parts_hold_against_real_sgd_steps():
     pl.seed_everything(2, verbose=False)
     m = GRPOModule(**{**SMALL, "dropout": 0.0}, optimizer="sgd", lr=0.5, dtype="float64")
     pl.Trainer(
-        max_steps=6, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[ride, check, rec],
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ride, check, rec],
     ).fit(m, AdditionDataModule(batch_size=2, data_seed=2))
     assert ride.n_ride_along == 6 and ride.keep_grads
     made = [r for r in rec.seen if isinstance(r, ConservationReading)]
@@ -268,8 +300,12 @@ def test_ride_along_parts_hold_against_real_sgd_steps():
 def test_full_grad_trainer_reads_the_separate_pass_against_grad():
     plain = _fit(steps=3, seed=2)
     fast = CreditAuditCallback(full_grad="trainer", readings="shares", log_figure=False)
-    own = CreditAuditCallback(partition="lens_callbacks.credit.inputs.partition.by_rollout", engine="ghost", readings="shares",
-                              log_figure=False)
+    own = CreditAuditCallback(
+        partition="lens_callbacks.credit.inputs.partition.by_rollout",
+        engine="ghost",
+        readings="shares",
+        log_figure=False,
+    )
     pairs = _Pairs(fast, own)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback: .grad is this batch's gradient

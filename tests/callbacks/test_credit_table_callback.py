@@ -19,18 +19,26 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
 from lens_callbacks.credit import by_rollout, credit_table
 from lens_callbacks.credit.readings.table import module_decoder
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 
 
 def _trainer(callbacks, steps, logger=False, **kw):
     return pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
+        **kw,
     )
 
 
@@ -46,8 +54,14 @@ class _Seen(pl.Callback):
             terms = pl_module.credit_terms(None)
         want = None
         if report is not None:
-            want = credit_table(report, terms, by_rollout(terms), decode=module_decoder(pl_module),
-                                top_k=(self.parts + 1) // 2, bottom_k=self.parts // 2)
+            want = credit_table(
+                report,
+                terms,
+                by_rollout(terms),
+                decode=module_decoder(pl_module),
+                top_k=(self.parts + 1) // 2,
+                bottom_k=self.parts // 2,
+            )
         self.rows.append((trainer.global_step, report, list(pl_module.last_rollouts), want))
 
 
@@ -73,8 +87,17 @@ def test_callback_logs_the_sorted_table_with_rollout_columns(tmp_path):
         assert audit.last_table is None or step != audit.last_report_step or audit.last_table.render() == want.render()
         lines = body.splitlines()
         head = next(ln for ln in lines if ln.startswith("part "))
-        assert head.split() == ["part", "projected_share", "norm_share", "||g_S||", "group", "reward", "advantage",
-                                "trained", "completion"]
+        assert head.split() == [
+            "part",
+            "projected_share",
+            "norm_share",
+            "||g_S||",
+            "group",
+            "reward",
+            "advantage",
+            "trained",
+            "completion",
+        ]
         shown = [ln for ln in lines if ln.startswith("rollout_")]
         assert len(shown) == 4 and any(ln.startswith("... 8 more parts") for ln in lines)
         shares = [abs(float(ln.split()[1])) for ln in shown]
@@ -123,7 +146,9 @@ def test_audit_command_prints_the_table_with_rollout_columns(tmp_path, capsys, m
 
     torch.manual_seed(0)
     m = GRPOModule(**SMALL)
-    rec_cb = RunRecordCallback(str(tmp_path / "record"), batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch")
+    rec_cb = RunRecordCallback(
+        str(tmp_path / "record"), batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch"
+    )
     _trainer([rec_cb], 3).fit(m, AdditionDataModule(batch_size=3))
     rec = RunRecord(tmp_path / "record")
     monkeypatch.chdir(Path(__file__).resolve().parents[2])

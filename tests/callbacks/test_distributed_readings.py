@@ -40,7 +40,11 @@ def run(tmp_path_factory):
             env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
             r = subprocess.run(
                 [sys.executable, str(HERE / "_distributed_worker.py"), strategy, dtype, str(out), what],
-                cwd=out, env=env, capture_output=True, text=True, timeout=400,
+                cwd=out,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=400,
             )
             assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
             done[key] = tuple(torch.load(out / f"rank{i}.pt", weights_only=False) for i in range(worker.W))
@@ -143,8 +147,12 @@ class _Grads(worker.pl.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         r = self.anchor.last_reading
-        self.rows.append({"grad": [p.grad.detach().clone() for p in pl_module.parameters()],
-                          "reading": None if r is None else r.to_dict("anchor/")})
+        self.rows.append(
+            {
+                "grad": [p.grad.detach().clone() for p in pl_module.parameters()],
+                "reading": None if r is None else r.to_dict("anchor/"),
+            }
+        )
 
 
 def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(run, tmp_path):
@@ -156,8 +164,15 @@ def test_fsdp2_anchor_equals_one_process_on_the_concatenated_batches(run, tmp_pa
     spy = _Grads(anchor)
     m = _ConcatPolicy(torch.float64, steps=worker.ANCHOR_STEPS)
     worker.pl.Trainer(
-        max_steps=worker.ANCHOR_STEPS, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[anchor, spy], default_root_dir=str(tmp_path),
+        max_steps=worker.ANCHOR_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[anchor, spy],
+        default_root_dir=str(tmp_path),
     ).fit(m)
     assert any(r["reading"] and r["reading"]["anchor/projected"] == 1.0 for r in spy.rows)  # the projection ran
     for rank in fsdp:
@@ -213,8 +228,13 @@ def test_ddp_extra_partitions_are_read_over_all_ranks_without_nan_or_deprecated_
         def terms_fn(_, step=row["step"]):
             parts = [plain.credit_terms(worker.make_batch(r, step)) for r in range(worker.W)]
             terms = torch.cat([t.terms for t in parts]) / worker.W  # [W·B, T]: DDP applies the rank mean
-            return CreditTerms(terms, torch.cat([t.trained for t in parts]), torch.arange(n), torch.arange(n),
-                               advantages=torch.cat([t.advantages for t in parts]))
+            return CreditTerms(
+                terms,
+                torch.cat([t.trained for t in parts]),
+                torch.arange(n),
+                torch.arange(n),
+                advantages=torch.cat([t.advantages for t in parts]),
+            )
 
         ref = disintegrate(plain, None, "by_advantage_sign", dtype="float64", terms_fn=terms_fn)
         logged = row["logged"]

@@ -8,7 +8,14 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
-from lens_callbacks.callbacks._distributed import check_strategy, full_grads, full_params, is_sharded, whole_views, write_back_grads
+from lens_callbacks.callbacks._distributed import (
+    check_strategy,
+    full_grads,
+    full_params,
+    is_sharded,
+    whole_views,
+    write_back_grads,
+)
 from lens_callbacks.callbacks.anchor import AnchorProjectionCallback
 from lens_callbacks.callbacks.conservation import ConservationCheckCallback
 from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
@@ -21,10 +28,13 @@ def test_fsdp1_is_refused_at_setup_with_what_to_use_instead():
     check_strategy(SimpleNamespace(strategy=DDPStrategy()), "CreditAuditCallback")  # DDP passes
 
 
-@pytest.mark.parametrize("make", [
-    lambda: CreditAuditCallback(),
-    lambda: ConservationCheckCallback(),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: CreditAuditCallback(),
+        lambda: ConservationCheckCallback(),
+    ],
+)
 def test_callbacks_refuse_fsdp1_in_setup(make):
     cb = make()
     trainer = SimpleNamespace(strategy=FSDPStrategy(), callbacks=[cb], world_size=1, accumulate_grad_batches=1)

@@ -15,9 +15,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lens_callbacks.examples.resumable import ResumableDataLoader
 from lens_callbacks.callbacks import ConservationCheckCallback, CreditAuditCallback
 from lens_callbacks.credit import CreditTerms
+from lens_callbacks.examples.resumable import ResumableDataLoader
 
 B, T, D = 2, 4, 3
 
@@ -52,8 +52,14 @@ class SegmentModule(pl.LightningModule):
         if i in self.zero_items:
             adv = torch.zeros_like(adv)
         terms = -adv[:, None] * torch.tanh(x @ self.w)  # [B, T]
-        return CreditTerms(terms, torch.ones(B, T, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.long),
-                           segment=seg, segment_names=tuple(f"turn_{j}" for j in range(7)))
+        return CreditTerms(
+            terms,
+            torch.ones(B, T, dtype=torch.bool),
+            torch.arange(B),
+            torch.zeros(B, dtype=torch.long),
+            segment=seg,
+            segment_names=tuple(f"turn_{j}" for j in range(7)),
+        )
 
     def training_step(self, batch, batch_idx):
         self.index = int(batch[0])
@@ -70,8 +76,17 @@ class SegmentModule(pl.LightningModule):
 
 
 def _trainer(callbacks, steps, **kw):
-    return pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=callbacks, log_every_n_steps=1, **kw)
+    return pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        **kw,
+    )
 
 
 class _Shares(pl.Callback):
@@ -86,8 +101,10 @@ class _Shares(pl.Callback):
         with torch.enable_grad():
             terms = -adv[:, None] * torch.tanh(x @ w)
             g = torch.autograd.grad(terms.sum(), w, retain_graph=True)[0]
-            shares = {f"turn_{s}": float(torch.autograd.grad(terms[seg == s].sum(), w, retain_graph=True)[0] @ g / (g @ g))
-                      for s in sorted(set(seg.flatten().tolist()))}
+            shares = {
+                f"turn_{s}": float(torch.autograd.grad(terms[seg == s].sum(), w, retain_graph=True)[0] @ g / (g @ g))
+                for s in sorted(set(seg.flatten().tolist()))
+            }
         self.rows.append(shares)
 
 
@@ -136,8 +153,10 @@ def test_undefined_fraction_is_exact_nine_of_twelve():
 
 def test_resume_mid_epoch_gives_the_uninterrupted_epoch_readings(tmp_path):
     def callbacks():
-        return [CreditAuditCallback(partition="by_segment", dtype="float64", log_table_every_n_steps=0),
-                ConservationCheckCallback(tolerance=1e-8)]
+        return [
+            CreditAuditCallback(partition="by_segment", dtype="float64", log_table_every_n_steps=0),
+            ConservationCheckCallback(tolerance=1e-8),
+        ]
 
     full = callbacks()
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_last=False)
@@ -178,16 +197,31 @@ class _Epochs(pl.Callback):
 
 def test_resume_from_the_last_batch_of_an_epoch_closes_that_epoch_once(tmp_path):
     """Lightning skips the end of an epoch whose last batch was checkpointed: the readings still come, once."""
+
     def callbacks():
-        cbs = [CreditAuditCallback(partition="by_segment", dtype="float64", log_table_every_n_steps=0),
-               ConservationCheckCallback(tolerance=1e-8)]
+        cbs = [
+            CreditAuditCallback(partition="by_segment", dtype="float64", log_table_every_n_steps=0),
+            ConservationCheckCallback(tolerance=1e-8),
+        ]
         return cbs + [_Epochs(cbs)]
 
     full = callbacks()
-    _trainer(full + [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)], steps=9).fit(SegmentModule())
+    _trainer(full + [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1)], steps=9).fit(
+        SegmentModule()
+    )
     resumed = callbacks()
-    _trainer(resumed, steps=9, enable_checkpointing=False).fit(SegmentModule(), ckpt_path=str(tmp_path / "epoch=0-step=6.ckpt"))
-    assert sorted(full[2].rows) == sorted(resumed[2].rows) == [
-        ("ConservationCheckCallback", 5), ("ConservationCheckCallback", 8), ("CreditAuditCallback", 5), ("CreditAuditCallback", 8)]
+    _trainer(resumed, steps=9, enable_checkpointing=False).fit(
+        SegmentModule(), ckpt_path=str(tmp_path / "epoch=0-step=6.ckpt")
+    )
+    assert (
+        sorted(full[2].rows)
+        == sorted(resumed[2].rows)
+        == [
+            ("ConservationCheckCallback", 5),
+            ("ConservationCheckCallback", 8),
+            ("CreditAuditCallback", 5),
+            ("CreditAuditCallback", 8),
+        ]
+    )
     assert full[2].rows == resumed[2].rows
     assert resumed[2].rows[("ConservationCheckCallback", 8)]["conservation/epoch/readings"] == 3.0

@@ -57,10 +57,20 @@ class _Capture(Logger):
 def _fit(steps: int, **audit_kw) -> _Experiment:
     pl.seed_everything(0, verbose=False)
     logger = _Capture()
-    audit = CreditAuditCallback(partition="by_rollout", extra_partitions=["by_advantage_sign"], dtype="float64", **audit_kw)
-    pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[audit], log_every_n_steps=1,
-               ).fit(GRPOModule(**SMALL), AdditionDataModule(batch_size=2, data_seed=0))
+    audit = CreditAuditCallback(
+        partition="by_rollout", extra_partitions=["by_advantage_sign"], dtype="float64", **audit_kw
+    )
+    pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[audit],
+        log_every_n_steps=1,
+    ).fit(GRPOModule(**SMALL), AdditionDataModule(batch_size=2, data_seed=0))
     return logger.experiment
 
 

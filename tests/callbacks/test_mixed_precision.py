@@ -12,12 +12,11 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from test_conservation_callback import LitPolicy  # noqa: E402  (tests/callbacks is on sys.path)
 
 from lens_callbacks.callbacks.conservation import ConservationCheckCallback
 from lens_callbacks.callbacks.credit_audit import CreditAuditCallback
 from lens_callbacks.credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading
-
-from test_conservation_callback import LitPolicy  # noqa: E402  (tests/callbacks is on sys.path)
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
@@ -56,8 +55,15 @@ def _fit(precision_context: bool):
     check = ConservationCheckCallback(log_figure=False)
     spy = Spy(audit, check)
     Trainer(
-        max_steps=4, accelerator="cpu", devices=1, precision="bf16-mixed", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[audit, check, spy],
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[audit, check, spy],
     ).fit(LitPolicy(dtype=torch.float32))
     return audit, spy
 

@@ -17,10 +17,10 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lens_callbacks.examples.grpo import AdditionDataModule
-from lens_callbacks.examples.grpo.probe import GRPOProbeModule
 from lens_callbacks import ProbeCreditCallback
 from lens_callbacks.credit.readings.probe import ProbeCreditReport
+from lens_callbacks.examples.grpo import AdditionDataModule
+from lens_callbacks.examples.grpo.probe import GRPOProbeModule
 from lens_callbacks.refusal import Refusal
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3, n_probe=4)
@@ -51,9 +51,16 @@ def _fit(callbacks=(), steps=3, seed=0, module_kw=None, module_cls=GRPOProbeModu
     pl.seed_everything(seed, verbose=False)
     m = module_cls(**{**SMALL, **(module_kw or {})})
     trainer = pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=any(
-            isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1, **kw,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
+        **kw,
     )
     trainer.fit(m, AdditionDataModule(batch_size=2, data_seed=seed), ckpt_path=ckpt)
     return m
@@ -61,7 +68,9 @@ def _fit(callbacks=(), steps=3, seed=0, module_kw=None, module_cls=GRPOProbeModu
 
 def _flat_grad(loss, params):
     gs = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).detach().double().reshape(-1) for p, g in zip(params, gs)])
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).detach().double().reshape(-1) for p, g in zip(params, gs)]
+    )
 
 
 class _Spy(pl.Callback):
@@ -208,8 +217,14 @@ def test_ddp_reading_is_of_the_global_step(tmp_path):
 
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=str(here.parents[1]), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, str(here / "_probe_distributed_worker.py"), str(tmp_path)], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(here / "_probe_distributed_worker.py"), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     sys.path.insert(0, str(here))
     import _distributed_worker as base

@@ -23,7 +23,9 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 class TinyRL(LightningModule):
     """Samples `group_size` completions per prompt from a bigram policy inside the step (GRPO-style loss)."""
 
-    def __init__(self, vocab: int = 4, group_size: int = 4, length: int = 3, prompts: int = 2, with_tokens: bool = True):
+    def __init__(
+        self, vocab: int = 4, group_size: int = 4, length: int = 3, prompts: int = 2, with_tokens: bool = True
+    ):
         super().__init__()
         self.logits = nn.Parameter(torch.zeros(vocab, vocab))
         self.dropout = nn.Dropout(0.1)
@@ -77,9 +79,15 @@ def _fit(tmp_path, callbacks, steps=3, logger=None, **module_kw):
     seed_everything(7, workers=True)
     model = TinyRL(**module_kw)
     trainer = Trainer(
-        max_steps=steps, accelerator="cpu", logger=logger if logger is not None else False, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        default_root_dir=tmp_path, log_every_n_steps=1,
+        max_steps=steps,
+        accelerator="cpu",
+        logger=logger if logger is not None else False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
     )
     trainer.fit(model)
     return model, trainer
@@ -93,7 +101,13 @@ def test_logs_the_instruments_numbers_and_the_verdict_text(tmp_path):
     assert cb.n_audits == 3 and len(model.seen) == 3
     tok, rewards, group = model.seen[-1]
     ref = audit_groups(
-        [([tok[r, 1:].tolist() for r in range(len(group)) if group[r] == g], [float(rewards[r]) for r in range(len(group)) if group[r] == g]) for g in group.unique().tolist()]
+        [
+            (
+                [tok[r, 1:].tolist() for r in range(len(group)) if group[r] == g],
+                [float(rewards[r]) for r in range(len(group)) if group[r] == g],
+            )
+            for g in group.unique().tolist()
+        ]
     )
     logged = trainer.logged_metrics
     assert float(logged["process/kill_fraction"]) == pytest.approx(ref.kill_fraction)
@@ -146,8 +160,16 @@ def test_a_failing_reading_is_a_refusal_not_a_crash(tmp_path):
 
     cb = ProcessRewardCallback()
     seed_everything(7, workers=True)
-    trainer = Trainer(max_steps=3, accelerator="cpu", logger=False, callbacks=[cb], enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        callbacks=[cb],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.warns(UserWarning, match="no rollout batch cached"):
         trainer.fit(Broken())
     assert trainer.global_step == 3 and cb.n_audits == 0
@@ -175,8 +197,14 @@ def test_config_errors():
         credit_terms = None
 
     with pytest.raises(TypeError, match="credit_terms"):
-        trainer = Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                          enable_model_summary=False, callbacks=[ProcessRewardCallback()])
+        trainer = Trainer(
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            callbacks=[ProcessRewardCallback()],
+        )
         trainer.fit(NoTerms())
 
 
@@ -203,9 +231,16 @@ def test_ddp_two_ranks_sum_the_groups(tmp_path):
     """Every rank audits its own groups; the logged counts are summed over ranks, without a deadlock."""
     seed_everything(7, workers=True)
     trainer = Trainer(
-        max_steps=2, accelerator="cpu", strategy="ddp_spawn", devices=2, logger=False,
-        callbacks=[ProcessRewardCallback(), DestroyGroupAtExit()], enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        max_steps=2,
+        accelerator="cpu",
+        strategy="ddp_spawn",
+        devices=2,
+        logger=False,
+        callbacks=[ProcessRewardCallback(), DestroyGroupAtExit()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(TinyRL(prompts=3))
     metrics = trainer.callback_metrics

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lens_callbacks.callbacks import CreditAuditCallback
-from lens_callbacks.credit import CreditTerms, Partition
+from lens_callbacks.credit import CreditTerms
 from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.refusal import Refusal
 
@@ -70,14 +70,33 @@ MODES = [
     Mode("accumulate4_ride", accumulate=4, capture="training_step", expect_engine="ghost+training_step"),
     Mode("accumulate2_by_segment", accumulate=2, partition="by_segment", readings="projected", expect_engine="jvp"),
     Mode("checkpoint_reentrant_separate", checkpointing="reentrant", expect_engine="ghost"),
-    Mode("checkpoint_reentrant_ride", checkpointing="reentrant", capture="training_step", expect_engine="ghost",
-         expect_fallback="reentrant activation checkpointing"),
-    Mode("checkpoint_non_reentrant_ride", checkpointing="non_reentrant", capture="training_step",
-         expect_engine="ghost+training_step"),
-    Mode("checkpoint_reentrant_by_segment", checkpointing="reentrant", partition="by_segment", engine="reference",
-         expect_engine="reference"),
-    Mode("bf16_mixed_ride", capture="training_step", precision="bf16-mixed", tol=3e-2,
-         expect_engine="ghost+training_step"),
+    Mode(
+        "checkpoint_reentrant_ride",
+        checkpointing="reentrant",
+        capture="training_step",
+        expect_engine="ghost",
+        expect_fallback="reentrant activation checkpointing",
+    ),
+    Mode(
+        "checkpoint_non_reentrant_ride",
+        checkpointing="non_reentrant",
+        capture="training_step",
+        expect_engine="ghost+training_step",
+    ),
+    Mode(
+        "checkpoint_reentrant_by_segment",
+        checkpointing="reentrant",
+        partition="by_segment",
+        engine="reference",
+        expect_engine="reference",
+    ),
+    Mode(
+        "bf16_mixed_ride",
+        capture="training_step",
+        precision="bf16-mixed",
+        tol=3e-2,
+        expect_engine="ghost+training_step",
+    ),
     Mode("qwen2_lora_separate", arch="qwen2_lora", expect_engine="ghost"),
     Mode("qwen2_lora_ride", arch="qwen2_lora", capture="training_step", expect_engine="ghost+training_step"),
     Mode("mha_separate", arch="mha", expect_engine="ghost"),
@@ -86,18 +105,37 @@ MODES = [
     Mode("packed_rows_jvp", packed=True, partition="by_segment", readings="projected", expect_engine="jvp"),
     Mode("packed_rows_one_pass", packed=True, expect_engine="ghost"),
     Mode("packed_rows_ride", packed=True, capture="training_step", expect_engine="ghost+training_step"),
-    Mode("packed_rows_accumulate2_ride", packed=True, accumulate=2, capture="training_step",
-         expect_engine="ghost+training_step"),
+    Mode(
+        "packed_rows_accumulate2_ride",
+        packed=True,
+        accumulate=2,
+        capture="training_step",
+        expect_engine="ghost+training_step",
+    ),
 ]
 COMPILED = [
-    Mode(f"compile_{backend}_{engine}", compile=backend, engine=engine, partition=part, readings=readings,
-         expect_engine=engine)
+    Mode(
+        f"compile_{backend}_{engine}",
+        compile=backend,
+        engine=engine,
+        partition=part,
+        readings=readings,
+        expect_engine=engine,
+    )
     for backend in ("aot_eager", "inductor")
-    for engine, part, readings in (("ghost", "by_rollout", "all"), ("reference", "by_segment", "all"),
-                                   ("jvp", "by_segment", "projected"))
+    for engine, part, readings in (
+        ("ghost", "by_rollout", "all"),
+        ("reference", "by_segment", "all"),
+        ("jvp", "by_segment", "projected"),
+    )
 ] + [
-    Mode("compile_inductor_ride", compile="inductor", capture="training_step", expect_engine="ghost",
-         expect_fallback="torch.compile"),
+    Mode(
+        "compile_inductor_ride",
+        compile="inductor",
+        capture="training_step",
+        expect_engine="ghost",
+        expect_fallback="torch.compile",
+    ),
 ]
 
 
@@ -112,24 +150,41 @@ def _net(arch: str, checkpointing: Optional[str]) -> nn.Module:
         if arch == "mha":
             return MHANet()
         if arch == "llama":
-            cfg = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+            cfg = tf.LlamaConfig(
+                vocab_size=V,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+            )
             net = tf.LlamaForCausalLM(cfg)
         else:
             from peft import LoraConfig, get_peft_model
 
-            cfg = tf.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=True)
-            net = get_peft_model(tf.Qwen2ForCausalLM(cfg),
-                                 LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+            cfg = tf.Qwen2Config(
+                vocab_size=V,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=64,
+                tie_word_embeddings=True,
+            )
+            net = get_peft_model(
+                tf.Qwen2ForCausalLM(cfg),
+                LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+            )
             with torch.no_grad():
                 for n, p in net.named_parameters():
                     if "lora_B" in n:  # peft starts B at zero: a zero adapter has a degenerate gradient
                         p.normal_(0, 0.3)
         if checkpointing is not None:
             net.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+            )
         return net
 
 
@@ -195,7 +250,7 @@ def micro_batches(mode: Mode, n: int) -> list[dict]:
             # two rollouts per row, positions restarting at the second: attention stays inside each
             cut = T // 2
             pos[:, cut:] -= cut
-            trained[:, cut:cut + 2] = False
+            trained[:, cut : cut + 2] = False
             rollout_of = torch.where(torch.arange(T) < cut, 0, 1)[None].expand(B, T) + 2 * torch.arange(B)[:, None]
             adv = torch.randn(2 * B, generator=g)[rollout_of]  # [B, T]: each rollout its own advantage
             segment = torch.where(trained, rollout_of, -1)
@@ -204,8 +259,11 @@ def micro_batches(mode: Mode, n: int) -> list[dict]:
             adv = torch.randn(B, generator=g)[:, None].expand(B, T).clone()
             segment = torch.where(trained, torch.arange(T)[None].expand(B, T) // TURN, -1)
             rollout = torch.arange(B)
-        out.append(dict(ids=ids, trained=trained, adv=adv, pos=pos, segment=segment, rollout=rollout,
-                        group=torch.arange(B) // 2))
+        out.append(
+            dict(
+                ids=ids, trained=trained, adv=adv, pos=pos, segment=segment, rollout=rollout, group=torch.arange(B) // 2
+            )
+        )
     return out
 
 
@@ -274,8 +332,13 @@ class Reference(Callback):
             cancellation=total / math.sqrt(sq),
             full_grad_norm=math.sqrt(sq),
         )
-        self.steps.append(Step(self.audit.last_report if self.audit.last_report_step == trainer.global_step else None,
-                               self.audit.last_refusal if self.audit.last_report is None else None, ref))
+        self.steps.append(
+            Step(
+                self.audit.last_report if self.audit.last_report_step == trainer.global_step else None,
+                self.audit.last_refusal if self.audit.last_report is None else None,
+                ref,
+            )
+        )
 
     def _names(self, t: CreditTerms, j: int, n: int) -> dict[str, torch.Tensor]:
         """The part name of every trained position, as the audit names them (independently derived)."""
@@ -336,9 +399,17 @@ class Run:
 
 def _trainer(mode: Mode, callbacks) -> pl.Trainer:
     return pl.Trainer(
-        max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=list(callbacks), accumulate_grad_batches=mode.accumulate,
-        precision=mode.precision, num_sanity_val_steps=0,
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        accumulate_grad_batches=mode.accumulate,
+        precision=mode.precision,
+        num_sanity_val_steps=0,
     )
 
 
@@ -349,8 +420,14 @@ def _data(mode: Mode):
 def train(mode: Mode, audited: bool = True) -> Run:
     pl.seed_everything(0, verbose=False)
     module = Policy(mode)
-    audit = CreditAuditCallback(partition=mode.partition, engine=mode.engine, readings=mode.readings,
-                                capture=mode.capture, log_figure=False, log_table_every_n_steps=0)
+    audit = CreditAuditCallback(
+        partition=mode.partition,
+        engine=mode.engine,
+        readings=mode.readings,
+        capture=mode.capture,
+        log_figure=False,
+        log_table_every_n_steps=0,
+    )
     ref = Reference(audit, mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -417,8 +494,14 @@ def test_skipping_the_compile_guard_fails_the_matrix(monkeypatch):
     monkeypatch.setattr(primitives, "audit_passes", compiled_as_is)
     monkeypatch.setattr(jvp, "audit_passes", compiled_as_is)
     # aot_eager: the compiled graph runs sdpa's fused kernel, past the forward-mode rule
-    mode = Mode("planted_no_compile_guard", compile="aot_eager", partition="by_segment", readings="projected",
-                engine="jvp", bitwise=False)
+    mode = Mode(
+        "planted_no_compile_guard",
+        compile="aot_eager",
+        partition="by_segment",
+        readings="projected",
+        engine="jvp",
+        bitwise=False,
+    )
     found = check(mode)
     assert found, "the forward-mode engine through a compiled module read as exact"
 
@@ -433,8 +516,13 @@ def test_skipping_the_compile_guard_fails_the_matrix_under_inductor(monkeypatch)
 
     monkeypatch.setattr(primitives, "audit_passes", compiled_as_is)
     # inductor: functional_call and repeated autograd.grad through the compiled module give parts that do not add up
-    mode = Mode("planted_no_compile_guard_inductor", compile="inductor", partition="by_segment", engine="reference",
-                bitwise=False)
+    mode = Mode(
+        "planted_no_compile_guard_inductor",
+        compile="inductor",
+        partition="by_segment",
+        engine="reference",
+        bitwise=False,
+    )
     found = check(mode)
     assert found, "the reference engine through an inductor-compiled module read as exact"
 

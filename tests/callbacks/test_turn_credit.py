@@ -43,8 +43,15 @@ def rmsnorm_float64(monkeypatch):
 def _stock(arch: str) -> nn.Module:
     import transformers as tf
 
-    kw = dict(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=32)
+    kw = dict(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     cfg = tf.LlamaConfig(**kw) if arch == "llama" else tf.Qwen2Config(**kw, tie_word_embeddings=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -71,8 +78,9 @@ class TurnPolicy(pl.LightningModule):
         segment = torch.arange(B)[:, None] * TURNS + torch.arange(T)[None] // per_turn  # [B, T]
         names = tuple(f"row{k}/turn{j}" for k in range(B) for j in range(TURNS))
         terms = torch.where(trained, -adv[:, None] * lp / trained.sum(), torch.zeros_like(lp))
-        return CreditTerms(terms, trained, torch.arange(B), torch.zeros(B, dtype=torch.long), segment=segment,
-                           segment_names=names)
+        return CreditTerms(
+            terms, trained, torch.arange(B), torch.zeros(B, dtype=torch.long), segment=segment, segment_names=names
+        )
 
     def training_step(self, batch, batch_idx):
         self.cached = batch
@@ -102,14 +110,27 @@ def _data():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("capture, engine", [("separate", "jvp"), ("training_step", "jvp+grad")])
 def test_turns_of_a_stock_sdpa_model_from_a_trainer(arch, capture, engine, rmsnorm_float64):
-    audit = CreditAuditCallback(partition="by_turn", readings="projected", capture=capture, dtype="float64",
-                                log_figure=False, log_table_every_n_steps=0)
+    audit = CreditAuditCallback(
+        partition="by_turn",
+        readings="projected",
+        capture=capture,
+        dtype="float64",
+        log_figure=False,
+        log_table_every_n_steps=0,
+    )
     ref = _Reference(audit)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback, no refusal
-        pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=[audit, ref]).fit(
-            TurnPolicy(arch), _data())
+        pl.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[audit, ref],
+        ).fit(TurnPolicy(arch), _data())
     assert len(ref.pairs) == 2
     for got, want in ref.pairs:
         assert got is not None and got.engine == engine, got
@@ -123,7 +144,14 @@ def test_turns_of_a_stock_sdpa_model_from_a_trainer(arch, capture, engine, rmsno
 def test_every_reading_of_parts_inside_rows_says_its_cost_at_setup():
     audit = CreditAuditCallback(partition="by_turn", log_figure=False, log_table_every_n_steps=0)
     with pytest.warns(RuntimeWarning, match="one backward pass per part"):
-        pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(
-            TurnPolicy("llama"), _data())
+        pl.Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[audit],
+        ).fit(TurnPolicy("llama"), _data())
     assert audit.last_report.engine == "reference"

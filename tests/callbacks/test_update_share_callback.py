@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 
@@ -47,8 +47,15 @@ def _fit(callbacks=(), steps=3, seed=0, module_kw=None, logger=False):
     pl.seed_everything(seed, verbose=False)
     m = GRPOModule(**{**SMALL, **(module_kw or {})})
     pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), log_every_n_steps=1,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        log_every_n_steps=1,
     ).fit(m, AdditionDataModule(batch_size=2, data_seed=seed))
     return m
 
@@ -71,13 +78,22 @@ class _Reference(pl.Callback):
             parts = []
             for k in range(terms.shape[0]):
                 gs = torch.autograd.grad(terms[k].sum(), params, retain_graph=True, allow_unused=True)
-                parts.append(np.concatenate([(torch.zeros_like(p) if g is None else g).double().flatten().numpy() for p, g in zip(params, gs)]))
+                parts.append(
+                    np.concatenate(
+                        [
+                            (torch.zeros_like(p) if g is None else g).double().flatten().numpy()
+                            for p, g in zip(params, gs)
+                        ]
+                    )
+                )
         self._parts = np.stack(parts)  # [B, |θ|]
         self._before = np.concatenate([p.detach().double().flatten().numpy() for p in params])
         self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        after = np.concatenate([p.detach().double().flatten().numpy() for p in pl_module.parameters() if p.requires_grad])
+        after = np.concatenate(
+            [p.detach().double().flatten().numpy() for p in pl_module.parameters() if p.requires_grad]
+        )
         dots = self._parts @ (self._before - after)  # [B]
         with np.errstate(invalid="ignore", divide="ignore"):  # a zero-gradient step reads NaN, as the callback does
             self.rows.append((self._step, dots / dots.sum(), dict(self.audit.last_values)))
@@ -170,7 +186,9 @@ class _FusedAttention(pl.LightningModule):
         lp = torch.log_softmax(h @ self.out, -1).gather(-1, tokens[:, 1:, None])[..., 0]  # [B, T]
         terms = -adv[:, None] * lp / lp.numel()  # [B, T]
         B = tokens.shape[0]
-        return CreditTerms(terms, torch.ones_like(terms, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.long))
+        return CreditTerms(
+            terms, torch.ones_like(terms, dtype=torch.bool), torch.arange(B), torch.zeros(B, dtype=torch.long)
+        )
 
     def training_step(self, batch, batch_idx):
         return self.credit_terms(batch).terms.sum()
@@ -187,9 +205,19 @@ class _FusedAttention(pl.LightningModule):
 def test_a_module_without_forward_derivatives_gets_a_refusal_and_trains_on():
     audit = CreditAuditCallback(update_shares=True, log_table_every_n_steps=0)
     m = _FusedAttention()
-    with pytest.warns(RuntimeWarning, match=r"update shares at step 0 declined: REFUSED \(update_share\): ForwardADUnsupportedError"):
-        pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(m)
+    with pytest.warns(
+        RuntimeWarning, match=r"update shares at step 0 declined: REFUSED \(update_share\): ForwardADUnsupportedError"
+    ):
+        pl.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[audit],
+        ).fit(m)
     assert m.trainer.global_step == 2
     assert audit.last_report is not None and audit.last_report.ok  # the gradient audit itself still reads
     assert not any("update_share" in k for k in audit.last_values)

@@ -70,9 +70,10 @@ def _bool_mask(B, L, S, seed=3):
 
 def _additive(B, L, S, seed=4):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(B, 1, L, S, generator=g, dtype=torch.float64) + torch.where(
-        _bool_mask(B, L, S, seed), 0.0, float("-inf")
-    ).double()
+    return (
+        torch.randn(B, 1, L, S, generator=g, dtype=torch.float64)
+        + torch.where(_bool_mask(B, L, S, seed), 0.0, float("-inf")).double()
+    )
 
 
 CASES = {
@@ -124,7 +125,9 @@ def test_a_row_with_nothing_to_attend_to_reads_zeros_as_torch_does():
     mask[:, :, 1] = False  # query 1 attends to nothing
     o, t = rule_jvp(prim, tan, 2, attn_mask=mask)
     q, k, v = prim
-    assert torch.equal(o[:, :, 1], torch.zeros_like(o[:, :, 1])) and torch.equal(t[:, :, 1], torch.zeros_like(t[:, :, 1]))
+    assert torch.equal(o[:, :, 1], torch.zeros_like(o[:, :, 1])) and torch.equal(
+        t[:, :, 1], torch.zeros_like(t[:, :, 1])
+    )
     assert float((o - F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).abs().max()) <= TOL
 
 

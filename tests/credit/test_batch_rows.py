@@ -13,7 +13,6 @@ import torch
 
 from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate
 from lens_callbacks.credit.engines.ghost import RideAlong, RowInteraction, batch_rows, disintegrate_ghost
-
 from tests.credit.test_ghost_engine import LayerPolicy, assert_same_readings, both, layer_batch
 
 
@@ -75,7 +74,11 @@ def test_bare_parameter_still_falls_back_alone():
     assert dict(got.coverage)["fallback"] == 8  # the bare `scale` (used once per chunk), nothing else
 
 
-@pytest.mark.parametrize("spans", [None, [(0, 2), (2, 6)], [(0, 3), (3, 5)], [(0, 3), (0, 3)]], ids=["none", "overlap-gap", "short", "repeat"])
+@pytest.mark.parametrize(
+    "spans",
+    [None, [(0, 2), (2, 6)], [(0, 3), (3, 5)], [(0, 3), (0, 3)]],
+    ids=["none", "overlap-gap", "short", "repeat"],
+)
 def test_chunks_without_tiling_spans_fall_back_exactly(spans):
     chunked = ChunkedPolicy([3, 3], spans=spans, bare=False)
     ref, got = both(chunked, layer_batch(B=6), "by_rollout")

@@ -84,10 +84,14 @@ def test_float64_summed_parts_against_a_real_sgd_step():
     before, after, _ = _sgd_step(policy, batch, opt)
     parts = report.grads.parts_sum
     assert report.grads.names == tuple(n for n, _ in policy.named_parameters())
-    reading = step_conservation(before, after, lr, parts, precondition=exact_optimizer_precondition(opt), source="credit_parts")
+    reading = step_conservation(
+        before, after, lr, parts, precondition=exact_optimizer_precondition(opt), source="credit_parts"
+    )
     assert isinstance(reading, ConservationReading)
     assert reading.relative_error <= 1e-8  # the spec measured 4.9e-9
-    assert reading.relative_error == pytest.approx(_numpy_error(before, after, [lr] * len(before), parts), rel=1e-9, abs=1e-18)
+    assert reading.relative_error == pytest.approx(
+        _numpy_error(before, after, [lr] * len(before), parts), rel=1e-9, abs=1e-18
+    )
     assert reading.holds and reading.dtype == "float64" and reading.source == "credit_parts"
     # Not vacuous: a gradient 1 % off is seen at once.
     wrong = step_conservation(before, after, lr, [1.01 * g for g in parts])
@@ -158,7 +162,9 @@ def test_two_groups_with_different_lrs_frozen_and_gradless_parameters():
     after = [p.detach().clone() for p in params]
     r = step_conservation(before, after, lrs, grads, group_index=gidx)
     assert r.n_without_grad == 2 and r.lrs == (0.05, 0.2)
-    ref = _numpy_error(before, after, [lrs[i] for i in gidx], [torch.zeros_like(b) if g is None else g for b, g in zip(before, grads)])
+    ref = _numpy_error(
+        before, after, [lrs[i] for i in gidx], [torch.zeros_like(b) if g is None else g for b, g in zip(before, grads)]
+    )
     assert r.relative_error == pytest.approx(ref, rel=1e-9, abs=1e-18)
     assert r.relative_error < 1e-12 and r.holds
     # Reading both groups with one lr is wrong, and seen.
@@ -188,7 +194,10 @@ def test_reading_matches_numpy_for_any_shapes(sizes, n_groups, seed):
     grads = [torch.randn(b.shape, generator=gen, dtype=torch.float64) for b in before]
     gidx = [i % n_groups for i in range(len(before))]
     lrs = [0.1 * (i + 1) for i in range(n_groups)]
-    after = [b - lrs[i] * g + 1e-6 * torch.randn(b.shape, generator=gen, dtype=torch.float64) for b, g, i in zip(before, grads, gidx)]
+    after = [
+        b - lrs[i] * g + 1e-6 * torch.randn(b.shape, generator=gen, dtype=torch.float64)
+        for b, g, i in zip(before, grads, gidx)
+    ]
     r = step_conservation(before, after, lrs, grads, group_index=gidx)
     assert r.relative_error == pytest.approx(_numpy_error(before, after, [lrs[i] for i in gidx], grads), rel=1e-9)
 
@@ -262,7 +271,13 @@ def test_unreadable_steps_are_refusals():
 
 
 def test_reading_render_and_dict():
-    r = step_conservation([torch.ones(2, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)], 1.0, [torch.ones(2, dtype=torch.float64)], step=7)
+    r = step_conservation(
+        [torch.ones(2, dtype=torch.float64)],
+        [torch.zeros(2, dtype=torch.float64)],
+        1.0,
+        [torch.ones(2, dtype=torch.float64)],
+        step=7,
+    )
     d = r.to_dict("conservation/")
     assert d["conservation/error"] == 0.0 and d["conservation/refused"] == 0.0 and d["conservation/limited"] == 1.0
     # A float64 step that conserves to the last bit says so plainly: no "limited" in the words.
@@ -280,8 +295,13 @@ def test_status_words_and_the_words_of_a_violation():
     twice = step_conservation(before, [before[0] - 2 * lr * g[0]], lr, g, source="credit_parts", step=3)
     assert twice.status == "violated" and twice.scale == pytest.approx(2.0, abs=1e-12)
     words = twice.explain()
-    for part in ("step conservation violated at step 3", "relative error of 1", "2 × Σ g_S", "wrong normaliser",
-                 "loss = self.credit_terms(batch).terms.sum()"):
+    for part in (
+        "step conservation violated at step 3",
+        "relative error of 1",
+        "2 × Σ g_S",
+        "wrong normaliser",
+        "loss = self.credit_terms(batch).terms.sum()",
+    ):
         assert part in words, (part, words)
     # A different direction (a term left out): not a multiple, and said so.
     other = [g[0] + torch.tensor([0.0, 0.0, 3.0], dtype=torch.float64)]
@@ -306,9 +326,13 @@ def test_the_audit_parts_rounding_joins_the_floor_up_to_rounding_only():
     bf = step_conservation(before, after, 0.1, g, **kw)
     assert bf.parts_floor == pytest.approx(1e-3 / (1 - 1e-3)) and bf.holds and bf.status == "holds within precision"
     # The same gap claimed by float32 parts is beyond their rounding: it is not added, the violation stays.
-    assert step_conservation(before, after, 0.1, g, source="credit_parts", parts_error=1e-3, parts_dtype=torch.float32).violated
+    assert step_conservation(
+        before, after, 0.1, g, source="credit_parts", parts_error=1e-3, parts_dtype=torch.float32
+    ).violated
     # Parts that do not add up (error 0.5) are a finding, not rounding; a wrong normaliser still fires in bfloat16.
-    assert step_conservation(before, after, 0.1, g, source="credit_parts", parts_error=0.5, parts_dtype=torch.bfloat16).violated
+    assert step_conservation(
+        before, after, 0.1, g, source="credit_parts", parts_error=0.5, parts_dtype=torch.bfloat16
+    ).violated
     assert step_conservation(before, [before[0] - 0.2 * g[0]], 0.1, g, **kw).violated
     # Held against `.grad`, the audit's error is not part of the reading.
     assert step_conservation(before, after, 0.1, g, parts_error=1e-3, parts_dtype=torch.bfloat16).parts_floor == 0.0
@@ -340,7 +364,18 @@ def test_cost_benchmark_runs_on_a_small_size():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(root / "benchmarks" / "conservation_cost.py"), "--layers", "1", "--embd", "32", "--T", "8", "--repeats", "2"]
+    cmd = [
+        sys.executable,
+        str(root / "benchmarks" / "conservation_cost.py"),
+        "--layers",
+        "1",
+        "--embd",
+        "32",
+        "--T",
+        "8",
+        "--repeats",
+        "2",
+    ]
     r = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "read (step_conservation) / plain step:" in r.stdout and "last reading: error" in r.stdout

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lens_callbacks.credit import CreditTerms, Partition, by_group, by_rollout
-from lens_callbacks.credit.report import CreditReport
 from lens_callbacks.credit.readings.table import credit_table, module_decoder, part_context
+from lens_callbacks.credit.report import CreditReport
 
 B, T, G = 12, 6, 3
 
@@ -30,8 +30,16 @@ def _terms(seed: int = 0, text=None) -> CreditTerms:
     rewards = torch.randint(0, 3, (B,), generator=g).double() / 2  # [B]
     adv = torch.randn(B, generator=g, dtype=torch.float64)  # [B]
     tokens = torch.randint(3, 13, (B, T), generator=g)  # [B, T]
-    return CreditTerms(terms, trained, torch.arange(B), torch.arange(B) // (B // G), rewards=rewards, tokens=tokens,
-                       advantages=adv, text=text)
+    return CreditTerms(
+        terms,
+        trained,
+        torch.arange(B),
+        torch.arange(B) // (B // G),
+        rewards=rewards,
+        tokens=tokens,
+        advantages=adv,
+        text=text,
+    )
 
 
 def _report(names, seed=0, ok=True) -> CreditReport:
@@ -43,9 +51,21 @@ def _report(names, seed=0, ok=True) -> CreditReport:
     norm = np.abs(rng.normal(0, 1, m))
     if not ok:
         share = np.full(m, np.nan)
-    return CreditReport(tuple(names), tuple(share.tolist()), tuple((norm / norm.sum()).tolist()), tuple(norm.tolist()),
-                        2.0, 1e-9, None, "float64", 40, 1.0, 0.5, "by_rollout",
-                        reason=None if ok else "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step.")
+    return CreditReport(
+        tuple(names),
+        tuple(share.tolist()),
+        tuple((norm / norm.sum()).tolist()),
+        tuple(norm.tolist()),
+        2.0,
+        1e-9,
+        None,
+        "float64",
+        40,
+        1.0,
+        0.5,
+        "by_rollout",
+        reason=None if ok else "the full gradient is zero (e.g. every advantage is 0); shares are undefined this step.",
+    )
 
 
 @pytest.mark.parametrize("top_k,bottom_k", [(3, 2), (0, 4), (5, 0), (1, 1), (6, 6), (20, 3)])
@@ -62,7 +82,11 @@ def test_parts_sorted_by_abs_share_top_bottom_shown_rest_summed(top_k, bottom_k)
     if top_k + bottom_k >= m:
         want_top, want_rest, want_bottom = list(order), [], []
     else:
-        want_top, want_rest, want_bottom = list(order[:top_k]), list(order[top_k:m - bottom_k]), list(order[m - bottom_k:])
+        want_top, want_rest, want_bottom = (
+            list(order[:top_k]),
+            list(order[top_k : m - bottom_k]),
+            list(order[m - bottom_k :]),
+        )
     assert [r.part for r in top] == [rep.part_names[i] for i in want_top]
     assert [r.part for r in bottom] == [rep.part_names[i] for i in want_bottom]
     assert [r.part for r in rest] == [rep.part_names[i] for i in want_rest]
@@ -94,11 +118,15 @@ def _reference_context(terms: CreditTerms, part: Partition):
     out = []
     for j in range(len(part.names)):
         rows = [k for k in range(len(ids)) if j in ids[k]]
-        out.append({
-            "rows": len(rows), "groups": sorted({group[k] for k in rows}),
-            "reward": sum(reward[k] for k in rows) / len(rows), "advantage": sum(adv[k] for k in rows) / len(rows),
-            "trained": sum(row.count(j) for row in ids),
-        })
+        out.append(
+            {
+                "rows": len(rows),
+                "groups": sorted({group[k] for k in rows}),
+                "reward": sum(reward[k] for k in rows) / len(rows),
+                "advantage": sum(adv[k] for k in rows) / len(rows),
+                "trained": sum(row.count(j) for row in ids),
+            }
+        )
     return out
 
 
@@ -113,14 +141,18 @@ def test_columns_group_reward_advantage_trained_match_a_loop(partition):
         c, w = r.context, want[r.part]
         assert c.rows == w["rows"] and c.n_groups == len(w["groups"]) and c.trained == w["trained"]
         assert c.group == (w["groups"][0] if len(w["groups"]) == 1 else None)
-        assert c.reward == pytest.approx(w["reward"], abs=1e-12) and c.advantage == pytest.approx(w["advantage"], abs=1e-12)
+        assert c.reward == pytest.approx(w["reward"], abs=1e-12) and c.advantage == pytest.approx(
+            w["advantage"], abs=1e-12
+        )
         assert c.text is None  # no text and no decoder: no text column
     head = t.render().splitlines()[1].split()
     assert head == ["part", "projected_share", "norm_share", "||g_S||", "group", "reward", "advantage", "trained"]
     first = t.render().splitlines()[3].split()
     c = t.rows[0].context
     assert first[0] == t.rows[0].part and first[4] == str(c.group)
-    assert float(first[5]) == pytest.approx(c.reward, abs=5e-4) and float(first[6]) == pytest.approx(c.advantage, abs=5e-4)
+    assert float(first[5]) == pytest.approx(c.reward, abs=5e-4) and float(first[6]) == pytest.approx(
+        c.advantage, abs=5e-4
+    )
     assert int(first[7]) == c.trained
 
 
@@ -148,11 +180,17 @@ def test_text_column_from_terms_text_or_a_decoder():
     for r in t2.rows:
         k = int(r.part.split("_")[1])
         ids = plain.tokens[k][plain.trained[k]].tolist()
-        assert r.context.text == '"' + "-".join(map(str, ids))[:23] + ("…" if len("-".join(map(str, ids))) > 24 else "") + '"'
+        assert (
+            r.context.text
+            == '"' + "-".join(map(str, ids))[:23] + ("…" if len("-".join(map(str, ids))) > 24 else "") + '"'
+        )
     assert len(seen) == B
     # Text wins over the decoder; a part of several rows shows none.
     assert credit_table(rep, terms, part, decode=decode).rows[0].context.text.startswith('"answer')
-    assert all(r.context.text is None for r in credit_table(_report(by_group(terms).names), terms, by_group(terms), decode=decode).rows)
+    assert all(
+        r.context.text is None
+        for r in credit_table(_report(by_group(terms).names), terms, by_group(terms), decode=decode).rows
+    )
 
 
 def test_module_decoder_prefers_a_hook_then_a_tokenizer():

@@ -131,7 +131,9 @@ def test_global_report_equals_a_single_process_audit_of_the_concatenated_batch(r
     for b in batches:
         terms = m.credit_terms(b).terms
         for k in range(terms.shape[0]):
-            naive.append(flat(torch.autograd.grad(terms[k].sum() / W, params, retain_graph=True)) @ gbar / (gbar @ gbar))
+            naive.append(
+                flat(torch.autograd.grad(terms[k].sum() / W, params, retain_graph=True)) @ gbar / (gbar @ gbar)
+            )
     np.testing.assert_allclose(rep.projected_share, naive, rtol=0, atol=1e-14)
     # keep_grads: the global Σ parts is the applied gradient, identical on every rank.
     np.testing.assert_allclose(flat(rep.grads.parts_sum), gbar, rtol=0, atol=1e-15)
@@ -161,7 +163,11 @@ def test_a_rank_with_zero_gradient_keeps_its_zero_parts(engine):
     applied = [g / 2 for g in _full_grad(m, batches[0])]
 
     def local_of(r):
-        return disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied, engine=engine), applied, None
+        return (
+            disintegrate(m, batches[r], dtype="float64", keep_grads=True, project_onto=applied, engine=engine),
+            applied,
+            None,
+        )
 
     rep = _run_ranks(2, local_of)[0]
     assert rep.engine == engine

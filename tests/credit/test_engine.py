@@ -269,7 +269,9 @@ def test_uncovered_trained_position_raises():
     ids = by_rollout(t).ids.clone()
     k, j = t.trained.nonzero()[0].tolist()
     ids[k, j] = -1
-    with pytest.raises(ValueError, match=r"leaves 1 trained position\(s\) in no part.*\(row, t\) = \[\(%d, %d\)\]" % (k, j)):
+    with pytest.raises(
+        ValueError, match=r"leaves 1 trained position\(s\) in no part.*\(row, t\) = \[\(%d, %d\)\]" % (k, j)
+    ):
         disintegrate(module, batch, Partition(ids, by_rollout(t).names))
 
 
@@ -348,9 +350,13 @@ def test_credit_terms_validation_names_the_field():
         CreditTerms(*args).validate()
 
     # No other [B, T] field to side with either: the mask describes the terms, so the mask is the wrong field.
-    with pytest.raises(CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[2, 4\]"):
+    with pytest.raises(
+        CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[2, 4\]"
+    ):
         check(torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[3, 3\]"):
+    with pytest.raises(
+        CreditTermsError, match=r"`trained` must have the shape of `terms` \[B, T\] = \[2, 3\], got \[3, 3\]"
+    ):
         check(torch.zeros(2, 3), torch.ones(3, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
     with pytest.raises(CreditTermsError, match="`trained` must be bool"):
         check(torch.zeros(2, 3), torch.ones(2, 3), torch.arange(2), torch.zeros(2, dtype=torch.long))
@@ -386,7 +392,9 @@ def test_random_partitions_match_naive_loop(B, T, m, seed):
         assert r.cancellation >= 1 - 1e-12
 
 
-@pytest.mark.parametrize("name", ["lens_callbacks.credit.engine", "lens_callbacks.credit.report", "lens_callbacks.refusal"])
+@pytest.mark.parametrize(
+    "name", ["lens_callbacks.credit.engine", "lens_callbacks.credit.report", "lens_callbacks.refusal"]
+)
 def test_doctests(name):
     import doctest
     import importlib

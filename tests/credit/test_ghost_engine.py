@@ -57,7 +57,9 @@ def both(module, batch, partition, budget=None, readings="all", **kw):
     if budget is None:
         got = disintegrate(module, batch, partition, dtype="float64", engine="ghost", readings=readings, **kw)
     else:  # small chunks of parts: the Gram assembled block by block
-        got = disintegrate_ghost(module, batch, partition, dtype="float64", memory_budget=budget, readings=readings, **kw)
+        got = disintegrate_ghost(
+            module, batch, partition, dtype="float64", memory_budget=budget, readings=readings, **kw
+        )
     assert (ref.engine, got.engine) == ("reference", "ghost")
     return ref, got
 
@@ -206,8 +208,15 @@ def _tiny_llama(seed=0, lora=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=23, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, attention_dropout=0.0,
+        vocab_size=23,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
     )
     cfg._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
@@ -216,7 +225,9 @@ def _tiny_llama(seed=0, lora=False):
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1))
+            model = get_peft_model(
+                model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+            )
             for n, p in model.named_parameters():
                 if "lora_B" in n:  # peft starts B at zero; a zero adapter has a degenerate gradient
                     with torch.no_grad():
@@ -411,7 +422,9 @@ def test_project_onto_equals_the_reference_engine(readings):
     onto = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in module.parameters() if p.requires_grad]
     for partition in ("by_rollout", "by_group"):
         ref = disintegrate(module, batch, partition, dtype="float64", engine="reference", project_onto=onto)
-        got = disintegrate(module, batch, partition, dtype="float64", engine="ghost", project_onto=onto, readings=readings)
+        got = disintegrate(
+            module, batch, partition, dtype="float64", engine="ghost", project_onto=onto, readings=readings
+        )
         assert got.engine == "ghost"
         for a, b in zip(ref.projected_share, got.projected_share):
             assert abs(a - b) <= TOL
@@ -446,8 +459,10 @@ def test_full_grad_from_the_trainer_equals_the_own_backward_and_is_held_to_it():
         disintegrate(module, batch, "by_group", dtype="float64", engine="reference", full_grad=list(grad))
 
 
-@pytest.mark.parametrize("route,blocked,by_part", [("direct", False, True), ("direct", True, True), ("direct", True, False),
-                                                   ("ghost", False, True)])
+@pytest.mark.parametrize(
+    "route,blocked,by_part",
+    [("direct", False, True), ("direct", True, True), ("direct", True, False), ("ghost", False, True)],
+)
 def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(route, blocked, by_part, monkeypatch):
     # Under autocast a Linear's input and output gradient are bfloat16, so its pieces are; their sum must
     # still be kept (and held against the float32 g_full) in float32: a bfloat16 Σ g_S, or g_full rounded
@@ -462,8 +477,15 @@ def test_under_bf16_autocast_the_parts_sum_is_float32_and_conservation_reads_it(
     module, batch = LayerPolicy(V=300, d=16, seed=3), layer_batch(V=300)
     module.float()
     ref = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", readings="shares")
-    got = disintegrate_ghost(module, batch, "by_rollout", dtype="float32", keep_grads=True, route=route,
-                       forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    got = disintegrate_ghost(
+        module,
+        batch,
+        "by_rollout",
+        dtype="float32",
+        keep_grads=True,
+        route=route,
+        forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    )
     gs, gf = got.grads.parts_sum, got.grads.g_full
     assert all(s.dtype == g.dtype == torch.float32 for s, g in zip(gs, gf))
     diff = math.sqrt(sum(float((s.double() - g.double()).pow(2).sum()) for s, g in zip(gs, gf)))

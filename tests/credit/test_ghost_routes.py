@@ -280,7 +280,9 @@ def test_direct_route_with_a_part_that_has_no_rows(by_part, monkeypatch):
 
     module, batch = TwiceLinear(), layer_batch(B=20, V=11)
     ref = reference(module, batch, halves_around_an_empty_part)
-    got = disintegrate_ghost(module, batch, halves_around_an_empty_part, dtype="float64", readings="shares", route="direct")
+    got = disintegrate_ghost(
+        module, batch, halves_around_an_empty_part, dtype="float64", readings="shares", route="direct"
+    )
     assert ref.part_norm[1] == 0.0 and got.part_norm[1] == 0.0
     assert_same_readings(ref, got, tol=TOL)
 
@@ -290,7 +292,9 @@ def test_direct_route_with_a_part_that_has_no_rows(by_part, monkeypatch):
 @pytest.mark.parametrize("budget", [None, 40])
 @pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
 @pytest.mark.parametrize("by_part", [True, False])
-def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budget, whole, partition, by_part, monkeypatch):
+def test_direct_route_blocks_with_many_parts_equal_the_reference(
+    readings, budget, whole, partition, by_part, monkeypatch
+):
     # 20 rows; small weights are read whole (pieces batched with other small parameters) unless the
     # threshold is lowered, when every weight is read a block of its rows at a time; a 40-element budget
     # cuts every weight into blocks of one row (two uses of `sq` in each block: the second adds into the
@@ -309,13 +313,16 @@ def test_direct_route_blocks_with_many_parts_equal_the_reference(readings, budge
     monkeypatch.setattr(ghost, "direct_param", lambda *a, **k: blocked.append(a[0][0].rule) or real(*a, **k))
     module, batch = TwiceLinear(), layer_batch(B=20, V=11)
     ref = reference(module, batch, partition)
-    got = disintegrate_ghost(module, batch, partition, dtype="float64", readings=readings, route="direct", memory_budget=budget)
+    got = disintegrate_ghost(
+        module, batch, partition, dtype="float64", readings=readings, route="direct", memory_budget=budget
+    )
     assert_same_readings(ref, got, tol=TOL)
     # sq, wide and head read in blocks only below the lowered threshold (the small embedding always is: its
     # parts' dense pieces are read block by block, never as a [c, V, d] buffer per part)
     assert (len([r for r in blocked if r != "embedding"]) == 0) == whole
-    got32 = disintegrate_ghost(module.float(), batch, partition, dtype="float32", readings=readings, route="direct",
-                               memory_budget=budget)
+    got32 = disintegrate_ghost(
+        module.float(), batch, partition, dtype="float32", readings=readings, route="direct", memory_budget=budget
+    )
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got32.projected_share)) < 1e-5
 
 
@@ -361,11 +368,14 @@ def test_one_part_at_a_time_reads_half_precision_pieces_in_float32(dtype, tol, m
     parts = torch.zeros(m, dL, dR, dtype=torch.float64).index_add_(0, dst, rows)  # [m, dL, dR]
     g_full = rows.sum(0).float()  # [dL, dR]
     dots, sq = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
-    total, diff = ghost_routes._direct_by_part([Factors(L, R, False), Factors(ids, Ri, True)], g_full, g_full, dst, m,
-                                               dots, sq, keep_total=True)
+    total, diff = ghost_routes._direct_by_part(
+        [Factors(L, R, False), Factors(ids, Ri, True)], g_full, g_full, dst, m, dots, sq, keep_total=True
+    )
     assert total.dtype == torch.float32
     assert float((total.double() - parts.sum(0)).abs().max()) <= tol * float(parts.abs().max())
-    assert abs(float(diff) - float((total.double() - g_full.double()).pow(2).sum())) <= 1e-6 * float(g_full.double().pow(2).sum())
+    assert abs(float(diff) - float((total.double() - g_full.double()).pow(2).sum())) <= 1e-6 * float(
+        g_full.double().pow(2).sum()
+    )
     ref_dots = (parts * g_full.double()).sum((1, 2))  # [m]
     ref_sq = parts.pow(2).sum((1, 2))  # [m]
     assert dots[2] == 0 and sq[2] == 0
@@ -397,7 +407,9 @@ def test_one_part_at_a_time_zeroes_a_block_no_part_has_anything_in(monkeypatch):
     g_full = torch.randn(dL, dR, generator=g, dtype=torch.float64)  # [dL, dR]
     for keep in (True, False):
         dots, sq = torch.zeros(m, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
-        total, diff = ghost_routes._direct_by_part([Factors(ids, Ri, True)], g_full, g_full, dst, m, dots, sq, keep_total=keep)
+        total, diff = ghost_routes._direct_by_part(
+            [Factors(ids, Ri, True)], g_full, g_full, dst, m, dots, sq, keep_total=keep
+        )
         if keep:
             assert torch.equal(total[4:], torch.zeros(dL - 4, dR, dtype=torch.float64))
             assert torch.allclose(total, parts.sum(0), rtol=0, atol=1e-12)

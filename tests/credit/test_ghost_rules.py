@@ -171,8 +171,15 @@ def _llama(vocab=V, tie=True, lora=False, train_emb=False, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=tie, attention_dropout=0.0,
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+        attention_dropout=0.0,
         pad_token_id=0,
     )
     cfg._attn_implementation = "eager"
@@ -182,7 +189,9 @@ def _llama(vocab=V, tie=True, lora=False, train_emb=False, seed=0):
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+            model = get_peft_model(
+                model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            )
             for n, p in model.named_parameters():
                 if "lora_B" in n:  # peft starts B at zero; a zero adapter has a degenerate gradient
                     with torch.no_grad():

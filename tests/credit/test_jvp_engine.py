@@ -24,7 +24,6 @@ pytest.importorskip("transformers")
 
 from lens_callbacks.examples.grpo_tools.env import build_tokenizer  # noqa: E402
 from lens_callbacks.examples.tiny_policy import tiny_gpt2  # noqa: E402
-
 from tests.credit.test_ghost_engine import llama_float64  # noqa: E402,F401  (transformers' float32 spots patched)
 
 TOL = 1e-12
@@ -55,7 +54,9 @@ class TurnPolicy(nn.Module):
 
     def credit_terms(self, batch) -> CreditTerms:
         b, segments, adv = batch
-        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+        logits = self.policy(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+        ).logits  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         logp = F.pad(logp, (1, 0))  # [B, T]
         n = b.trained.sum().clamp(min=1)
@@ -74,8 +75,16 @@ def _batch(padding_side: str = "right", seed: int = 0, n_rows: int = 3, n_rounds
 def gpt2_policy(dropout: float = 0.1, segment_by: str = "turn", seed: int = 0) -> TurnPolicy:
     tok = build_tokenizer()
     policy = tiny_gpt2(
-        vocab_size=len(tok), n_positions=128, n_layer=2, n_embd=16, n_head=2, dropout=dropout,
-        eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, seed=seed, dtype="float64",
+        vocab_size=len(tok),
+        n_positions=128,
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        dropout=dropout,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+        seed=seed,
+        dtype="float64",
     )
     return TurnPolicy(policy.train(), segment_by)
 
@@ -85,8 +94,14 @@ def llama_policy(attn: str = "eager", segment_by: str = "turn") -> TurnPolicy:
 
     tok = build_tokenizer()
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
     )
     cfg._attn_implementation = attn
     with torch.random.fork_rng(devices=[]):
@@ -101,7 +116,9 @@ def _same_shares(a, b, tol=TOL) -> None:
     assert diff <= tol, diff
 
 
-@pytest.mark.parametrize("segment_by,partition", [("turn", "by_turn"), ("turn", "by_segment"), ("turn_index", "by_segment")])
+@pytest.mark.parametrize(
+    "segment_by,partition", [("turn", "by_turn"), ("turn", "by_segment"), ("turn_index", "by_segment")]
+)
 def test_gpt2_with_dropout_equals_reference(segment_by, partition):
     m = gpt2_policy(0.1, segment_by)
     batch = _batch("right")
@@ -112,7 +129,9 @@ def test_gpt2_with_dropout_equals_reference(segment_by, partition):
     assert ref.n_parts >= 3 and ref.reason is None and jvp.reason is None
     _same_shares(jvp, ref)
     assert jvp.conservation_error <= 1e-12
-    assert abs(jvp.loss - ref.loss) <= 1e-15 and abs(jvp.full_grad_norm - ref.full_grad_norm) <= 1e-12 * ref.full_grad_norm
+    assert (
+        abs(jvp.loss - ref.loss) <= 1e-15 and abs(jvp.full_grad_norm - ref.full_grad_norm) <= 1e-12 * ref.full_grad_norm
+    )
     # Dropout is live: another random state gives other shares, so agreement above is not vacuous.
     torch.manual_seed(12)
     other = disintegrate(m, batch, partition, dtype="float64")

@@ -87,4 +87,7 @@ def test_edges():
     d = ema.to_dict()
     other = NoiseScaleEMA()
     other.load_state_dict(ema.state_dict())
-    assert other.state_dict() == ema.state_dict() and other.to_dict()["credit/noise/grad_sq_ema"] == d["credit/noise/grad_sq_ema"]
+    assert (
+        other.state_dict() == ema.state_dict()
+        and other.to_dict()["credit/noise/grad_sq_ema"] == d["credit/noise/grad_sq_ema"]
+    )

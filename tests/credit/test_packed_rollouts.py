@@ -30,8 +30,16 @@ TOL = 1e-12
 def _net(attn: str = "sdpa", tie: bool = False) -> nn.Module:
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tie)
+    cfg = tf.LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
     cfg._attn_implementation = attn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -84,13 +92,16 @@ def test_packed_rollouts_name_their_spans():
 
 
 @pytest.mark.parametrize("tie", [False, True])
-@pytest.mark.parametrize("engine, readings", [("ghost", "all"), ("ghost", "shares"), ("ghost", "projected"),
-                                              ("reference", "all"), ("jvp", "projected")])
+@pytest.mark.parametrize(
+    "engine, readings",
+    [("ghost", "all"), ("ghost", "shares"), ("ghost", "projected"), ("reference", "all"), ("jvp", "projected")],
+)
 def test_packed_equals_unpacked_per_rollout_in_every_engine(engine, readings, tie, rmsnorm_float64):
     net = _net(tie=tie)
     ref = disintegrate(Unpacked(net), None, "by_rollout", dtype="float64", engine="reference")
-    got = disintegrate(Packed(net), None, "by_rollout", dtype="float64", engine=engine, readings=readings,
-                       verify_part="spans")
+    got = disintegrate(
+        Packed(net), None, "by_rollout", dtype="float64", engine=engine, readings=readings, verify_part="spans"
+    )
     assert got.engine == engine and got.part_names == ref.part_names
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got.projected_share)) <= TOL
     if readings != "projected":
@@ -136,9 +147,16 @@ def test_the_callback_checks_packed_readings_and_refuses_crossed_attention_by_na
         audit.verify_spans_every = 2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pl.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                       enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(
-                Lit(restart), torch.utils.data.DataLoader(range(3), batch_size=None))
+            pl.Trainer(
+                max_steps=3,
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[audit],
+            ).fit(Lit(restart), torch.utils.data.DataLoader(range(3), batch_size=None))
         return audit
 
     for capture in ("separate", "training_step"):

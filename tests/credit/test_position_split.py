@@ -180,13 +180,26 @@ def test_the_callback_logs_and_tables_the_position_split_separate_and_riding_alo
 
     got = {}
     for capture in ("separate", "training_step"):
-        audit = CreditAuditCallback(capture=capture, readings="shares", position_split=True, dtype="float64",
-                                    log_figure=False, log_table_every_n_steps=0)
+        audit = CreditAuditCallback(
+            capture=capture,
+            readings="shares",
+            position_split=True,
+            dtype="float64",
+            log_figure=False,
+            log_table_every_n_steps=0,
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                       enable_progress_bar=False, enable_model_summary=False, callbacks=[audit]).fit(
-                Lit(), torch.utils.data.DataLoader(range(1), batch_size=None))
+            pl.Trainer(
+                max_steps=1,
+                accelerator="cpu",
+                devices=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[audit],
+            ).fit(Lit(), torch.utils.data.DataLoader(range(1), batch_size=None))
         got[capture] = {k: v for k, v in audit.last_values.items() if "position_split" in k}
         assert "position split (the gradient computed" in audit.last_table.render()
     assert got["separate"]["credit/position_split/read"] == 1.0

@@ -56,8 +56,16 @@ class Bigram(nn.Module):
         trained[:, 0] = False
         terms = torch.where(trained, -adv[:, None] * lp / x.numel(), torch.zeros_like(lp))  # [B, T]
         n = x.shape[0]
-        return CreditTerms(terms, trained, torch.arange(n), torch.arange(n) // 2, rewards=rew, advantages=adv,
-                           source=src, source_names=("easy", "hard"))
+        return CreditTerms(
+            terms,
+            trained,
+            torch.arange(n),
+            torch.arange(n) // 2,
+            rewards=rew,
+            advantages=adv,
+            source=src,
+            source_names=("easy", "hard"),
+        )
 
     def probe_loss(self, x: torch.Tensor) -> torch.Tensor:
         return -self.logp(x).mean()
@@ -257,8 +265,13 @@ def test_optimizers_outside_the_known_set_are_refused_by_name():
     r = optimizer_update_map(MySGD([p], lr=0.1), [p])
     assert isinstance(r, Refusal) and "MySGD" in r.reason
     assert optimizer_update_map(torch.optim.Adam([p], maximize=True), [p]).condition == "maximize"
-    assert optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], gradient_clip_val=1.0).condition == "gradient_clip_val"
-    assert optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], accumulate_grad_batches=2).condition == "accumulate_grad_batches"
+    assert (
+        optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], gradient_clip_val=1.0).condition == "gradient_clip_val"
+    )
+    assert (
+        optimizer_update_map(torch.optim.SGD([p], lr=0.1), [p], accumulate_grad_batches=2).condition
+        == "accumulate_grad_batches"
+    )
     assert r.to_dict("probe/x/")["probe/x/refused"] == 1.0
 
 
@@ -277,7 +290,7 @@ def test_probe_gradient_is_read_only_and_repeatable():
 
 
 def test_zero_probe_gradient_gives_zero_contributions():
-    m, batch, px = Bigram(), _batch(), _probe_batch()
+    m, batch = Bigram(), _batch()
     _set_grad(m, batch)
     params = list(m.parameters())
     update = optimizer_update_map(torch.optim.SGD(params, lr=0.1), params)
@@ -286,13 +299,43 @@ def test_zero_probe_gradient_gives_zero_contributions():
 
 
 def test_combine_ranks_adds_parts_and_splits():
-    a = ProbeCreditReport("p", ("rollout_0",), (-1.0,), 0.5, -0.5, 2.0, 0.1, 1.0, 1.0, "torch.optim.SGD", "float64", 3,
-                          splits=(("by_advantage_sign", ("positive", "negative", "zero"), (-1.0, 0.0, 0.0)),))
-    b = ProbeCreditReport("p", ("rollout_0",), (0.25,), 0.5, -0.5, 2.0, 0.1, 1.0, 1.0, "torch.optim.SGD", "float64", 4,
-                          splits=(("by_advantage_sign", ("positive", "negative", "zero"), (0.0, 0.25, 0.0)),))
+    a = ProbeCreditReport(
+        "p",
+        ("rollout_0",),
+        (-1.0,),
+        0.5,
+        -0.5,
+        2.0,
+        0.1,
+        1.0,
+        1.0,
+        "torch.optim.SGD",
+        "float64",
+        3,
+        splits=(("by_advantage_sign", ("positive", "negative", "zero"), (-1.0, 0.0, 0.0)),),
+    )
+    b = ProbeCreditReport(
+        "p",
+        ("rollout_0",),
+        (0.25,),
+        0.5,
+        -0.5,
+        2.0,
+        0.1,
+        1.0,
+        1.0,
+        "torch.optim.SGD",
+        "float64",
+        4,
+        splits=(("by_advantage_sign", ("positive", "negative", "zero"), (0.0, 0.25, 0.0)),),
+    )
     c = combine_ranks([a, b])
     assert c.part_names == ("r0/rollout_0", "r1/rollout_0") and c.n_trained == 7
-    assert c.predicted == pytest.approx(-0.25) and c.split("by_advantage_sign") == {"positive": -1.0, "negative": 0.25, "zero": 0.0}
+    assert c.predicted == pytest.approx(-0.25) and c.split("by_advantage_sign") == {
+        "positive": -1.0,
+        "negative": 0.25,
+        "zero": 0.0,
+    }
 
 
 @pytest.mark.parametrize("name", ["lens_callbacks.credit.readings.probe", "lens_callbacks.metrics.probe"])

@@ -5,8 +5,14 @@ import importlib
 
 import pytest
 
-MODULES = ["lens_callbacks.credit.readings.summaries", "lens_callbacks.credit.readings.noise", "lens_callbacks.credit.readings.ledger",
-           "lens_callbacks.credit.readings.derived", "lens_callbacks.credit.inputs.partition", "lens_callbacks.credit.readings.table"]
+MODULES = [
+    "lens_callbacks.credit.readings.summaries",
+    "lens_callbacks.credit.readings.noise",
+    "lens_callbacks.credit.readings.ledger",
+    "lens_callbacks.credit.readings.derived",
+    "lens_callbacks.credit.inputs.partition",
+    "lens_callbacks.credit.readings.table",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -126,17 +126,32 @@ def test_micro_batches_of_different_lengths_are_a_reason_not_a_crash():
 
 
 def test_cat_terms_pads_and_keeps_only_fields_every_part_has():
-    t1 = CreditTerms(torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long),
-                     rewards=torch.ones(2), segment=torch.zeros(2, 3, dtype=torch.long), text=("a", "b"))
-    t2 = CreditTerms(torch.ones(1, 5), torch.ones(1, 5, dtype=torch.bool), torch.arange(2, 3), torch.ones(1, dtype=torch.long),
-                     segment=torch.zeros(1, 5, dtype=torch.long), text=("c",))
+    t1 = CreditTerms(
+        torch.ones(2, 3),
+        torch.ones(2, 3, dtype=torch.bool),
+        torch.arange(2),
+        torch.zeros(2, dtype=torch.long),
+        rewards=torch.ones(2),
+        segment=torch.zeros(2, 3, dtype=torch.long),
+        text=("a", "b"),
+    )
+    t2 = CreditTerms(
+        torch.ones(1, 5),
+        torch.ones(1, 5, dtype=torch.bool),
+        torch.arange(2, 3),
+        torch.ones(1, dtype=torch.long),
+        segment=torch.zeros(1, 5, dtype=torch.long),
+        text=("c",),
+    )
     t = cat_terms([t1, t2])
     assert t.terms.shape == (3, 5) and float(t.terms[:2, 3:].abs().sum()) == 0.0
     assert not bool(t.trained[:2, 3:].any()) and bool((t.segment[:2, 3:] == -1).all())
     assert t.rewards is None and t.text == ("a", "b", "c") and t.rollout.tolist() == [0, 1, 2]
     t.validate()
     with pytest.raises(ValueError, match="segment_names"):
-        cat_terms([t1, CreditTerms(t2.terms, t2.trained, t2.rollout, t2.group, segment=t2.segment, segment_names=("u",))])
+        cat_terms(
+            [t1, CreditTerms(t2.terms, t2.trained, t2.rollout, t2.group, segment=t2.segment, segment_names=("u",))]
+        )
 
 
 def test_a_rollout_id_in_two_micro_batches_names_two_parts_keyed_by_micro_batch():

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from lens_callbacks.credit import CreditTerms, Partition, by_rollout, disintegrate
-from lens_callbacks.credit.readings.derived import coarsening, derive_shares, rows_per_part
 from lens_callbacks.credit.inputs.partition import (
     PARTITIONS,
     by_advantage_sign,
@@ -20,6 +19,7 @@ from lens_callbacks.credit.inputs.partition import (
     by_source,
     reward_levels,
 )
+from lens_callbacks.credit.readings.derived import coarsening, derive_shares, rows_per_part
 from tests.credit.test_engine import TinyPolicy, make_batch
 
 SOURCES = ("easy", "medium", "hard")
@@ -31,8 +31,16 @@ class LabelledPolicy(TinyPolicy):
     def credit_terms(self, batch) -> CreditTerms:
         tokens, trained, adv, group, segment, rewards, source = batch
         base = super().credit_terms((tokens, trained, adv, group, segment))
-        return CreditTerms(base.terms, base.trained, base.rollout, base.group, advantages=adv, rewards=rewards,
-                           source=source, source_names=SOURCES)
+        return CreditTerms(
+            base.terms,
+            base.trained,
+            base.rollout,
+            base.group,
+            advantages=adv,
+            rewards=rewards,
+            source=source,
+            source_names=SOURCES,
+        )
 
 
 def labelled_batch(seed: int, B: int = 8, continuous: bool = False):
@@ -119,16 +127,29 @@ def test_rows_land_in_the_right_parts():
 
 
 def test_missing_labels_and_bad_inputs_are_clear_errors():
-    t = CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long))
+    t = CreditTerms(
+        torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2), torch.zeros(2, dtype=torch.long)
+    )
     for fn, field in ((by_advantage_sign, "advantages"), (by_reward, "rewards"), (by_source, "source")):
         with pytest.raises(ValueError, match=f"CreditTerms.{field}"):
             fn(t)
     with pytest.raises(ValueError, match="`source` ids must index `source_names`"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2),
-                    torch.zeros(2, dtype=torch.long), source=torch.tensor([0, 2]), source_names=("a", "b")).validate()
+        CreditTerms(
+            torch.zeros(2, 3),
+            torch.ones(2, 3, dtype=torch.bool),
+            torch.arange(2),
+            torch.zeros(2, dtype=torch.long),
+            source=torch.tensor([0, 2]),
+            source_names=("a", "b"),
+        ).validate()
     with pytest.raises(ValueError, match="`advantages` must be a \\[B\\] = \\[2\\] float tensor"):
-        CreditTerms(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.arange(2),
-                    torch.zeros(2, dtype=torch.long), advantages=torch.tensor([1, 0])).validate()
+        CreditTerms(
+            torch.zeros(2, 3),
+            torch.ones(2, 3, dtype=torch.bool),
+            torch.arange(2),
+            torch.zeros(2, dtype=torch.long),
+            advantages=torch.tensor([1, 0]),
+        ).validate()
     with pytest.raises(ValueError, match="`edges` must be a non-empty increasing"):
         reward_levels(edges=[1.0, 0.5])
 

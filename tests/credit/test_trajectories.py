@@ -23,7 +23,6 @@ from lens_callbacks.credit.inputs.trajectories import (
 from lens_callbacks.refusal import Refusal
 
 
-
 class Chars:
     """Any object with an encode-style call: one id per character."""
 
@@ -39,7 +38,16 @@ def _traj(*turns, **kw):
 
 # --------------------------------------------------------------------------------------- basics
 def test_turns_are_tokenised_on_their_own_and_masked_by_role():
-    t = _traj(("system", "s"), ("user", "ab"), ("assistant", "cd"), ("tool", "e"), ("assistant", "f"), rollout=7, group=3, reward=0.5)
+    t = _traj(
+        ("system", "s"),
+        ("user", "ab"),
+        ("assistant", "cd"),
+        ("tool", "e"),
+        ("assistant", "f"),
+        rollout=7,
+        group=3,
+        reward=0.5,
+    )
     batch, seg = batch_from_trajectories(Chars(), [t])
     assert batch.input_ids.tolist() == [[ord(c) for c in "sabcdef"]]
     assert seg.ids.tolist() == [[0, 1, 1, 2, 2, 3, 4]]
@@ -57,7 +65,11 @@ def test_padding_side_moves_rows_not_their_masks(side):
     assert batch.shape == (2, 7)
     row = batch.attention_mask[0].bool()
     assert row.sum() == 2
-    assert (row.nonzero().flatten().tolist() == [0, 1]) if side == "right" else (row.nonzero().flatten().tolist() == [5, 6])
+    assert (
+        (row.nonzero().flatten().tolist() == [0, 1])
+        if side == "right"
+        else (row.nonzero().flatten().tolist() == [5, 6])
+    )
     assert batch.input_ids[0][row].tolist() == [ord("a"), ord("b")]
     assert batch.input_ids[0][~row].eq(-5).all()
     assert batch.trained[0][row].tolist() == [False, True] and not batch.trained[0][~row].any()
@@ -229,8 +241,13 @@ def test_by_turn_names_untrained_turns_as_empty_parts():
     p = by_turn(terms)
     p.check_covers(terms.trained)
     assert p.names == (
-        "rollout_0/turn_0:system", "rollout_0/turn_1:user", "rollout_0/turn_2:assistant", "rollout_0/turn_3:tool",
-        "rollout_0/turn_4:assistant", "rollout_1/turn_0:user", "rollout_1/turn_1:assistant",
+        "rollout_0/turn_0:system",
+        "rollout_0/turn_1:user",
+        "rollout_0/turn_2:assistant",
+        "rollout_0/turn_3:tool",
+        "rollout_0/turn_4:assistant",
+        "rollout_1/turn_0:user",
+        "rollout_1/turn_1:assistant",
     )
     sizes = [int(p.mask(i).sum()) for i in range(p.n_parts)]
     assert sizes == [0, 0, 1, 0, 2, 0, 1]
@@ -256,7 +273,14 @@ def test_turn_claim_support_refuses_a_two_turn_record():
     assert isinstance(r, Refusal) and r.condition == "single_trained_turn"
     assert r.numbers["mean_turns"] == 2.0 and r.numbers["n_tool_calls"] == 0
     multi = two + [
-        Trajectory((Turn("user", "a"), Turn("assistant", "b", tool_call=ToolCall("calc", "1")), Turn("tool", "1"), Turn("assistant", "c")))
+        Trajectory(
+            (
+                Turn("user", "a"),
+                Turn("assistant", "b", tool_call=ToolCall("calc", "1")),
+                Turn("tool", "1"),
+                Turn("assistant", "c"),
+            )
+        )
     ]
     ok, reason = turn_claim_support(multi)
     assert ok is True and "1 of 5" in reason

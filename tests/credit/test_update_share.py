@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lens_callbacks.credit import CreditTerms, batch_from_trajectories, disintegrate, turn_segments
-from lens_callbacks.credit.readings.update_share import UpdateShareReport, update_shares
 from lens_callbacks.credit.inputs.trajectories import Trajectory, Turn
+from lens_callbacks.credit.readings.update_share import UpdateShareReport, update_shares
 
 pytest.importorskip("transformers")
 
@@ -32,14 +32,26 @@ class TurnPolicy(nn.Module):
         super().__init__()
         tok = build_tokenizer()
         self.policy = tiny_gpt2(
-            vocab_size=len(tok), n_positions=64, n_layer=1, n_embd=16, n_head=2, dropout=dropout,
-            eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, seed=4, dtype="float64",
+            vocab_size=len(tok),
+            n_positions=64,
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            dropout=dropout,
+            eos_id=tok.eos_token_id,
+            pad_id=tok.pad_token_id,
+            seed=4,
+            dtype="float64",
         ).train()
 
     def credit_terms(self, batch) -> CreditTerms:
         b, segments, adv = batch
-        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
-        logp = F.pad(torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1), (1, 0))  # [B, T]
+        logits = self.policy(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+        ).logits  # [B, T, V]
+        logp = F.pad(
+            torch.log_softmax(logits[:, :-1], -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1), (1, 0)
+        )  # [B, T]
         terms = -(adv.to(logp.dtype)[:, None] * logp) * b.trained.to(logp.dtype) / b.trained.sum()  # [B, T]
         segment, names = turn_segments(segments, "turn", rollout=b.rollout)
         return CreditTerms(terms, b.trained, b.rollout, b.group, segment, names)
@@ -47,10 +59,21 @@ class TurnPolicy(nn.Module):
 
 def _batch():
     turns = [
-        (Turn("user", "3 + 4 ="), Turn("assistant", "calc 3 + 4 <eot>"), Turn("tool", "7"), Turn("assistant", "7 <eot>")),
+        (
+            Turn("user", "3 + 4 ="),
+            Turn("assistant", "calc 3 + 4 <eot>"),
+            Turn("tool", "7"),
+            Turn("assistant", "7 <eot>"),
+        ),
         (Turn("user", "2 + 5 ="), Turn("assistant", "6 <eot>")),
-        (Turn("user", "1 + 1 ="), Turn("assistant", "calc 1 <eot>"), Turn("tool", "1"), Turn("assistant", "calc 1 + 1 <eot>"),
-         Turn("tool", "2"), Turn("assistant", "2 <eot>")),
+        (
+            Turn("user", "1 + 1 ="),
+            Turn("assistant", "calc 1 <eot>"),
+            Turn("tool", "1"),
+            Turn("assistant", "calc 1 + 1 <eot>"),
+            Turn("tool", "2"),
+            Turn("assistant", "2 <eot>"),
+        ),
     ]
     trajs = [Trajectory(t, reward=float(k), group=0, rollout=k) for k, t in enumerate(turns)]
     b, seg = batch_from_trajectories(build_tokenizer(), trajs)

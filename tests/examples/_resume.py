@@ -25,8 +25,14 @@ def env() -> dict:
 
 def run(config: Path, out: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     """One run to its end (resuming from ``out/ckpt/last.ckpt`` when there is one)."""
-    r = subprocess.run([sys.executable, str(RUNNER), str(config), str(out)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, str(RUNNER), str(config), str(out)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -51,8 +57,13 @@ def by_key(rows: list[dict]) -> dict:
 
 def kill_at(config: Path, out: Path, step: int, timeout: float = 300) -> None:
     """Start a run and SIGKILL it once it has written the readings of ``step`` (no cleanup runs)."""
-    proc = subprocess.Popen([sys.executable, str(RUNNER), str(config), str(out)], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER), str(config), str(out)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

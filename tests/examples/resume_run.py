@@ -31,10 +31,14 @@ MODEL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4)
 # Per module class: the tool example's warm start is shortened (it runs once, before step 0).
 MODEL_EXTRA = {"GRPOToolsModule": dict(warm_start_steps=8)}
 # Per datamodule class, 4 steps per epoch.
-DATA = {"AdditionDataModule": dict(batch_size=2, num_prompts=8),
-        "ToolsAdditionDataModule": dict(prompts_per_step=2, n_prompts=8)}
-CALLBACKS = {"AnchorProjectionCallback": dict(cadence=1, delay_K=1, w_cap=4, figure_every_n_fires=0),
-             "CreditAuditCallback": dict(print_last_report=False)}
+DATA = {
+    "AdditionDataModule": dict(batch_size=2, num_prompts=8),
+    "ToolsAdditionDataModule": dict(prompts_per_step=2, n_prompts=8),
+}
+CALLBACKS = {
+    "AnchorProjectionCallback": dict(cadence=1, delay_K=1, w_cap=4, figure_every_n_fires=0),
+    "CreditAuditCallback": dict(print_last_report=False),
+}
 
 
 def _name(spec: dict) -> str:
@@ -60,7 +64,10 @@ def _plain(v):
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     if dataclasses.is_dataclass(v):
-        return {"type": type(v).__name__, **{f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v) if f.name != "grads"}}
+        return {
+            "type": type(v).__name__,
+            **{f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v) if f.name != "grads"},
+        }
     return repr(v)
 
 
@@ -86,8 +93,13 @@ class Record(pl.Callback):
             elif name == "ConservationCheckCallback":
                 out[name] = _plain(cb.last_reading)
             elif name == "AnchorProjectionCallback":
-                out[name] = {"reading": _plain(cb.last_reading), "merged": cb.merged_step,
-                             "m_anchor": None if cb.m_anchor is None else _plain({k: v.double().sum() for k, v in cb.m_anchor.items()})}
+                out[name] = {
+                    "reading": _plain(cb.last_reading),
+                    "merged": cb.merged_step,
+                    "m_anchor": None
+                    if cb.m_anchor is None
+                    else _plain({k: v.double().sum() for k, v in cb.m_anchor.items()}),
+                }
         return out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -123,12 +135,22 @@ def main(config: str, out: str) -> None:
     torch.set_num_threads(1)
     callbacks = [_build(c, **CALLBACKS.get(_name(c), {})) for c in cfg["trainer"].get("callbacks", [])]
     ckpt_dir = out_dir / "ckpt"
-    callbacks += [Record(out_dir / "readings.jsonl"),
-                  ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=0, save_last=True)]
+    callbacks += [
+        Record(out_dir / "readings.jsonl"),
+        ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=0, save_last=True),
+    ]
     model = _build(cfg["model"], **MODEL, **MODEL_EXTRA.get(_name(cfg["model"]), {}))
     data = _build(cfg["data"], **DATA[_name(cfg["data"])])
-    trainer = pl.Trainer(max_steps=MAX_STEPS, accelerator="cpu", devices=1, logger=False, callbacks=callbacks,
-                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer = pl.Trainer(
+        max_steps=MAX_STEPS,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
     last = ckpt_dir / "last.ckpt"
     trainer.fit(model, data, ckpt_path=str(last) if last.exists() else None)
     torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out_dir / "params.pt")

@@ -114,11 +114,23 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-m", "lens_callbacks", "fit", "--config", str(ROOT / "cli_configs" / "grpo_credit.yaml"),
-         f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false",
-         # The trained policy, for the demo-learns test's greedy answers; saving draws no random number.
-         "--trainer.enable_checkpointing=true"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "lens_callbacks",
+            "fit",
+            "--config",
+            str(ROOT / "cli_configs" / "grpo_credit.yaml"),
+            f"--trainer.logger.init_args.save_dir={out}",
+            "--trainer.enable_progress_bar=false",
+            # The trained policy, for the demo-learns test's greedy answers; saving draws no random number.
+            "--trainer.enable_checkpointing=true",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return DemoRun(out / "grpo_credit" / "version_0"), r.stdout
@@ -156,7 +168,7 @@ def test_readings_doc_quotes_the_numbers_the_demo_logs(demo):
     for key, got, digits in quoted:
         want = QUOTES[key](run)
         spread = 0.0 if key in EXACT else SPREAD.get(key, CPU_SPREAD) * abs(want)
-        if abs(got - want) > 0.5 * 10 ** -digits + spread + 1e-9:
+        if abs(got - want) > 0.5 * 10**-digits + spread + 1e-9:
             wrong.append(f"demo:{key}: docs say {got}, the run logs {want:.6g}")
     assert not wrong, wrong
 
@@ -164,7 +176,7 @@ def test_readings_doc_quotes_the_numbers_the_demo_logs(demo):
 @pytest.mark.slow
 def test_demo_printout_opens_with_a_defined_reading(demo):
     _, stdout = demo
-    body = stdout[stdout.index("credit audit, step "):]
+    body = stdout[stdout.index("credit audit, step ") :]
     head = body.split("\n", 2)[:2]
     assert "UNDEFINED" not in "\n".join(body.split("\n")[:4]) and head[1].startswith("credit by by_rollout"), head
     assert "nan" not in body.split("cancellation")[0]

@@ -17,14 +17,20 @@ import lightning.pytorch as pl
 from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule, RolloutBatch
 from lens_callbacks.examples.grpo.task import build_tokenizer, reward
 
-
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
 
 
 def _trainer(callbacks=(), steps=2, **kw):
     return pl.Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks), **kw,
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **kw,
     )
 
 
@@ -49,7 +55,9 @@ def test_tokenizer_is_one_token_per_character_and_round_trips():
     assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == text
 
 
-@pytest.mark.parametrize("a,b,comp", [(3, 4, [10, 1]), (3, 4, [11, 1]), (9, 9, [4, 11, 1]), (9, 9, [4, 11, 5]), (0, 0, [13, 1]), (2, 2, [])])
+@pytest.mark.parametrize(
+    "a,b,comp", [(3, 4, [10, 1]), (3, 4, [11, 1]), (9, 9, [4, 11, 1]), (9, 9, [4, 11, 5]), (0, 0, [13, 1]), (2, 2, [])]
+)
 def test_reward_matches_reference(a, b, comp):
     tok = build_tokenizer()
     ended = bool(comp) and comp[-1] == tok.eos_token_id
@@ -160,7 +168,9 @@ def test_training_step_loss_is_the_sum_of_credit_terms_with_dropout_on():
         assert B == 2 * SMALL["group_size"] and same_prompts
 
 
-@pytest.mark.parametrize("opt,cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)])
+@pytest.mark.parametrize(
+    "opt,cls", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)]
+)
 def test_optimizer_choice(opt, cls):
     m = GRPOModule(**SMALL, optimizer=opt, lr=0.01, momentum=0.5 if opt == "sgd" else 0.0, weight_decay=0.1)
     o = m.configure_optimizers()
@@ -171,9 +181,15 @@ def test_optimizer_choice(opt, cls):
 
 @pytest.mark.parametrize(
     "kw,needle",
-    [({"optimizer": "rmsprop"}, "'rmsprop'"), ({"dtype": "bfloat16"}, "'bfloat16'"), ({"group_size": 1}, "`group_size`"),
-     ({"temperature": 0.0}, "`temperature`"), ({"n_embd": 30, "n_head": 4}, "n_embd=30"),
-     ({"init_std": 0.0}, "`init_std`.*0.0"), ({"init_std": "wide"}, "`init_std`.*'wide'")],
+    [
+        ({"optimizer": "rmsprop"}, "'rmsprop'"),
+        ({"dtype": "bfloat16"}, "'bfloat16'"),
+        ({"group_size": 1}, "`group_size`"),
+        ({"temperature": 0.0}, "`temperature`"),
+        ({"n_embd": 30, "n_head": 4}, "n_embd=30"),
+        ({"init_std": 0.0}, "`init_std`.*0.0"),
+        ({"init_std": "wide"}, "`init_std`.*'wide'"),
+    ],
 )
 def test_module_errors_name_the_bad_value(kw, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):

@@ -16,22 +16,26 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule, group_advantages  # noqa: E402
-from lens_callbacks.examples.grpo_tools.env import VOCAB  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.audit import audit_record, load_module, replay_to  # noqa: E402
+from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule, group_advantages  # noqa: E402
+from lens_callbacks.examples.grpo_tools.env import VOCAB  # noqa: E402
 from lens_callbacks.io.records import RunRecord  # noqa: E402
 from lens_callbacks.io.trust import TrustPolicy  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
-
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fit(module, steps, tmp_path, checkpoint_every=0, data=None, **cb):
     trainer = Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
         callbacks=[RunRecordCallback(str(tmp_path / "record"), checkpoint_every=checkpoint_every, **cb)],
     )
     trainer.fit(module, data or ToolsAdditionDataModule(prompts_per_step=2))
@@ -171,7 +175,9 @@ def test_dropout_run_replays_bit_for_bit_from_the_record(tmp_path):
     """With dropout the recorded step rebuilds its batch's seed, so replaying from step 0 meets every checkpoint."""
     kw = dict(seed=2, dropout=0.1, optimizer="adam", lr=3e-3, warm_start_steps=0)
     rec = _fit(GRPOToolsModule(**kw), 3, tmp_path, checkpoint_every=1)
-    assert [rec.step_meta(s)["dropout_seed"] for s in rec.steps] == [GRPOToolsModule(**kw).dropout_seed(s) for s in rec.steps]
+    assert [rec.step_meta(s)["dropout_seed"] for s in rec.steps] == [
+        GRPOToolsModule(**kw).dropout_seed(s) for s in rec.steps
+    ]
     _assert_replay_from_step_0_meets_every_checkpoint(rec, (1, 2, 3))
 
 
@@ -183,7 +189,9 @@ def test_credit_terms_against_a_per_prefix_loop(run):
     trajs = rec.trajectories(0)
     rb = m.make_rollout_batch(trajs)
     terms = m.credit_terms(rb)
-    adv = group_advantages(torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor([t.group for t in trajs]))
+    adv = group_advantages(
+        torch.tensor([t.reward for t in trajs], dtype=torch.float64), torch.tensor([t.group for t in trajs])
+    )
     n = sum(len(x.token_ids) for t in trajs for x in t.turns if x.role == "assistant")
     assert terms.n_trained == n
     with torch.no_grad():
@@ -197,7 +205,7 @@ def test_credit_terms_against_a_per_prefix_loop(run):
                 logits = m.policy(input_ids=torch.tensor([ids[:pos]])).logits[0, -1]
                 ref = -adv[k] * torch.log_softmax(logits, -1)[ids[pos]] / n
                 assert abs(float(terms.terms[k, pos]) - float(ref)) <= 1e-12
-            assert not terms.terms[k, len(ids):].any()
+            assert not terms.terms[k, len(ids) :].any()
     assert len(VOCAB) == m.policy.config.vocab_size
 
 
@@ -239,8 +247,14 @@ def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
 
     torch.manual_seed(0)
     m = GRPOModule(n_layer=1, n_embd=16, n_head=2, dropout=0.1, optimizer="adam", lr=3e-3)
-    rec = _fit(m, 3, tmp_path, checkpoint_every=1, data=AdditionDataModule(batch_size=2),
-               batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch")
+    rec = _fit(
+        m,
+        3,
+        tmp_path,
+        checkpoint_every=1,
+        data=AdditionDataModule(batch_size=2),
+        batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch",
+    )
     assert all("dropout_seed" in rec.step_meta(s) for s in rec.steps)
     t = rec.trajectories(1)[0]
     assert [x.role for x in t.turns] == ["user", "assistant"] and t.turns[1].trained
@@ -254,8 +268,13 @@ def test_single_turn_example_records_and_replays_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_yaml_run_then_offline_audit_matches_the_live_audit(tmp_path, run_cli):
     run_cli(
-        "fit", "--config", ROOT / "cli_configs" / "grpo_tools_turns.yaml", "--trainer.max_steps=3",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false", check=True,
+        "fit",
+        "--config",
+        ROOT / "cli_configs" / "grpo_tools_turns.yaml",
+        "--trainer.max_steps=3",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        "--trainer.enable_progress_bar=false",
+        check=True,
     )
     version = tmp_path / "runs" / "grpo_tools" / "version_0"
     live = (version / "credit_last.txt").read_text()
@@ -272,7 +291,10 @@ class _Scheduled(GRPOToolsModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), "interval": "step"},
+        }
 
 
 def test_replay_uses_the_recorded_learning_rates(tmp_path):
@@ -290,7 +312,12 @@ def test_audit_console_script_prints_the_report(run, capsys, monkeypatch):
 
     _, rec = run
     monkeypatch.chdir(ROOT)
-    assert main(["audit", str(rec.run_dir), "--step", "2", "--partition", "by_role", "--dtype", "float64", "--no-progress"]) == 0
+    assert (
+        main(
+            ["audit", str(rec.run_dir), "--step", "2", "--partition", "by_role", "--dtype", "float64", "--no-progress"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "credit by by_role" in out and "assistant" in out and "conservation_error" in out
     assert main(["audit", str(rec.run_dir), "--partition", "by_turn", "--json", "--no-progress"]) == 0
@@ -312,8 +339,14 @@ def test_audit_console_script_prints_the_report(run, capsys, monkeypatch):
 def test_replay_clips_gradients_as_the_trainer_did(tmp_path, algorithm):
     m = GRPOToolsModule(seed=4, lr=0.5)
     trainer = Trainer(
-        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", gradient_clip_val=0.01, gradient_clip_algorithm=algorithm,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        gradient_clip_val=0.01,
+        gradient_clip_algorithm=algorithm,
         callbacks=[RunRecordCallback(str(tmp_path / "record"), checkpoint_every=1)],
     )
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=2))

@@ -29,8 +29,16 @@ def _fit(num_val, steps=4, val_every=None):
     seed_everything(0, verbose=False)
     m, d = GRPOModule(dropout=0.1), AdditionDataModule(num_val_prompts=num_val)
     kw = {} if val_every is None else {"val_check_interval": val_every, "check_val_every_n_epoch": None}
-    t = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, accelerator="cpu", devices=1, **kw)
+    t = Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        **kw,
+    )
     t.fit(m, d)
     return m, d, t
 

@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
-from lens_callbacks.examples.grpo_tools import ToolsAdditionDataModule  # noqa: E402
-from lens_callbacks.examples.grpo_tools.probe import ToolsProbeModule  # noqa: E402
 from lens_callbacks.callbacks.probe import ProbeCreditCallback  # noqa: E402
 from lens_callbacks.callbacks.records import RunRecordCallback  # noqa: E402
 from lens_callbacks.commands.probe_audit import probe_audit  # noqa: E402
+from lens_callbacks.examples.grpo_tools import ToolsAdditionDataModule  # noqa: E402
+from lens_callbacks.examples.grpo_tools.probe import ToolsProbeModule  # noqa: E402
 from lens_callbacks.io.records import RunRecord, write_trajectories  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,8 +38,13 @@ class _Keep(Callback):
 
 def _fit(module, steps, record_dir, callbacks=()):
     Trainer(
-        max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", default_root_dir=str(record_dir.parent),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(record_dir.parent),
         callbacks=[RunRecordCallback(str(record_dir), checkpoint_every=0), *callbacks],
     ).fit(module, ToolsAdditionDataModule(prompts_per_step=2))
     return RunRecord(record_dir)
@@ -106,8 +111,9 @@ def live_single_turn(tmp_path_factory):
     torch.manual_seed(0)
     m = GRPOProbeModule(n_layer=1, n_embd=16, n_head=2, n_probe=4, optimizer="adam", lr=3e-3, dtype="float64")
     pairs = m.probe_batches()["carry"].tolist()
-    probe_file = write_trajectories(d / "carry.jsonl", [Trajectory((Turn("user", prompt_text(a, b)),), 0.0, k, k)
-                                                        for k, (a, b) in enumerate(pairs)])
+    probe_file = write_trajectories(
+        d / "carry.jsonl", [Trajectory((Turn("user", prompt_text(a, b)),), 0.0, k, k) for k, (a, b) in enumerate(pairs)]
+    )
     cb = ProbeCreditCallback(dtype="float64", split_by=[], log_table_every_n_steps=0)
     keep = []
 
@@ -115,11 +121,24 @@ def live_single_turn(tmp_path_factory):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             keep.append(cb.last_reports["carry"])
 
-    Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            accelerator="cpu", default_root_dir=str(d),
-            callbacks=[RunRecordCallback(str(d / "record"), checkpoint_every=0,
-                                         batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch"),
-                       cb, Keep()]).fit(m, AdditionDataModule(batch_size=2))
+    Trainer(
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(d),
+        callbacks=[
+            RunRecordCallback(
+                str(d / "record"),
+                checkpoint_every=0,
+                batch_builder="lens_callbacks.examples.grpo_tools.single_turn.grpo_rollout_batch",
+            ),
+            cb,
+            Keep(),
+        ],
+    ).fit(m, AdditionDataModule(batch_size=2))
     return d / "record", probe_file, keep
 
 

@@ -44,8 +44,11 @@ def test_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninterrupted_run(tm
         assert a[key] == b[key], key
     # The readings are real ones: the callbacks of the config were there and read something.
     last = a[("step", MAX_STEPS - 1)]["readings"]
-    expect = {"grpo_credit": {"CreditAuditCallback"}, "grpo_conservation": {"CreditAuditCallback", "ConservationCheckCallback"},
-              "grpo_anchor": {"AnchorProjectionCallback"}}[name]
+    expect = {
+        "grpo_credit": {"CreditAuditCallback"},
+        "grpo_conservation": {"CreditAuditCallback", "ConservationCheckCallback"},
+        "grpo_anchor": {"AnchorProjectionCallback"},
+    }[name]
     assert set(last) == expect and all(last[k] for k in expect)
 
     pa, pb = torch.load(tmp_path / "full" / "params.pt"), torch.load(killed / "params.pt")

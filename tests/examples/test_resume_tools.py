@@ -45,10 +45,12 @@ def _config(name: str, path: Path) -> Path:
         # With dropout: its masks, at sampling and in every forward of the step, must be the step's own.
         cfg["model"]["init_args"].update(dtype="float64", optimizer="sgd", momentum=0.0, weight_decay=0.0, dropout=0.1)
         audit["init_args"]["dtype"] = "float64"
-        cfg["trainer"]["callbacks"].append({
-            "class_path": "lens_callbacks.callbacks.ConservationCheckCallback",
-            "init_args": {"every_n_steps": 1, "tolerance": 1.0e-4, "use_credit_audit": True},
-        })
+        cfg["trainer"]["callbacks"].append(
+            {
+                "class_path": "lens_callbacks.callbacks.ConservationCheckCallback",
+                "init_args": {"every_n_steps": 1, "tolerance": 1.0e-4, "use_credit_audit": True},
+            }
+        )
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -80,8 +82,11 @@ def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninte
         assert a[key] == b[key], key
 
     # The readings are real ones: each callback of the config read every step (the audit by turn).
-    expect = {"credit": {"CreditAuditCallback"}, "conservation": {"CreditAuditCallback", "ConservationCheckCallback"},
-              "anchor": {"AnchorProjectionCallback"}}[name]
+    expect = {
+        "credit": {"CreditAuditCallback"},
+        "conservation": {"CreditAuditCallback", "ConservationCheckCallback"},
+        "anchor": {"AnchorProjectionCallback"},
+    }[name]
     for s in range(MAX_STEPS):
         got = a[("step", s)]["readings"]
         assert set(got) == expect and all(got[k] for k in expect), s
@@ -99,7 +104,7 @@ def test_tools_example_sigkill_at_a_random_step_and_resume_is_bitwise_the_uninte
     if name == "anchor":  # it merged at every step after the first, and projected after the resume
         anchor = [a[("step", s)]["readings"]["AnchorProjectionCallback"] for s in range(MAX_STEPS)]
         assert all(r["merged"] == s for s, r in enumerate(anchor) if s >= 1)
-        assert any(r["reading"] and r["reading"]["projected"] for r in anchor[kill_step + 1:])
+        assert any(r["reading"] and r["reading"]["projected"] for r in anchor[kill_step + 1 :])
 
     pa, pb = torch.load(tmp_path / "full" / "params.pt"), torch.load(killed / "params.pt")
     assert pa.keys() == pb.keys() and len(pa) > 0

@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]

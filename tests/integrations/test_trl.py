@@ -18,9 +18,9 @@ pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` 
 
 from trl import GRPOTrainer  # noqa: E402
 
-from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
 from lens_callbacks.credit.readings.conservation import ConservationReading  # noqa: E402
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.integrations.trl import LOSS_TYPES, LensGRPOMixin, LensTRLCallback  # noqa: E402
 from lens_callbacks.refusal import Refusal  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_a_wrong_normaliser_is_caught_by_grad_match(policy_dir, tmp_path, wrong)
     else:
         cls = ForgetsAccumulation
     _train(policy_dir, tmp_path, cls=cls, callbacks=[cb], loss_type="grpo", max_steps=1, **HARD)
-    (step, report), = cb.history
+    ((step, report),) = cb.history
     assert isinstance(report, CreditReport)
     assert report.grad_match > 0.1, report.grad_match
     # the parts still add up to the (wrong) objective: only grad_match can catch this
@@ -163,8 +163,14 @@ def test_readings_reach_tensorboard_and_adam_is_refused_by_conservation(policy_d
 
     cb = LensTRLCallback(ride_along=False)  # the separate pass: grad_match reaches TensorBoard too
     trainer = _train(
-        policy_dir, tmp_path, callbacks=[cb], max_steps=2, optim="adamw_torch", learning_rate=1e-3,
-        report_to=["tensorboard"], **HARD,
+        policy_dir,
+        tmp_path,
+        callbacks=[cb],
+        max_steps=2,
+        optim="adamw_torch",
+        learning_rate=1e-3,
+        report_to=["tensorboard"],
+        **HARD,
     )
     logdir = tmp_path / "out" / "runs"
     assert all(isinstance(r, CreditReport) and r.grad_match <= 1e-6 for _, r in cb.history)
@@ -256,7 +262,7 @@ def test_bf16_audit_repeats_the_training_arithmetic_and_reads_at_the_bf16_floor(
     # bf16=True: accelerate wraps the model's forward in autocast, so the audit's forward is the training one.
     cb = LensTRLCallback(conservation=False)
     _train(policy_dir, tmp_path, callbacks=[cb], lora=False, bf16=True, max_steps=1, **HARD)
-    (_, report), = cb.history
+    ((_, report),) = cb.history
     assert isinstance(report, CreditReport)
     assert report.grad_match <= 1e-6, report.grad_match
     # Each part's backward runs through bf16 matmuls: the parts add up to g_full only to bf16's resolution
@@ -270,9 +276,19 @@ def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path, r
     # adaptive entropy control (its coefficient moves after each step's last micro-batch).
     cb = LensTRLCallback(ride_along=ride)
     trainer = _train(
-        policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=4, top_entropy_quantile=0.5,
-        off_policy_mask_threshold=1e-4, delta=1.05, use_bias_correction_kl=True, use_adaptive_entropy=True,
-        entropy_target=10.0, entropy_coef_delta=0.05, **HARD,
+        policy_dir,
+        tmp_path,
+        callbacks=[cb],
+        loss_type="grpo",
+        max_steps=4,
+        top_entropy_quantile=0.5,
+        off_policy_mask_threshold=1e-4,
+        delta=1.05,
+        use_bias_correction_kl=True,
+        use_adaptive_entropy=True,
+        entropy_target=10.0,
+        entropy_coef_delta=0.05,
+        **HARD,
     )
     assert trainer.entropy_coef > trainer.args.entropy_coef  # the controller did move it
     for (step, report), (_, reading) in zip(cb.history, cb.conservation_history):
@@ -288,14 +304,17 @@ def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path, 
     # rows lie in both micro-batches (riding along, the step is read once after the second backward).
     cb = LensTRLCallback(partition="by_group", ride_along=ride)
     trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, num_iterations=1, **HARD)
-    (_, report), = cb.history
+    ((_, report),) = cb.history
     assert isinstance(report, CreditReport)
     _exact(cb, report, ride)
     assert report.conservation_error <= 1e-6 and abs(report.share_sum - 1) <= 1e-6
     assert report.n_parts == 2, report.part_names  # 8 rows = 2 prompts x 4 generations
     micro = trainer._lens_micro
     assert len(micro) == 2
-    rows = {k: torch.cat([mb.inputs[k] for mb in micro]) for k in ("lens_rollout", "lens_group", "lens_reward", "advantages")}
+    rows = {
+        k: torch.cat([mb.inputs[k] for mb in micro])
+        for k in ("lens_rollout", "lens_group", "lens_reward", "advantages")
+    }
     completions = torch.cat([mb.inputs["completion_ids"] for mb in micro])
     prompts = torch.cat([mb.inputs["prompt_ids"] for mb in micro])
     assert sorted(rows["lens_rollout"].tolist()) == list(range(8))
@@ -357,10 +376,21 @@ def test_a_moe_policy_with_an_aux_loss_is_refused_and_trains_on(tmp_path):
 
     tok = tiny_tokenizer()
     config = Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01,
-        max_position_embeddings=64, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
         attn_implementation="eager",
     )
     torch.manual_seed(0)
@@ -370,10 +400,10 @@ def test_a_moe_policy_with_an_aux_loss_is_refused_and_trains_on(tmp_path):
     cb = LensTRLCallback()
     trainer = _train(path, tmp_path, callbacks=[cb], lora=False, max_steps=1)
     assert trainer.state.global_step == 1
-    (_, refusal), = cb.history
+    ((_, refusal),) = cb.history
     assert isinstance(refusal, Refusal) and refusal.condition == "moe_aux_loss"
     assert refusal.numbers["router_aux_loss_coef"] == 0.01
-    (_, reading), = cb.conservation_history  # held against .grad, which carries the aux loss
+    ((_, reading),) = cb.conservation_history  # held against .grad, which carries the aux loss
     assert isinstance(reading, ConservationReading) and reading.source == "grad"
 
 
@@ -405,13 +435,21 @@ def _ride_and_separate(policy_dir, tmp_path, separate=None, **kw):
     return runs
 
 
-@pytest.mark.parametrize(("loss_type", "accum"), [("grpo", 1), ("luspo", 1), ("grpo", 2)])  # dapo: the bit-identity test
+@pytest.mark.parametrize(
+    ("loss_type", "accum"), [("grpo", 1), ("luspo", 1), ("grpo", 2)]
+)  # dapo: the bit-identity test
 def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, loss_type, accum):
     # LoRA (the fused LM head is frozen), beta 0.1, entropy bonus, clipping, SGD; at accumulation 2 each
     # micro-batch is captured on its own backward and the step is read once after the last one.
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
-    kw = dict(loss_type=loss_type, max_steps=2, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum,
-              **HARD, **extra)
+    kw = dict(
+        loss_type=loss_type,
+        max_steps=2,
+        gradient_accumulation_steps=accum,
+        per_device_train_batch_size=8 // accum,
+        **HARD,
+        **extra,
+    )
     (rode, tr), (sep, _) = _ride_and_separate(policy_dir, tmp_path, **kw)
     assert rode.ride_reason is None and sep.ride_reason == "ride_along=False"
     assert len(rode.history) == 2 == len(sep.history)
@@ -435,8 +473,10 @@ def tied_policy_dir(tmp_path_factory):
     return save_policy(str(tmp_path_factory.mktemp("trl_tied") / "policy"), tie=True)
 
 
-@pytest.mark.parametrize(("accum", "tied", "engine"), [(1, False, "reference"), (1, True, "reference"), (2, True, "reference"),
-                                                     (1, True, "ghost"), (2, True, "ghost")])
+@pytest.mark.parametrize(
+    ("accum", "tied", "engine"),
+    [(1, False, "reference"), (1, True, "reference"), (2, True, "reference"), (1, True, "ghost"), (2, True, "ghost")],
+)
 def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_dir, tmp_path, accum, tied, engine):
     # The head is trained and TRL's fused LM head reads it outside the layer: its use is recorded by the
     # fused-head capture (tied: beside the embedding's use of the same weight). Held against the reference
@@ -444,8 +484,14 @@ def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_
     # one-pass separate pass, whose capture records the head the same way (at accumulation 2: once per
     # micro-batch, each call under its micro-batch's `batch_rows` span, stacked into one).
     policy_dir = tied_policy_dir if tied else policy_dir
-    kw = dict(lora=False, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, loss_type="grpo",
-              max_steps=2, **HARD)
+    kw = dict(
+        lora=False,
+        gradient_accumulation_steps=accum,
+        per_device_train_batch_size=8 // accum,
+        loss_type="grpo",
+        max_steps=2,
+        **HARD,
+    )
     (rode, tr), (sep, _) = _ride_and_separate(policy_dir, tmp_path, separate={"engine": engine}, **kw)
     assert rode.ride_reason is None, rode.ride_reason
     assert (tr.model.get_output_embeddings().weight is tr.model.get_input_embeddings().weight) == tied
@@ -466,8 +512,14 @@ def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_full_fine_tuning_riding_along_is_bit_identical_to_training_without_the_adapter(policy_dir, tmp_path, accum):
-    kw = dict(lora=False, loss_type="dapo", max_steps=2, gradient_accumulation_steps=accum,
-              per_device_train_batch_size=8 // accum, **HARD)
+    kw = dict(
+        lora=False,
+        loss_type="dapo",
+        max_steps=2,
+        gradient_accumulation_steps=accum,
+        per_device_train_batch_size=8 // accum,
+        **HARD,
+    )
     torch.manual_seed(123)
     plain = _train(policy_dir, tmp_path / "plain", cls=GRPOTrainer, **kw)
     torch.manual_seed(123)
@@ -495,9 +547,17 @@ def test_a_micro_batch_that_cannot_ride_sends_the_whole_step_to_the_separate_pas
 
     monkeypatch.setattr(AuditedGRPO, "_lens_micro_terms", second_fails)
     cb = LensTRLCallback()
-    tr = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, gradient_accumulation_steps=2,
-                per_device_train_batch_size=4, **HARD)
-    (_, report), = cb.history
+    tr = _train(
+        policy_dir,
+        tmp_path,
+        callbacks=[cb],
+        loss_type="grpo",
+        max_steps=1,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        **HARD,
+    )
+    ((_, report),) = cb.history
     assert isinstance(report, CreditReport) and report.engine == "ghost" and report.grad_match <= 1e-6
     assert "no terms for this micro-batch" in cb.ride_reason, cb.ride_reason
     assert tr._lens_rides == []  # the first micro-batch's captures were let go
@@ -505,7 +565,9 @@ def test_a_micro_batch_that_cannot_ride_sends_the_whole_step_to_the_separate_pas
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_training_riding_along_is_bit_identical_to_training_without_the_adapter(policy_dir, tmp_path, accum):
-    kw = dict(loss_type="dapo", max_steps=3, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, **HARD)
+    kw = dict(
+        loss_type="dapo", max_steps=3, gradient_accumulation_steps=accum, per_device_train_batch_size=8 // accum, **HARD
+    )
     torch.manual_seed(123)
     plain = _train(policy_dir, tmp_path / "plain", cls=GRPOTrainer, **kw)
     rng_plain = torch.get_rng_state()
@@ -529,8 +591,17 @@ def test_a_wrong_normaliser_stops_the_ride_and_grad_match_catches_it(policy_dir,
     # is not the one TRL's loss sent there, so the step is read by the separate pass, where grad_match shows it.
     cls = type("WrongNormaliser", (AuditedGRPO,), {"lens_loss_type": "luspo"})
     cb = LensTRLCallback(conservation=False)
-    _train(policy_dir, tmp_path, cls=cls, callbacks=[cb], loss_type="grpo", max_steps=1, gradient_accumulation_steps=1,
-           per_device_train_batch_size=8, **HARD)
-    (_, report), = cb.history
+    _train(
+        policy_dir,
+        tmp_path,
+        cls=cls,
+        callbacks=[cb],
+        loss_type="grpo",
+        max_steps=1,
+        gradient_accumulation_steps=1,
+        per_device_train_batch_size=8,
+        **HARD,
+    )
+    ((_, report),) = cb.history
     assert "differs from TRL's loss gradient" in cb.ride_reason, cb.ride_reason
     assert report.engine == "ghost" and report.grad_match > 0.1

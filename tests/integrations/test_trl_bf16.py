@@ -19,9 +19,9 @@ pytest.importorskip("peft", reason="LoRA runs need peft (in the `trl` and `dev` 
 
 from trl import GRPOTrainer  # noqa: E402
 
-from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.credit import CreditReport  # noqa: E402
 from lens_callbacks.credit.readings.conservation import UNIT_ROUNDOFF, ConservationReading  # noqa: E402
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, save_policy, tiny_tokenizer  # noqa: E402
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,11 +44,18 @@ def _train(policy_dir, tmp_path, cls):
     from peft import LoraConfig
 
     cb = LensTRLCallback()
-    args = grpo_config(str(tmp_path / "out"), bf16=True, max_steps=2, loss_type="grpo",
-                       scale_rewards="none", reward_weights=[1000.0])
-    cls(model=policy_dir, reward_funcs=digit_reward, args=args, train_dataset=prompt_dataset(),
-        processing_class=tiny_tokenizer(), callbacks=[cb],
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).train()
+    args = grpo_config(
+        str(tmp_path / "out"), bf16=True, max_steps=2, loss_type="grpo", scale_rewards="none", reward_weights=[1000.0]
+    )
+    cls(
+        model=policy_dir,
+        reward_funcs=digit_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=tiny_tokenizer(),
+        callbacks=[cb],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    ).train()
     return cb
 
 

@@ -35,7 +35,12 @@ W = 2
 # grpo: per-row token mean, then row mean, / accumulation; dapo: tokens of the whole generation batch over
 # every process (num_items_in_batch / num_processes). DDP then averages both over the ranks.
 # run -> (engine that must have run, audited steps); the runs are defined in trl_ddp_worker.VARIANTS.
-EXACT = {"grpo": ("ghost", 2), "dapo": ("ghost", 2), "grpo_reference": ("reference", 1), "bnpo_entropy_mask": ("ghost", 1)}
+EXACT = {
+    "grpo": ("ghost", 2),
+    "dapo": ("ghost", 2),
+    "grpo_reference": ("reference", 1),
+    "bnpo_entropy_mask": ("ghost", 1),
+}
 RUNS = (*EXACT, "dapo_forgets_world_size", "grpo_fails_on_rank1")
 
 
@@ -55,11 +60,23 @@ def _free_port() -> int:
 def _launch(tmp_path: Path, policy: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(W), "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(WORKER), policy, str(tmp_path), *RUNS,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(W),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        policy,
+        str(tmp_path),
+        *RUNS,
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:

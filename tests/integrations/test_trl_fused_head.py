@@ -80,8 +80,9 @@ def test_the_recorded_logits_gradient_is_the_one_trls_backward_forms(softcap, sc
     outputs = ("log_probs", "entropy") if entropy else ("log_probs",)
     g_lp = torch.randn(N, generator=g, dtype=torch.float64)
     g_ent = torch.randn(N, generator=g, dtype=torch.float64) if entropy else None
-    ref = _dense_logits_grad(h.detach(), W.detach(), None if b is None else b.detach(), targets, temperature, softcap,
-                             scale, g_lp, g_ent)  # [N, V]
+    ref = _dense_logits_grad(
+        h.detach(), W.detach(), None if b is None else b.detach(), targets, temperature, softcap, scale, g_lp, g_ent
+    )  # [N, V]
     use = _recorded(h, W, b, targets, temperature, chunk, softcap, scale, outputs, rows, (g_lp, g_ent))
 
     dz = use.b.reshape(N, V)
@@ -135,12 +136,22 @@ def test_a_failure_in_the_head_capture_sends_the_step_to_the_separate_pass(tmp_p
     monkeypatch.setattr(trl_fused_head._TileSink, "wrap", broken)
     policy = save_policy(str(tmp_path / "policy"))
     cb = LensTRLCallback()
-    tr = AuditedGRPO(model=policy, reward_funcs=digit_reward, processing_class=tiny_tokenizer(),
-                     args=grpo_config(str(tmp_path / "out"), max_steps=1, gradient_accumulation_steps=1,
-                                      per_device_train_batch_size=8, scale_rewards="none"),
-                     train_dataset=prompt_dataset(), callbacks=[cb])
+    tr = AuditedGRPO(
+        model=policy,
+        reward_funcs=digit_reward,
+        processing_class=tiny_tokenizer(),
+        args=grpo_config(
+            str(tmp_path / "out"),
+            max_steps=1,
+            gradient_accumulation_steps=1,
+            per_device_train_batch_size=8,
+            scale_rewards="none",
+        ),
+        train_dataset=prompt_dataset(),
+        callbacks=[cb],
+    )
     tr.train()  # the failure is inside TRL's backward: training goes on
-    (_, report), = cb.history
+    ((_, report),) = cb.history
     assert isinstance(report, CreditReport) and report.engine == "ghost" and report.grad_match <= 1e-6
     assert "fused LM head could not be read" in cb.ride_reason and "no logits gradient here" in cb.ride_reason
 
@@ -149,7 +160,9 @@ def _head_call(hidden, head, targets):
     import trl.trainer.utils as utils
 
     # as TRL's fused forward calls it off Triton devices: every position, targets clamped
-    return utils._ChunkedLogProbFunction.apply(hidden, head.weight, head.bias, targets, 1.0, 16, None, 1.0, ("log_probs", "entropy"))
+    return utils._ChunkedLogProbFunction.apply(
+        hidden, head.weight, head.bias, targets, 1.0, 16, None, 1.0, ("log_probs", "entropy")
+    )
 
 
 def test_the_capture_records_the_heads_use_before_its_weight_is_reduced():
@@ -168,8 +181,17 @@ def test_the_capture_records_the_heads_use_before_its_weight_is_reduced():
     g_lp, g_ent = torch.randn(B * n, generator=g), torch.randn(B * n, generator=g)
     torch.autograd.backward([lp, ent], [g_lp, g_ent])
     assert seen == [True]
-    ref = _dense_logits_grad(hidden.detach().double(), head.weight.detach().double(), head.bias.detach().double(), targets,
-                             1.0, None, 1.0, g_lp.double(), g_ent.double())
+    ref = _dense_logits_grad(
+        hidden.detach().double(),
+        head.weight.detach().double(),
+        head.bias.detach().double(),
+        targets,
+        1.0,
+        None,
+        1.0,
+        g_lp.double(),
+        g_ent.double(),
+    )
     assert use.b.shape == (B, n, V)
     assert torch.allclose(use.b.reshape(B * n, V).double(), ref, atol=1e-6 * float(ref.abs().max()))
     # the rows' pieces Σ_t z'_t ⊗ h_t add up to the head's own gradient
@@ -191,7 +213,10 @@ def test_a_forward_that_calls_the_head_twice_is_not_read_and_the_function_is_res
 
 
 def test_a_weight_outside_the_captures_root_is_not_recorded():
-    head, other = torch.nn.Linear(4, 10, bias=False), torch.nn.Linear(4, 10, bias=False)  # e.g. a reference model's head
+    head, other = (
+        torch.nn.Linear(4, 10, bias=False),
+        torch.nn.Linear(4, 10, bias=False),
+    )  # e.g. a reference model's head
     with _capturing(head, 2) as (cap, fc):
         _head_call(torch.randn(8, 4, requires_grad=True), other, torch.randint(0, 10, (8,)))
     assert cap.uses == [] and fc.calls == 0 and fc.error is None

@@ -15,8 +15,10 @@ from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback  # no
 
 def test_the_mixin_after_grpotrainer_warns_that_the_order_is_wrong(caplog):
     with pytest.warns(UserWarning, match="The order is wrong") as rec, caplog.at_level(logging.WARNING):
+
         class Backwards(GRPOTrainer, LensGRPOMixin):
             pass
+
     msg = str(rec[0].message)
     assert "Backwards lists GRPOTrainer before LensGRPOMixin" in msg
     assert "class Backwards(LensGRPOMixin, GRPOTrainer)" in msg and "nothing is audited" in msg

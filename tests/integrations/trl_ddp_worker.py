@@ -20,8 +20,8 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, tiny_tokenizer
 from lens_callbacks.credit import CreditReport
+from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, tiny_tokenizer
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
 
 
@@ -100,7 +100,11 @@ def run(policy: str, out: str, name: str) -> dict:
         model=policy,
         reward_funcs=digit_reward,
         args=grpo_config(
-            os.path.join(out, name), loss_type=loss_type, max_steps=steps, scale_rewards="none", reward_weights=[1000.0],
+            os.path.join(out, name),
+            loss_type=loss_type,
+            max_steps=steps,
+            scale_rewards="none",
+            reward_weights=[1000.0],
             **config,
         ),
         train_dataset=prompt_dataset(),
@@ -127,11 +131,15 @@ def run(policy: str, out: str, name: str) -> dict:
                 cancellation=report.cancellation,
                 n_trained=report.n_trained,
             )
-        entry["conservation"] = None if reading is None else {
-            "render": reading.render(),
-            "relative_error": getattr(reading, "relative_error", None),
-            "source": getattr(reading, "source", None),
-        }
+        entry["conservation"] = (
+            None
+            if reading is None
+            else {
+                "render": reading.render(),
+                "relative_error": getattr(reading, "relative_error", None),
+                "source": getattr(reading, "source", None),
+            }
+        )
         steps.append(entry)
     logged = [h for h in trainer.state.log_history if "credit/refused" in h]
     return {

@@ -22,7 +22,6 @@ from lens_callbacks.refusal import Refusal
 from tests._spawn_exit import DestroyGroupAtExit
 
 
-
 class Chars:
     pad_token_id = 0
 
@@ -46,12 +45,23 @@ def _trajs():
             prompt_id="7+5",
             step=3,
         ),
-        Trajectory((Turn("user", "hi"), Turn("assistant", "yo")), reward=-1e-300, group=1, rollout=1, prompt_id="p1", step=3),
+        Trajectory(
+            (Turn("user", "hi"), Turn("assistant", "yo")), reward=-1e-300, group=1, rollout=1, prompt_id="p1", step=3
+        ),
     ]
 
 
 def _tensors(batch, seg):
-    return [batch.input_ids, batch.attention_mask, batch.position_ids, batch.trained, batch.rollout, batch.group, batch.rewards, seg.ids]
+    return [
+        batch.input_ids,
+        batch.attention_mask,
+        batch.position_ids,
+        batch.trained,
+        batch.rollout,
+        batch.group,
+        batch.rewards,
+        seg.ids,
+    ]
 
 
 def test_round_trip_rebuilds_the_same_batch_bit_for_bit(tmp_path):
@@ -63,7 +73,7 @@ def test_round_trip_rebuilds_the_same_batch_bit_for_bit(tmp_path):
         b = batch_from_trajectories(Chars(), back, padding_side=side)
         for x, y in zip(_tensors(*a), _tensors(*b)):
             assert x.dtype == y.dtype and torch.equal(x, y)
-        assert a[1].roles == b[1].roles and turn_segments(a[1]) [1] == turn_segments(b[1])[1]
+        assert a[1].roles == b[1].roles and turn_segments(a[1])[1] == turn_segments(b[1])[1]
     assert back[0].reward == 0.1 + 0.2 and back[1].reward == -1e-300
     assert back[0].turns[2].tool_call == ToolCall("calc", "7 + 5")
     assert back[0].turns[1].text == "7 + 5 = ?  é✓"
@@ -122,7 +132,9 @@ def test_writer_and_reader(tmp_path):
     assert r.steps == [0, 1, 2] and r.checkpoints == [0]
     assert r.manifest["init_args"] == {"lr": 0.5, "betas": [0.9, 0.99]}
     loaded = r.load_policy(0)
-    assert set(loaded) == {"w", "b"} and all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in state)
+    assert set(loaded) == {"w", "b"} and all(
+        torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in state
+    )
     assert r.nearest_checkpoint(2) == 0
     assert step_path(tmp_path / "run", 2).name == "step_000002.jsonl"
     assert [t.step for t in r.trajectories(1)] == [1, 1]
@@ -147,8 +159,8 @@ def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
     pytest.importorskip("transformers")
     from lightning.pytorch import Trainer
 
-    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
     from lens_callbacks.callbacks.records import RunRecordCallback
+    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
 
     torch.manual_seed(0)
     m = GRPOToolsModule(seed=3)
@@ -157,8 +169,13 @@ def test_callback_writes_every_step_and_the_step0_policy(tmp_path):
     fresh = fresh.state_dict()
     cb = RunRecordCallback(str(tmp_path / "rec"), checkpoint_every=2)
     trainer = Trainer(
-        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
     )
     trainer.callbacks.append(cb)
     trainer.fit(m, ToolsAdditionDataModule(prompts_per_step=1))
@@ -181,8 +198,15 @@ def test_callback_reads_single_turn_rollouts():
 
     class M:
         last_rollouts = [
-            {"prompt": "1 + 2 =", "completion": "3", "prompt_ids": [4, 5], "completion_ids": torch.tensor([6]),
-             "reward": 1.0, "group": 2, "rollout": 5},
+            {
+                "prompt": "1 + 2 =",
+                "completion": "3",
+                "prompt_ids": [4, 5],
+                "completion_ids": torch.tensor([6]),
+                "reward": 1.0,
+                "group": 2,
+                "rollout": 5,
+            },
         ]
 
     (t,) = trajectories_of(M(), 7)
@@ -211,8 +235,16 @@ def test_callback_warns_once_when_the_module_exposes_no_rollouts(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cb = RunRecordCallback(str(tmp_path / "rec"))
-    trainer = Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, accelerator="cpu", callbacks=[cb], default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+    )
     with pytest.warns(UserWarning, match="neither `last_trajectories` nor `last_rollouts`") as caught:
         trainer.fit(Plain())
     assert sum("last_trajectories" in str(w.message) for w in caught) == 1  # once, not every step
@@ -234,12 +266,19 @@ def test_callback_refuses_gradient_accumulation():
 def _ddp_fit(run_dir):
     from lightning.pytorch import Trainer
 
-    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
     from lens_callbacks.callbacks.records import RunRecordCallback
+    from lens_callbacks.examples.grpo_tools import GRPOToolsModule, ToolsAdditionDataModule
 
     trainer = Trainer(
-        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", devices=2, strategy="ddp_spawn", default_root_dir=str(run_dir),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        default_root_dir=str(run_dir),
         callbacks=[RunRecordCallback(str(run_dir / "rec")), DestroyGroupAtExit()],
     )
     trainer.fit(GRPOToolsModule(seed=0, group_size=2), ToolsAdditionDataModule(prompts_per_step=1))
@@ -306,4 +345,10 @@ def test_any_trajectory_round_trips_exactly(tmp_path_factory, trajs):
         assert (b.reward, b.group, b.rollout, b.prompt_id, b.step) == (a.reward, a.group, a.rollout, a.prompt_id, 4)
         for x, y in zip(a.turns, b.turns, strict=True):
             resolved = x.trained if x.trained is not None else x.role == "assistant"
-            assert (y.role, y.text, y.token_ids, y.trained, y.tool_call) == (x.role, x.text, x.token_ids, resolved, x.tool_call)
+            assert (y.role, y.text, y.token_ids, y.trained, y.tool_call) == (
+                x.role,
+                x.text,
+                x.token_ids,
+                resolved,
+                x.tool_call,
+            )

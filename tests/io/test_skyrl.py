@@ -13,18 +13,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from skyrl_fixtures import CURRENT, HOSTILE, LEGACY, ROOT, TRUNCATED, needs_fixtures  # noqa: E402
 
 from lens_callbacks.io import SkyRLDump, read_skyrl_dump
 from lens_callbacks.io.skyrl import ForbiddenGlobalError, SkyRLDumpError
 
-from skyrl_fixtures import CURRENT, FIX, HOSTILE, LEGACY, ROOT, TRUNCATED, needs_fixtures  # noqa: E402
-
 KEYS_CURRENT = [
-    "sequences", "attention_mask", "response_mask", "loss_mask", "rollout_logprobs", "rollout_expert_indices",
-    "router_padding_mask", "pixel_values", "image_grid_thw", "base_action_log_probs", "action_log_probs",
-    "values", "returns", "advantages",
+    "sequences",
+    "attention_mask",
+    "response_mask",
+    "loss_mask",
+    "rollout_logprobs",
+    "rollout_expert_indices",
+    "router_padding_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "base_action_log_probs",
+    "action_log_probs",
+    "values",
+    "returns",
+    "advantages",
 ]
-KEYS_LEGACY = [k for k in KEYS_CURRENT if k not in {"rollout_expert_indices", "router_padding_mask", "pixel_values", "image_grid_thw"}]
+KEYS_LEGACY = [
+    k
+    for k in KEYS_CURRENT
+    if k not in {"rollout_expert_indices", "router_padding_mask", "pixel_values", "image_grid_thw"}
+]
 PROMPTS = [
     [151644, 872, 198, 8427, 15744, 22320],
     [151644, 872, 198, 7395, 4266],
@@ -241,9 +255,11 @@ def test_truncated_dump_is_refused_naming_the_file():
 
 def _global(module: str, name: str) -> bytes:
     """A protocol-4 pickle that names one global (STACK_GLOBAL) and calls it with no arguments."""
+
     def s(x: str) -> bytes:
         b = x.encode()
         return b"\x8c" + bytes([len(b)]) + b
+
     return b"\x80\x04" + s(module) + s(name) + b"\x93)R."
 
 
@@ -319,7 +335,9 @@ def _synthetic(tmp_path, extra=None, response_mask=None) -> Path:
     }
     bd.update(extra or {})
     p = tmp_path / "global_step_7_training_input.pkl"
-    p.write_bytes(pickle.dumps({"batch_dict": bd, "batch_size": 2, "device": "cpu", "metadata": {"pad_size": 0}}, protocol=4))
+    p.write_bytes(
+        pickle.dumps({"batch_dict": bd, "batch_size": 2, "device": "cpu", "metadata": {"pad_size": 0}}, protocol=4)
+    )
     return p
 
 
@@ -349,7 +367,11 @@ def test_unknown_padding_layout_is_an_error(tmp_path):
 @needs_fixtures
 def test_skyrl_command_prints_the_summary(capsys):
     r = subprocess.run(
-        [sys.executable, "-m", "lens_callbacks", "skyrl", str(LEGACY)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "lens_callbacks", "skyrl", str(LEGACY)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert "rows 12" in r.stdout and "groups 3" in r.stdout and "advantages" in r.stdout and "layout legacy" in r.stdout
@@ -384,12 +406,22 @@ def test_process_table_of_a_dump(current, legacy, capsys):
 @needs_fixtures
 def test_a_dump_cannot_tamper_with_the_stand_ins_of_the_next_read(tmp_path):
     """BUILD may set attributes on what find_class returns; every read gets fresh stand-ins."""
+
     def s(x: str) -> bytes:
         b = x.encode()
         return b"\x8c" + bytes([len(b)]) + b
+
     tamper = (
-        b"\x80\x04" + s("collections") + s("OrderedDict") + b"\x93"
-        + b"N}" + s("__init__") + s("torch") + s("device") + b"\x93" + b"s\x86b."
+        b"\x80\x04"
+        + s("collections")
+        + s("OrderedDict")
+        + b"\x93"
+        + b"N}"
+        + s("__init__")
+        + s("torch")
+        + s("device")
+        + b"\x93"
+        + b"s\x86b."
     )
     p = tmp_path / "global_step_0_training_input.pkl"
     p.write_bytes(tamper)

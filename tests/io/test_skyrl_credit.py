@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from skyrl_fixtures import CURRENT, FIX, LEGACY  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from lens_callbacks.credit import disintegrate
@@ -18,16 +19,22 @@ from lens_callbacks.io.skyrl_credit import (
     skyrl_credit_batch,
 )
 
-from skyrl_fixtures import CURRENT, FIX, LEGACY  # noqa: E402
-
 DUMPS = {"current": CURRENT, "legacy": LEGACY}
 pytestmark = pytest.mark.skipif(not FIX.is_dir(), reason=f"SkyRL fixtures not found at {FIX}")
 
 
 def _policy(vocab: int) -> GPT2LMHeadModel:
     cfg = GPT2Config(
-        vocab_size=vocab, n_layer=2, n_embd=16, n_head=2, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=vocab,
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     with torch.random.fork_rng(devices=[]):  # seeded weights, the suite's random stream left alone
         torch.default_generator.manual_seed(0)

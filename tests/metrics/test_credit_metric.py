@@ -72,7 +72,9 @@ def test_functional_form_equals_a_fresh_metric_and_forward_returns_the_step(rs):
 
 def test_undefined_reading_adds_nothing_to_the_sums():
     inc = _credit_update([float("nan")], [float("nan")], float("nan"), float("nan"), max_parts=2)
-    assert float(inc["n_undefined"]) == 1 and float(inc["cancellation_sum"]) == 0 and float(inc["parts_seen"].sum()) == 0
+    assert (
+        float(inc["n_undefined"]) == 1 and float(inc["cancellation_sum"]) == 0 and float(inc["parts_seen"].sum()) == 0
+    )
     out = _credit_compute(inc)
     assert math.isnan(float(out["cancellation"])) and float(out["undefined_fraction"]) == 1.0
 

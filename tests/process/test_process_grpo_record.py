@@ -61,8 +61,13 @@ def record(tmp_path_factory):
     seed_everything(0)
     collect, process = _Collect(), ProcessRewardCallback(log_text_every_n_steps=0)
     trainer = Trainer(
-        max_steps=STEPS, accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, callbacks=[RunRecordCallback(run_dir=str(run_dir)), collect, process],
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[RunRecordCallback(run_dir=str(run_dir)), collect, process],
     )
     trainer.fit(GRPOModule(group_size=G, max_new_tokens=3, seed=0), AdditionDataModule(batch_size=PROMPTS, data_seed=0))
     return run_dir, collect.groups, process
@@ -99,7 +104,9 @@ def test_every_group_of_the_record_is_audited(record):
     lo, hi = audit.mean_divergence_depth_range
     assert lo == 1.0 < hi  # some group never shares a first token; others do
     assert audit.informative_fraction_max == max(r.informative_fraction for r in audit.readings) > 0
-    assert audit.zero_reward_fraction == pytest.approx(math.fsum(r.zero_reward_fraction for r in audit.readings) / audit.n_groups)
+    assert audit.zero_reward_fraction == pytest.approx(
+        math.fsum(r.zero_reward_fraction for r in audit.readings) / audit.n_groups
+    )
     decision, reason = audit.verdict()
     assert decision is False and f"{audit.n_killed} of {audit.n_groups}" in reason
 

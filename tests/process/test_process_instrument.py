@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from lens_callbacks.process import REMEDY, ProcessAudit, RolloutGroup, audit_groups, induced_process_reward
 from lens_callbacks.refusal import Refusal
 
-
 # ---------------------------------------------------------------------------------------------
 # An obviously-correct reference: every quantity by its definition, from lists, no trie.
 
@@ -35,13 +34,16 @@ def _brute(completions, rewards):
             else:
                 values.append(sum(R[j] for j in through) / len(through))
                 # shared by rollouts with different outcomes that are not all copies of one completion
-                informative.append(len(through) >= 2 and len({R[j] for j in through}) > 1
-                                   and len({comps[j] for j in through}) > 1)
+                informative.append(
+                    len(through) >= 2 and len({R[j] for j in through}) > 1 and len({comps[j] for j in through}) > 1
+                )
         prev = [q_root] + values[:-1]
         prs = [v - p for v, p in zip(values, prev)]
         alone = [t for t in range(1, L + 1) if counts[t - 1] == 1]
         depth = min(alone[0], L) if alone else L
-        for key, v in zip(("counts", "values", "prs", "informative", "depth"), (counts, values, prs, informative, depth)):
+        for key, v in zip(
+            ("counts", "values", "prs", "informative", "depth"), (counts, values, prs, informative, depth)
+        ):
             out[key].append(v)
     return out
 
@@ -190,7 +192,9 @@ def test_audit_groups_aggregates_every_group():
     ]
     a = audit_groups(groups, source="unit")
     assert isinstance(a, ProcessAudit)
-    singles = [induced_process_reward(g.completions, g.rewards) if isinstance(g, RolloutGroup) else None for g in groups]
+    singles = [
+        induced_process_reward(g.completions, g.rewards) if isinstance(g, RolloutGroup) else None for g in groups
+    ]
     assert a.n_groups == 3 and a.n_killed == 2
     assert a.kill_fraction == pytest.approx(2 / 3)
     depths = [r.mean_divergence_depth for r in a.readings]

@@ -27,7 +27,13 @@ def _line(step, group, rollout, reward, completion, user=(1, 2)):
         "turns": [
             {"role": "user", "text": "q", "token_ids": list(user), "trained": False, "tool_call": None},
             {"role": "assistant", "text": "a", "token_ids": list(completion[:1]), "trained": True, "tool_call": None},
-            {"role": "tool", "text": "t", "token_ids": [99], "trained": False, "tool_call": {"name": "x", "arguments": "{}"}},
+            {
+                "role": "tool",
+                "text": "t",
+                "token_ids": [99],
+                "trained": False,
+                "tool_call": {"name": "x", "arguments": "{}"},
+            },
             {"role": "assistant", "text": "b", "token_ids": list(completion[1:]), "trained": True, "tool_call": None},
         ],
     }
@@ -99,7 +105,10 @@ def test_process_command_prints_the_table(tmp_path, capsys):
     run = _write_record(tmp_path, {0: [_line(0, 0, 0, 1.0, [5, 6]), _line(0, 0, 1, 0.0, [8, 7])]})
     r = subprocess.run(
         [sys.executable, "-m", "lens_callbacks", "process", str(run), "--groups", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 0, r.stderr
     assert "Kill condition fires" in r.stdout and "on 1 of 1" in r.stdout and "group step0/group0" in r.stdout

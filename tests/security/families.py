@@ -26,9 +26,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
-import torch
-
 import hostile as H
+import torch
 
 HOLE = "__HOLE__"
 M61 = (1 << 61) - 1
@@ -60,6 +59,7 @@ def tuple_dag(levels: int):
         for j in range(1, levels + 1):
             out += _get(k + j - 1) + _get(k + j - 1) + b"\x86" + _put(k + j)
         return out + b"t"
+
     return frag
 
 
@@ -69,30 +69,37 @@ def list_dag(levels: int):
         for j in range(1, levels + 1):
             out += b"](" + _get(k + j - 1) + _get(k + j - 1) + b"e" + _put(k + j)
         return out + b"e"
+
     return frag
 
 
 def int_collision_dict(n: int):
     """A dict of ``n`` int keys ``k * (2**61 - 1)``, k = 1..n: every one hashes to 0."""
+
     def frag(k: int) -> bytes:
         return b"}(" + b"".join(_long(j * M61) + b"K\x00" for j in range(1, n + 1)) + b"u"
+
     return frag
 
 
 def tuple_collision_dict(n: int):
     """A dict of ``n`` keys ``(a, b)`` of 64-bit ints whose tuple hashes are all equal."""
+
     def frag(k: int) -> bytes:
         return b"}(" + b"".join(_long(a) + _long(b) + b"\x86K\x00" for a, b in colliding_pairs(n)) + b"u"
+
     return frag
 
 
 def device_amplification(n: int, blob_bytes: int = MiB):
     """A list of ``n`` ``torch.device(blob)`` calls on one memo-shared byte string of ``blob_bytes``."""
+
     def frag(k: int) -> bytes:
         out = b"B" + struct.pack("<I", blob_bytes) + bytes(blob_bytes) + _put(k) + b"0"
         out += b"ctorch\ndevice\n" + _put(k + 1) + b"0"  # stored once, then popped
         out += b"](" + (_get(k + 1) + _get(k) + b"\x85R") * n + b"e"
         return out
+
     return frag
 
 
@@ -131,7 +138,7 @@ def colliding_pairs(n: int, target: int = 12345) -> list[tuple[int, int]]:
     """``n`` distinct pairs of 64-bit ints ``(a, b)`` with ``hash((a, b))`` all equal (a = 0, 1, 2, ...; b solved)."""
     inv1, inv2 = pow(_P1, -1, 1 << 64), pow(_P2, -1, 1 << 64)
     acc2 = (target - (2 ^ (_P5 ^ 3527539))) & _U
-    pre = ((acc2 * inv1) & _U)
+    pre = (acc2 * inv1) & _U
     pre = ((pre >> 31) | (pre << 33)) & _U  # undo the rotation by 31
     out, a = [], 0
     while len(out) < n:
@@ -202,9 +209,22 @@ def ckpt_zip_aliases(n: int, member_bytes: int = 3 * MiB // 2, step: int = 30) -
     numel = member_bytes // 4
     pkl = b"\x80\x02}(" + _str("state_dict") + b"}("
     for i in range(n):
-        pkl += (_str(f"w{i}") + b"ctorch._utils\n_rebuild_tensor_v2\n(" + b"(" + _str("storage") + b"ctorch\nFloatStorage\n"
-                + _str(str(i)) + _str("cpu") + b"J" + struct.pack("<i", numel) + b"tQ" + b"K\x00J" + struct.pack("<i", numel)
-                + b"\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtRr" + struct.pack("<I", i))
+        pkl += (
+            _str(f"w{i}")
+            + b"ctorch._utils\n_rebuild_tensor_v2\n("
+            + b"("
+            + _str("storage")
+            + b"ctorch\nFloatStorage\n"
+            + _str(str(i))
+            + _str("cpu")
+            + b"J"
+            + struct.pack("<i", numel)
+            + b"tQ"
+            + b"K\x00J"
+            + struct.pack("<i", numel)
+            + b"\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtRr"
+            + struct.pack("<I", i)
+        )
     pkl += b"u" + _str("global_step") + b"J" + struct.pack("<i", step) + b"u."
     members = [("archive/data.pkl", pkl), ("archive/byteorder", b"little"), ("archive/version", b"3\n")]
     out, central = bytearray(), bytearray()
@@ -213,7 +233,11 @@ def ckpt_zip_aliases(n: int, member_bytes: int = 3 * MiB // 2, step: int = 30) -
         nb = name.encode()
         offsets[name] = len(out)
         crc = zlib.crc32(payload)
-        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(payload), len(payload), len(nb), 0) + nb + payload
+        out += (
+            struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, 0, 0x21, crc, len(payload), len(payload), len(nb), 0)
+            + nb
+            + payload
+        )
     entries = [(name, payload, offsets[name]) for name, payload in members]
     blob = bytes(member_bytes)
     crc0 = zlib.crc32(blob)
@@ -222,8 +246,12 @@ def ckpt_zip_aliases(n: int, member_bytes: int = 3 * MiB // 2, step: int = 30) -
         nb = name.encode()
         size = member_bytes if payload is None else len(payload)
         crc = crc0 if payload is None else zlib.crc32(payload)
-        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, size, size, len(nb),
-                               0, 0, 0, 0, 0, off) + nb
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 0, 0, 0x21, crc, size, size, len(nb), 0, 0, 0, 0, 0, off
+            )
+            + nb
+        )
     cd = len(out)
     out += central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(central), cd, 0)
     return bytes(out)
@@ -234,10 +262,12 @@ def record_lines(pairs: list[tuple[int, int]]) -> str:
     """Trajectory lines (schema lens_callbacks.trajectory/1) with the given (step, group) ids, one rollout each."""
     lines = []
     for s, g in pairs:
-        lines.append('{"schema": "lens_callbacks.trajectory/1", "step": %d, "group": %d, "rollout": 0, "prompt_id": "p", '
-                     '"reward": 1.0, "turns": [{"role": "user", "text": "q", "token_ids": [1], "trained": false, '
-                     '"tool_call": null}, {"role": "assistant", "text": "a", "token_ids": [2, 3], "trained": true, '
-                     '"tool_call": null}]}' % (s, g))
+        lines.append(
+            '{"schema": "lens_callbacks.trajectory/1", "step": %d, "group": %d, "rollout": 0, "prompt_id": "p", '
+            '"reward": 1.0, "turns": [{"role": "user", "text": "q", "token_ids": [1], "trained": false, '
+            '"tool_call": null}, {"role": "assistant", "text": "a", "token_ids": [2, 3], "trained": true, '
+            '"tool_call": null}]}' % (s, g)
+        )
     return "\n".join(lines) + "\n"
 
 

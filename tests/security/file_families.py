@@ -25,20 +25,51 @@ MANIFEST = {
     "trajectory_schema": "lens_callbacks.trajectory/1",
     "module": "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule",
     "batch_builder": None,
-    "init_args": {"dropout": 0.0, "dtype": "float32", "group_size": 2, "lr": 0.05, "max_new_tokens": 6, "max_tool_calls": 2,
-                  "momentum": 0.0, "n_embd": 32, "n_head": 2, "n_layer": 2, "optimizer": "sgd", "padding_side": "right",
-                  "seed": 0, "segment_by": "turn", "system_prompt": "tools : calc", "temperature": 1.0, "warm_start_lr": 0.01,
-                  "warm_start_steps": 40, "weight_decay": 0.0},
+    "init_args": {
+        "dropout": 0.0,
+        "dtype": "float32",
+        "group_size": 2,
+        "lr": 0.05,
+        "max_new_tokens": 6,
+        "max_tool_calls": 2,
+        "momentum": 0.0,
+        "n_embd": 32,
+        "n_head": 2,
+        "n_layer": 2,
+        "optimizer": "sgd",
+        "padding_side": "right",
+        "seed": 0,
+        "segment_by": "turn",
+        "system_prompt": "tools : calc",
+        "temperature": 1.0,
+        "warm_start_lr": 0.01,
+        "warm_start_steps": 40,
+        "weight_decay": 0.0,
+    },
     "optimizer": [{"class": "torch.optim.sgd.SGD", "param_groups": [{"lr": 0.05, "momentum": 0.0}]}],
-    "trainer": {"gradient_clip_val": None, "gradient_clip_algorithm": None, "accumulate_grad_batches": 1,
-                "precision": "32-true", "world_size": 1},
+    "trainer": {
+        "gradient_clip_val": None,
+        "gradient_clip_algorithm": None,
+        "accumulate_grad_batches": 1,
+        "precision": "32-true",
+        "world_size": 1,
+    },
     "steps": [0],
     "checkpoints": [0],
 }
 
-LINE = {"schema": "lens_callbacks.trajectory/1", "step": 0, "group": 0, "rollout": 0, "prompt_id": "1+1", "reward": 1.0,
-        "turns": [{"role": "user", "text": "1 + 1 =", "token_ids": [3, 4, 5], "trained": False, "tool_call": None},
-                  {"role": "assistant", "text": "2", "token_ids": [6], "trained": True, "tool_call": None}]}
+LINE = {
+    "schema": "lens_callbacks.trajectory/1",
+    "step": 0,
+    "group": 0,
+    "rollout": 0,
+    "prompt_id": "1+1",
+    "reward": 1.0,
+    "turns": [
+        {"role": "user", "text": "1 + 1 =", "token_ids": [3, 4, 5], "trained": False, "tool_call": None},
+        {"role": "assistant", "text": "2", "token_ids": [6], "trained": True, "tool_call": None},
+    ],
+}
 
 
 def write_record(d: Path, manifest: Optional[dict] = None, lines_by_step: Optional[dict] = None) -> Path:
@@ -194,7 +225,7 @@ def python_tag(marker: Path, kind: str = "apply") -> str:
         return f"model: !!python/object/apply:pathlib.Path.touch [{str(marker)!r}]\n"
     if kind == "new":
         return f"model: !!python/object/new:pathlib.Path [{str(marker)!r}]\n"
-    return f"model: !!python/name:os.system\n"
+    return "model: !!python/name:os.system\n"
 
 
 # --------------------------------------------------------------------------------------------- checks shared by the families
@@ -208,11 +239,23 @@ def _stats(family: str, r: Any) -> None:
     out = os.environ.get("LENS_FUZZ_STATS")
     if out:
         with open(out, "a") as f:
-            f.write(json.dumps({"family": family, "rc": r.rc, "peak_mb": round(r.peak_mb, 1), "wall_s": round(r.wall_s, 3),
-                                "cpu_s": round(getattr(r, "cpu_s", float("nan")), 3)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "family": family,
+                        "rc": r.rc,
+                        "peak_mb": round(r.peak_mb, 1),
+                        "wall_s": round(r.wall_s, 3),
+                        "cpu_s": round(getattr(r, "cpu_s", float("nan")), 3),
+                    }
+                )
+                + "\n"
+            )
 
 
-def refused(r: Any, family: str, *needles: str, marker: Optional[Path] = None, rcs: tuple = (2,), forbidden: tuple = ()) -> str:
+def refused(
+    r: Any, family: str, *needles: str, marker: Optional[Path] = None, rcs: tuple = (2,), forbidden: tuple = ()
+) -> str:
     """One line on stderr holding every needle, exit status in ``rcs``, within 600 MB and 10 s, no marker file."""
     _stats(family, r)
     lines = r.stderr.splitlines()
@@ -232,7 +275,9 @@ def refused(r: Any, family: str, *needles: str, marker: Optional[Path] = None, r
     return lines[0] if lines else ""
 
 
-def assert_scales(family: str, run: Any, params: list, tiny: Any, repeats: int = 2, noise_s: float = 0.6, noise_mb: float = 24.0) -> list:
+def assert_scales(
+    family: str, run: Any, params: list, tiny: Any, repeats: int = 2, noise_s: float = 0.6, noise_mb: float = 24.0
+) -> list:
     """Doubling the attacker's parameter at most doubles the command's CPU time and memory (above a tiny case's).
 
     ``run(p)`` runs the command once on the input of parameter ``p`` and returns the worker's result. Each
@@ -240,6 +285,7 @@ def assert_scales(family: str, run: Any, params: list, tiny: Any, repeats: int =
     absorb what the machine adds on top. A check that grows as the square of its input fails by far: 4 x per
     doubling of a part that is already seconds long.
     """
+
     def measure(p: Any) -> tuple[float, float]:
         rs = [run(p) for _ in range(repeats)]
         for r in rs:

@@ -74,9 +74,34 @@ def zip_bytes(members: list[tuple[str, bytes, int, int, int]]) -> bytes:
     for name, payload, method, crc, usize in members:
         n = name.encode()
         offset = len(out)
-        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), usize, len(n), 0) + n + payload
-        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc, len(payload), usize, len(n),
-                               0, 0, 0, 0, 0, offset) + n
+        out += (
+            struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), usize, len(n), 0)
+            + n
+            + payload
+        )
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0x21,
+                crc,
+                len(payload),
+                usize,
+                len(n),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + n
+        )
     cd_offset = len(out)
     out += central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(central), cd_offset, 0)
     return bytes(out)

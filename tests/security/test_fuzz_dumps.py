@@ -16,18 +16,22 @@ import os
 import pickle
 import struct
 
+import hostile as H
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-import hostile as H
-
 LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
 N = 2000 if LONG else 25
-FUZZ = settings(max_examples=N, deadline=None, derandomize=not LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=N,
+    deadline=None,
+    derandomize=not LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 needs_fixtures = pytest.mark.skipif(not H.CURRENT.is_file(), reason=f"SkyRL fixtures not found at {H.FIX}")
 
@@ -44,15 +48,20 @@ def _check(light, path, data: bytes) -> None:
     assert not r.timed_out, (r.wall_s, data[:64])
     assert r.rc in (0, 2), (r.rc, r.stderr[-3000:])
     if r.rc == 2:
-        assert len(lines) == 1 and lines[0].startswith("lens-callbacks skyrl: ") and str(path) in lines[0], r.stderr[-3000:]
+        assert len(lines) == 1 and lines[0].startswith("lens-callbacks skyrl: ") and str(path) in lines[0], r.stderr[
+            -3000:
+        ]
         assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr, r.stderr
     assert r.peak_mb < 600, (r.peak_mb, lines)
 
 
 @needs_fixtures
 @FUZZ
-@given(which=st.sampled_from(["current", "legacy"]), cut=st.floats(0, 1, exclude_max=True),
-       flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=6))
+@given(
+    which=st.sampled_from(["current", "legacy"]),
+    cut=st.floats(0, 1, exclude_max=True),
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=6),
+)
 def test_truncated_and_flipped_fixtures(light, tmp_path, fixtures, which, cut, flips):
     data = bytearray(fixtures[which])
     for where, byte in flips:
@@ -67,12 +76,38 @@ _BIG = st.sampled_from([0, 1, 2, 7, 255, 2**16, 2**20, 2**27, 2**31 - 1, 2**32 -
 
 
 def _op(draw) -> bytes:
-    kind = draw(st.sampled_from(["none", "dict", "list", "memoize", "put", "get", "bytes8", "bytes4", "unicode", "frame",
-                                 "int", "tuple2", "setitem", "append", "mark", "long4"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "none",
+                "dict",
+                "list",
+                "memoize",
+                "put",
+                "get",
+                "bytes8",
+                "bytes4",
+                "unicode",
+                "frame",
+                "int",
+                "tuple2",
+                "setitem",
+                "append",
+                "mark",
+                "long4",
+            ]
+        )
+    )
     n = draw(_BIG)
     short = draw(st.binary(max_size=16))
     return {
-        "none": b"N", "dict": b"}", "list": b"]", "memoize": b"\x94", "tuple2": b"\x86", "setitem": b"s", "append": b"a",
+        "none": b"N",
+        "dict": b"}",
+        "list": b"]",
+        "memoize": b"\x94",
+        "tuple2": b"\x86",
+        "setitem": b"s",
+        "append": b"a",
         "mark": b"(",
         "put": b"r" + struct.pack("<I", n),
         "get": b"j" + struct.pack("<I", n),
@@ -102,12 +137,24 @@ _SHAPES = st.lists(st.sampled_from([-1, 0, 1, 2, 12, 14, 16, 2**20, 2**31, 2**40
 
 @needs_fixtures
 @FUZZ
-@given(key=st.sampled_from(["sequences", "attention_mask", "response_mask", "loss_mask", "advantages", "action_log_probs"]),
-       shape=_SHAPES, dtype=st.sampled_from(["int64", "float32", "bool", "object", "V1048576", "<U9", "float16", 7]),
-       nbytes=st.sampled_from([0, 1, 7, 1120, 1792, 2240]), extra=st.dictionaries(
-           st.sampled_from(["pad_size", "policy_prompt_boundaries", "response_length"]),
-           st.one_of(st.integers(-3, 2**40), st.lists(st.tuples(st.integers(-1, 2**33), st.integers(-1, 2**33)), max_size=4),
-                     st.text(max_size=4), st.none()), max_size=2))
+@given(
+    key=st.sampled_from(
+        ["sequences", "attention_mask", "response_mask", "loss_mask", "advantages", "action_log_probs"]
+    ),
+    shape=_SHAPES,
+    dtype=st.sampled_from(["int64", "float32", "bool", "object", "V1048576", "<U9", "float16", 7]),
+    nbytes=st.sampled_from([0, 1, 7, 1120, 1792, 2240]),
+    extra=st.dictionaries(
+        st.sampled_from(["pad_size", "policy_prompt_boundaries", "response_length"]),
+        st.one_of(
+            st.integers(-3, 2**40),
+            st.lists(st.tuples(st.integers(-1, 2**33), st.integers(-1, 2**33)), max_size=4),
+            st.text(max_size=4),
+            st.none(),
+        ),
+        max_size=2,
+    ),
+)
 def test_hostile_shapes_dtypes_and_metadata(light, tmp_path, key, shape, dtype, nbytes, extra):
     state = H.current_state()
     state["batch_dict"][key] = {"format": "numpy", "data": bytes(nbytes), "shape": tuple(shape), "dtype": dtype}
@@ -117,9 +164,12 @@ def test_hostile_shapes_dtypes_and_metadata(light, tmp_path, key, shape, dtype, 
 
 @needs_fixtures
 @FUZZ
-@given(numel=st.integers(1, 64), offset=st.integers(0, 64),
-       size=st.lists(st.sampled_from([0, 1, 2, 10, 14, 2**12, 2**24]), min_size=1, max_size=3),
-       stride=st.lists(st.sampled_from([0, 1, 2, 10, 2**10]), min_size=3, max_size=3))
+@given(
+    numel=st.integers(1, 64),
+    offset=st.integers(0, 64),
+    size=st.lists(st.sampled_from([0, 1, 2, 10, 14, 2**12, 2**24]), min_size=1, max_size=3),
+    stride=st.lists(st.sampled_from([0, 1, 2, 10, 2**10]), min_size=3, max_size=3),
+)
 def test_hostile_tensor_views_in_torch_payloads(light, tmp_path, numel, offset, size, stride):
     base = torch.zeros(numel, dtype=torch.bfloat16)
     try:

@@ -18,16 +18,20 @@ import json
 import os
 from pathlib import Path
 
+import families as F
+import hostile as H
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import families as F
-import hostile as H
-
 LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
-FUZZ = settings(max_examples=int(os.environ.get("LENS_FUZZ_EXAMPLES", "200")) if LONG else 3, deadline=None, derandomize=not LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=int(os.environ.get("LENS_FUZZ_EXAMPLES", "200")) if LONG else 3,
+    deadline=None,
+    derandomize=not LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 PEAK_MB = 600
 WITHIN_S = 10.0
 needs_fixtures = pytest.mark.skipif(not H.CURRENT.is_file(), reason=f"SkyRL fixtures not found at {H.FIX}")
@@ -96,7 +100,11 @@ def _int_keys_dump(tmp, n, command):
 
 def _tuple_keys_dump(tmp, n, command):
     p = _dump(tmp, F.tuple_collision_dict(n), "value")
-    return (command, p, "--no-progress" if command == "process" else "--json"), p, ["a key of metadata.extra", "collide"]
+    return (
+        (command, p, "--no-progress" if command == "process" else "--json"),
+        p,
+        ["a key of metadata.extra", "collide"],
+    )
 
 
 def _int_keys_ckpt(tmp, n):
@@ -132,7 +140,11 @@ def _zip_aliases_dump(tmp, n, command):
     state = H.current_state()
     state["batch_dict"]["rollout_logprobs"] = {"format": "torch", "data": F.ckpt_zip_aliases(n, 1 << 16)}
     p = H.write_state(tmp / "global_step_3_training_input.pkl", state)
-    return (command, p, "--no-progress" if command == "process" else "--json"), p, ["rollout_logprobs", "overlaps entry"]
+    return (
+        (command, p, "--no-progress" if command == "process" else "--json"),
+        p,
+        ["rollout_logprobs", "overlaps entry"],
+    )
 
 
 CASES = {
@@ -143,7 +155,11 @@ CASES = {
     "path_dag_skyrl": (lambda t, p: _path_dag_dump(t, p, "skyrl"), [50], st.integers(21, 150_000)),
     "path_dag_process": (lambda t, p: _path_dag_dump(t, p, "process"), [50], st.integers(21, 150_000)),
     "path_dag_anchor_gate": (_path_dag_ckpt, [50], st.integers(21, 150_000)),
-    "int_keys_skyrl": (lambda t, p: _int_keys_dump(t, p, "skyrl"), [9, 150_000], st.integers(9, 400_000)),  # 8 fit in uint64
+    "int_keys_skyrl": (
+        lambda t, p: _int_keys_dump(t, p, "skyrl"),
+        [9, 150_000],
+        st.integers(9, 400_000),
+    ),  # 8 fit in uint64
     "int_keys_anchor_gate": (_int_keys_ckpt, [150_000], st.integers(9, 400_000)),
     "tuple_keys_skyrl": (lambda t, p: _tuple_keys_dump(t, p, "skyrl"), [1_001, 20_000], st.integers(1_001, 100_000)),
     "tuple_keys_process": (lambda t, p: _tuple_keys_dump(t, p, "process"), [1_001], st.integers(1_001, 100_000)),
@@ -162,8 +178,18 @@ def _one(light, tmp: Path, name: str, param: int) -> None:
     r = light.run(*argv, timeout=30, mem_mb=2048)
     if os.environ.get("LENS_FUZZ_LOG"):  # one JSON line per case: the numbers docs/security.md quotes
         with open(os.environ["LENS_FUZZ_LOG"], "a") as f:
-            f.write(json.dumps({"case": name, "param": param, "rc": r.rc, "wall_s": round(r.wall_s, 3),
-                                "peak_mb": round(r.peak_mb, 1)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "case": name,
+                        "param": param,
+                        "rc": r.rc,
+                        "wall_s": round(r.wall_s, 3),
+                        "peak_mb": round(r.peak_mb, 1),
+                    }
+                )
+                + "\n"
+            )
     _refused(r, path, *needles)
     assert not (tmp / "MARKER").exists()
 
@@ -235,9 +261,11 @@ def test_record_group_keys_that_collide_are_linear(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, time\nfrom lens_callbacks.process.sources import groups_from_record\nbest = 1e9\n"
-            "for _ in range(3):\n    t = time.perf_counter(); g = groups_from_record(sys.argv[1]); best = min(best, time.perf_counter() - t)\n"
-            "print(len(g), best)\n")
+    code = (
+        "import sys, time\nfrom lens_callbacks.process.sources import groups_from_record\nbest = 1e9\n"
+        "for _ in range(3):\n    t = time.perf_counter(); g = groups_from_record(sys.argv[1]); best = min(best, time.perf_counter() - t)\n"
+        "print(len(g), best)\n"
+    )
     out = {}
     for n in (4_000, 16_000):
         pairs = F.colliding_pairs(n)
@@ -256,9 +284,15 @@ def test_record_group_keys_that_collide_are_linear(tmp_path):
 
 AUDIT_CASES = {
     # the record's policy checkpoint replaced by: (bytes, words the one line must hold)
-    "hash_dag": (lambda t: F.ckpt_with(F.tuple_dag(64), "key", marker=t / "MARKER"), ["a key at the top level|`<a key>`", "deep|expands to"]),
+    "hash_dag": (
+        lambda t: F.ckpt_with(F.tuple_dag(64), "key", marker=t / "MARKER"),
+        ["a key at the top level|`<a key>`", "deep|expands to"],
+    ),
     "path_dag": (lambda t: F.ckpt_with(F.list_dag(50), "value", marker=t / "MARKER"), ["`extra`", "expands to"]),
-    "int_keys": (lambda t: F.ckpt_with(F.int_collision_dict(150_000), "value", marker=t / "MARKER"), ["`extra", "64 bits"]),
+    "int_keys": (
+        lambda t: F.ckpt_with(F.int_collision_dict(150_000), "value", marker=t / "MARKER"),
+        ["`extra", "64 bits"],
+    ),
     "zip_aliases": (lambda t: F.ckpt_zip_aliases(1_000), ["overlaps entry 'archive/data/0'"]),
 }
 
@@ -276,17 +310,22 @@ def test_audit_refuses_a_hostile_policy_checkpoint(heavy, record, tmp_path, case
     r = heavy.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60, mem_mb=2048)
     lines = r.stderr.splitlines()
     assert r.rc == 2 and not r.timed_out and len(lines) == 1, (r.rc, r.stderr[-2000:])
-    assert "policy_step_000000.pt" in lines[0] and all(any(a in lines[0] for a in n.split("|")) for n in needles), lines[0]
+    assert "policy_step_000000.pt" in lines[0] and all(any(a in lines[0] for a in n.split("|")) for n in needles), (
+        lines[0]
+    )
     assert r.wall_s < WITHIN_S and not (tmp_path / "MARKER").exists(), (r.wall_s, lines[0])
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("group", 2**64, "`group` must be an int within 64 bits"),
-    ("step", -2**63 - 1, "`step` must be an int within 64 bits"),
-    ("rollout", 5 * F.M61, "`rollout` must be an int within 64 bits"),
-    ("reward", 10**400, "`reward` must be finite, got an integer of 401 digits"),
-    ("token_ids", [1, 2**63], "`token_ids` must be token ids below 2**63"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("group", 2**64, "`group` must be an int within 64 bits"),
+        ("step", -(2**63) - 1, "`step` must be an int within 64 bits"),
+        ("rollout", 5 * F.M61, "`rollout` must be an int within 64 bits"),
+        ("reward", 10**400, "`reward` must be finite, got an integer of 401 digits"),
+        ("token_ids", [1, 2**63], "`token_ids` must be token ids below 2**63"),
+    ],
+)
 def test_record_numbers_out_of_range_name_the_field_and_quote_nothing(field, value, needle):
     """Numbers JSON parses as unbounded ints, where an int64 or a float is read: one message naming the field."""
     import json

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import shutil
 
+import file_families as F
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import file_families as F
-
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a real training run and a worker with lightning and transformers (~30 s to start)
 
-FUZZ = settings(max_examples=60 if F.LONG else 8, deadline=None, derandomize=not F.LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=60 if F.LONG else 8,
+    deadline=None,
+    derandomize=not F.LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 #: kind -> (largest parameter drawn in the short mode, in the long mode), the words the line must hold.
 KINDS = {
@@ -52,7 +56,9 @@ def _audit(w, rec, tmp):
 def test_wide_deep_and_sized_init_args(heavy, record, tmp_path_factory, kind, frac):
     (short, long), needles = KINDS[kind]
     top = long if F.LONG else short
-    low = {"n_embd": 34, "n_layer": 3, "n_head": 3, "deep": 1}.get(kind, 2)  # the smallest value that differs from the record
+    low = {"n_embd": 34, "n_layer": 3, "n_head": 3, "deep": 1}.get(
+        kind, 2
+    )  # the smallest value that differs from the record
     n = int(low + frac * (top - low))
     tmp = tmp_path_factory.mktemp(kind)
     rec = _copy(record, tmp)

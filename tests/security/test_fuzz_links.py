@@ -13,15 +13,19 @@ from __future__ import annotations
 import os
 import shutil
 
+import file_families as F
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import file_families as F
-
-FUZZ = settings(max_examples=40 if F.LONG else 5, deadline=None, derandomize=not F.LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=40 if F.LONG else 5,
+    deadline=None,
+    derandomize=not F.LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 LINKS_MAX = 2000 if F.LONG else 100
 
 
@@ -114,6 +118,8 @@ def test_link_farm_cost_scales_linearly(families_worker, tmp_path_factory):
 
 def test_link_loop_walk_scales_linearly(families_worker, tmp_path_factory):
     def run(b):
-        return families_worker.run("process", F.link_loops(tmp_path_factory.mktemp("loops") / "d", b, 8), "--no-progress")
+        return families_worker.run(
+            "process", F.link_loops(tmp_path_factory.mktemp("loops") / "d", b, 8), "--no-progress"
+        )
 
     F.assert_scales("link farms and loops", run, [250, 500, 1000], tiny=1)

@@ -23,13 +23,36 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a real training run and a worker with lightning and transformers (~30 s to start)
 
 LONG = os.environ.get("LENS_FUZZ_LONG", "") not in ("", "0")
-FUZZ = settings(max_examples=300 if LONG else 12, deadline=None, derandomize=not LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300 if LONG else 12,
+    deadline=None,
+    derandomize=not LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
-_PATHS = st.sampled_from(["os.system", "subprocess.getoutput", "builtins.eval", "evilpkg.Policy", "lens_callbacks.examples.grpo.module.RolloutBatch",
-                          "lens_callbacks.io.safe.read_regular_file", "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule", "x", ""])
+_PATHS = st.sampled_from(
+    [
+        "os.system",
+        "subprocess.getoutput",
+        "builtins.eval",
+        "evilpkg.Policy",
+        "lens_callbacks.examples.grpo.module.RolloutBatch",
+        "lens_callbacks.io.safe.read_regular_file",
+        "lens_callbacks.examples.grpo_tools.module.GRPOToolsModule",
+        "x",
+        "",
+    ]
+)
 _JSON = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8), _PATHS),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**40), 2**40),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=8),
+        _PATHS,
+    ),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
     max_leaves=6,
 )
@@ -58,14 +81,20 @@ def _replace(obj, path, value):
 
 
 @FUZZ
-@given(target=st.sampled_from(["record.json", "steps/step_000000.json", "trajectories/step_000001.jsonl"]),
-       pick=st.floats(0, 1, exclude_max=True), value=_JSON, truncate=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)))
+@given(
+    target=st.sampled_from(["record.json", "steps/step_000000.json", "trajectories/step_000001.jsonl"]),
+    pick=st.floats(0, 1, exclude_max=True),
+    value=_JSON,
+    truncate=st.one_of(st.none(), st.floats(0, 1, exclude_max=True)),
+)
 def test_mutated_records(heavy, record, tmp_path, target, pick, value, truncate):
     marker = tmp_path / "MARKER"
     pkg = tmp_path / "evilpkg"
     if not pkg.exists():
         pkg.mkdir()
-        (pkg / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Policy:\n    pass\n")
+        (pkg / "__init__.py").write_text(
+            f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Policy:\n    pass\n"
+        )
     rec = tmp_path / "record"
     if rec.exists():
         shutil.rmtree(rec)

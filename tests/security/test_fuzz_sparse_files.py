@@ -14,15 +14,20 @@ from __future__ import annotations
 import json
 import os
 
+import file_families as F
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import file_families as F
 from lens_callbacks.io.safe import BoundedReadError, open_regular_file, read_exactly
 
-FUZZ = settings(max_examples=40 if F.LONG else 6, deadline=None, derandomize=not F.LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=40 if F.LONG else 6,
+    deadline=None,
+    derandomize=not F.LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 SIZES = st.integers(1, 2 * F.GiB - 1) if F.LONG else st.sampled_from([1, 1 << 20, 80 << 20, 300 << 20, 1900 << 20])
 
 
@@ -54,7 +59,9 @@ def test_an_ordinary_600MB_trajectory_file_is_refused_by_size_unread(families_wo
     rec = _record(tmp_path)
     F.sparse(rec / "trajectories" / "step_000000.jsonl", 600 << 20)
     r = families_worker.run("process", rec, "--no-progress", timeout=60)
-    line = F.refused(r, "sparse and growing files", "step_000000.jsonl", "trajectory file", "memory budget", "LENS_MEMORY_MB")
+    line = F.refused(
+        r, "sparse and growing files", "step_000000.jsonl", "trajectory file", "memory budget", "LENS_MEMORY_MB"
+    )
     assert r.wall_s < 5, (r.wall_s, line)
     # Raised for a file one trusts, it is read (a line of zeros longer than a quarter of the budget): within the raised budget.
     r = families_worker.run("process", rec, "--no-progress", timeout=60, env={"LENS_MEMORY_MB": "1024"}, mem_mb=2048)
@@ -90,4 +97,6 @@ def test_sparse_manifest_cost_scales_linearly(families_worker, tmp_path_factory)
         F.sparse(rec / "record.json", mb << 20, b"[" + b"0," * 1000)
         return families_worker.run("audit", rec, "--no-progress", timeout=60, mem_mb=2048)
 
-    F.assert_scales("sparse and growing files", run, [8, 16, 32, 64, 128, 256, 512] + ([1024, 1900] if F.LONG else []), tiny=1)
+    F.assert_scales(
+        "sparse and growing files", run, [8, 16, 32, 64, 128, 256, 512] + ([1024, 1900] if F.LONG else []), tiny=1
+    )

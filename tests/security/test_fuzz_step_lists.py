@@ -9,14 +9,18 @@ the length and checks that time and memory at most double.
 
 from __future__ import annotations
 
+import file_families as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import file_families as F
-
 N_MAX = 1_000_000 if F.LONG else 20_000
-FUZZ = settings(max_examples=60 if F.LONG else 6, deadline=None, derandomize=not F.LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=60 if F.LONG else 6,
+    deadline=None,
+    derandomize=not F.LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 def _run(w, d):
@@ -25,7 +29,9 @@ def _run(w, d):
 
 def _check(r, d, n, shape):
     first = 10**12 - n if shape == "huge" else (7 if shape == "strided" else 1)
-    return F.refused(r, "long step lists", str(d / "trajectories" / f"step_{first:06d}.jsonl"), "record.json", "`steps`")
+    return F.refused(
+        r, "long step lists", str(d / "trajectories" / f"step_{first:06d}.jsonl"), "record.json", "`steps`"
+    )
 
 
 def test_the_issue_case_100000_steps(families_worker, tmp_path):

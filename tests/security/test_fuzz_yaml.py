@@ -12,14 +12,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import file_families as F
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import file_families as F
-
-FUZZ = settings(max_examples=150 if F.LONG else 15, deadline=None, derandomize=not F.LONG, database=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=150 if F.LONG else 15,
+    deadline=None,
+    derandomize=not F.LONG,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "cli_configs").glob("*.yaml"))
 
@@ -27,8 +31,24 @@ CONFIGS = sorted((ROOT / "cli_configs").glob("*.yaml"))
 def _arms(w, cfg: Path, tmp: Path):
     out = tmp / "out_is_a_file"
     out.write_text("")
-    return w.run("anchor-arms", "--config", cfg, "--steps", "1", "--arms", "A", "--seeds", "1", "--no-parity",
-                 "--no-progress", "--out", out, timeout=60, mem_mb=2048, cwd=tmp)
+    return w.run(
+        "anchor-arms",
+        "--config",
+        cfg,
+        "--steps",
+        "1",
+        "--arms",
+        "A",
+        "--seeds",
+        "1",
+        "--no-parity",
+        "--no-progress",
+        "--out",
+        out,
+        timeout=60,
+        mem_mb=2048,
+        cwd=tmp,
+    )
 
 
 def _check(r, cfg: Path, marker: Path = None, read: bool = False):
@@ -38,8 +58,16 @@ def _check(r, cfg: Path, marker: Path = None, read: bool = False):
 
 
 @FUZZ
-@given(which=st.integers(0, 100), cut=st.floats(0, 1), flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True),
-       st.sampled_from(list(b":-[]{}&*!|>'\"%@`\t\n #?,") + [0, 0xFF, 0xC3])), max_size=6))
+@given(
+    which=st.integers(0, 100),
+    cut=st.floats(0, 1),
+    flips=st.lists(
+        st.tuples(
+            st.floats(0, 1, exclude_max=True), st.sampled_from(list(b":-[]{}&*!|>'\"%@`\t\n #?,") + [0, 0xFF, 0xC3])
+        ),
+        max_size=6,
+    ),
+)
 def test_mutated_configs(families_worker, tmp_path_factory, which, cut, flips):
     tmp = tmp_path_factory.mktemp("yaml")
     data = bytearray(CONFIGS[which % len(CONFIGS)].read_bytes() if CONFIGS else F.CONFIG.encode())
@@ -84,7 +112,7 @@ def test_alias_bombs(families_worker, tmp_path_factory, levels, fan, recursive):
         text += "loop: &loop [*loop]\n"
     cfg.write_text(text)
     r = _arms(families_worker, cfg, tmp)
-    if recursive or fan ** levels > 200_000:
+    if recursive or fan**levels > 200_000:
         line = F.refused(r, "broken YAML", str(cfg))
         assert "alias" in line, line
     else:

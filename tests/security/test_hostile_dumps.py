@@ -9,11 +9,10 @@ or blocked forever.
 
 from __future__ import annotations
 
+import hostile as H
 import numpy as np
 import pytest
 import torch
-
-import hostile as H
 from hostile import CURRENT, HOSTILE, LEGACY, TRUNCATED
 
 PEAK_MB = 600
@@ -43,8 +42,14 @@ SKYRL_CASES = {
     # name: (builder(tmp, bomb) -> path, words the one line must hold)
     "memo_index_2_27_in_9_bytes": (lambda t, b: H.dump_memo_index(t), ["memo index 134217728"]),
     "stride_0_view_14x2_24": (lambda t, b: H.dump_stride0(t), ["rollout_logprobs", "stride 0"]),
-    "deflated_1_5GiB_storage_record": (lambda t, b: H.dump_zip_bomb(t, "data/0", b), ["rollout_logprobs", "read budget", "data/0"]),
-    "deflated_1_5GiB_data_pkl": (lambda t, b: H.dump_zip_bomb(t, "data.pkl", b), ["rollout_logprobs", "read budget", "data.pkl"]),
+    "deflated_1_5GiB_storage_record": (
+        lambda t, b: H.dump_zip_bomb(t, "data/0", b),
+        ["rollout_logprobs", "read budget", "data/0"],
+    ),
+    "deflated_1_5GiB_data_pkl": (
+        lambda t, b: H.dump_zip_bomb(t, "data.pkl", b),
+        ["rollout_logprobs", "read budget", "data.pkl"],
+    ),
     "boundaries_0_to_3e8": (lambda t, b: H.dump_boundaries(t), ["policy_prompt_boundaries"]),
     "one_MiB_bytes_referenced_3000_times": (lambda t, b: H.dump_shared_bytes(t), ["read budget", "extra_"]),
     "symlink_to_dev_zero": (lambda t, b: H.symlink_to(t, "/dev/zero"), ["must be a regular file", "character device"]),
@@ -75,12 +80,14 @@ def test_a_named_pipe_is_answered_in_under_5_seconds(light, tmp_path):
 def _shape(key: str, shape):
     def edit(state):
         state["batch_dict"][key] = H.np_entry(H.decode(state["batch_dict"][key]).reshape(shape))
+
     return edit
 
 
 def _first_column(key: str):
     def edit(state):
         state["batch_dict"][key] = H.np_entry(H.decode(state["batch_dict"][key])[:, :1].copy())
+
     return edit
 
 
@@ -96,6 +103,7 @@ def _set(path, value):
         for k in path[:-1]:
             d = d[k]
         d[path[-1]] = value
+
     return edit
 
 
@@ -112,7 +120,11 @@ DUMP_FIELD_CASES = {
     "batch_size_string": (_set(["batch_size"], "14"), "skyrl", ["`batch_size`"]),
     "metadata_list": (_set(["metadata"], [1, 2]), "skyrl", ["`metadata`"]),
     "pad_size_float": (_set(["metadata", "pad_size"], 2.0), "skyrl", ["`pad_size`"]),
-    "boundaries_not_pairs": (_set(["metadata", "policy_prompt_boundaries"], [(0, 4, 9)]), "skyrl", ["policy_prompt_boundaries"]),
+    "boundaries_not_pairs": (
+        _set(["metadata", "policy_prompt_boundaries"], [(0, 4, 9)]),
+        "skyrl",
+        ["policy_prompt_boundaries"],
+    ),
 }
 
 
@@ -133,9 +145,14 @@ def _good_ckpt(step: int) -> bytes:
 
 CKPT_CASES = {
     "garbage": (lambda t: H.garbage(), ["not a torch.save zip archive"]),
-    "malicious_reduce": (lambda t: H.torch_bytes({"state_dict": {"w": H.Touch(t / "MARKER")}, "global_step": 30}),
-                         ["weights_only=True"]),
-    "stride_0": (lambda t: H.torch_bytes({"state_dict": {"w": torch.zeros(1).expand(14, 2**24)}, "global_step": 30}), ["stride 0"]),
+    "malicious_reduce": (
+        lambda t: H.torch_bytes({"state_dict": {"w": H.Touch(t / "MARKER")}, "global_step": 30}),
+        ["weights_only=True"],
+    ),
+    "stride_0": (
+        lambda t: H.torch_bytes({"state_dict": {"w": torch.zeros(1).expand(14, 2**24)}, "global_step": 30}),
+        ["stride 0"],
+    ),
     "deflated_members": (lambda t: H.deflated_copy(_good_ckpt(30)), ["compressed"]),
     "truncated": (lambda t: _good_ckpt(30)[:300], ["epoch=0-step=30.ckpt"]),
 }
@@ -167,11 +184,17 @@ def test_checkpoint_behind_a_symlink_or_a_pipe_is_refused_at_once(light, tmp_pat
 def test_debug_shows_the_traceback(light, tmp_path):
     path = H.dump_memo_index(tmp_path)
     r = light.run("skyrl", path, "--debug")
-    assert r.rc == 2 and "Traceback" in r.stderr and r.stderr.rstrip().splitlines()[-1].startswith("lens-callbacks skyrl:")
+    assert (
+        r.rc == 2 and "Traceback" in r.stderr and r.stderr.rstrip().splitlines()[-1].startswith("lens-callbacks skyrl:")
+    )
 
 
 def test_argument_errors_are_one_line_too(light):
-    for argv in (["skyrl"], ["process", "--groups", "x", "p"], ["anchor-gate", ".", "--cadence", "x", "--delay-K", "1"]):
+    for argv in (
+        ["skyrl"],
+        ["process", "--groups", "x", "p"],
+        ["anchor-gate", ".", "--cadence", "x", "--delay-K", "1"],
+    ):
         r = light.run(*argv)
         assert r.rc == 2 and len(r.stderr.splitlines()) == 1 and "--help" in r.stderr, (argv, r.stderr)
 
@@ -190,9 +213,13 @@ def test_real_fixtures_read_exactly_as_an_independent_decoder_does(light, fixtur
         def find_class(self, module, name):
             if name == "TrainingInputBatch":
                 return type("B", (dict,), {"__setstate__": lambda self, s: setattr(self, "state", s)})
-            return {"_rebuild_tensor_batch": lambda cls, state: state, "device": lambda *a: "cpu",
-                    "_rebuild_tensor_v2": lambda *a: None, "_load_from_bytes": lambda b: None,
-                    "OrderedDict": dict}[name]
+            return {
+                "_rebuild_tensor_batch": lambda cls, state: state,
+                "device": lambda *a: "cpu",
+                "_rebuild_tensor_v2": lambda *a: None,
+                "_load_from_bytes": lambda b: None,
+                "OrderedDict": dict,
+            }[name]
 
     obj = U(open(fixture, "rb")).load()
     state = getattr(obj, "state", obj)
@@ -208,7 +235,9 @@ def test_real_fixtures_read_exactly_as_an_independent_decoder_does(light, fixtur
         else:
             ref = torch.load(io.BytesIO(e["data"]), weights_only=True)[:n]
         got = dump.batch[key]
-        assert got.dtype == ref.dtype and torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
-                                                      ref.view(torch.int16) if ref.dtype == torch.bfloat16 else ref), key
+        assert got.dtype == ref.dtype and torch.equal(
+            got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+            ref.view(torch.int16) if ref.dtype == torch.bfloat16 else ref,
+        ), key
     r = light.run("skyrl", fixture)
     assert r.rc == 0 and r.stderr == "" and "rows 12" in r.stdout and r.peak_mb < PEAK_MB

@@ -13,17 +13,25 @@ import json
 import os
 import shutil
 
-import pytest
-
 import file_families as F
+import pytest
 
 
 def _process(w, rec):
     return w.run("process", rec, "--no-progress", timeout=60)
 
 
-@pytest.mark.parametrize("field,value", [("reward", 10**400), ("reward", -(10**400)), ("group", 2**64), ("group", -(2**63) - 1),
-                                         ("rollout", 2**64), ("step", 2**70)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("reward", 10**400),
+        ("reward", -(10**400)),
+        ("group", 2**64),
+        ("group", -(2**63) - 1),
+        ("rollout", 2**64),
+        ("step", 2**70),
+    ],
+)
 def test_overflowing_numbers_name_the_field(families_worker, tmp_path, field, value):
     line = F.traj_line(**{field: 0})
     text = json.dumps(line).replace(f'"{field}": 0', f'"{field}": {value}')

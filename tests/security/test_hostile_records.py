@@ -12,10 +12,9 @@ import math
 import shutil
 from pathlib import Path
 
+import hostile as H
 import pytest
 import torch
-
-import hostile as H
 
 pytest.importorskip("transformers")
 
@@ -65,13 +64,16 @@ def _set_token(step: int, value: int):
         def f(lines):
             turn = next(t for t in lines[0]["turns"] if t["token_ids"])
             turn["token_ids"][0] = value
+
         _edit_lines(_traj(rec, step), f)
+
     return edit
 
 
 def _write_raw(rel: str, text: str):
     def edit(rec: Path) -> None:
         (rec / rel).write_text(text)
+
     return edit
 
 
@@ -83,6 +85,7 @@ def _reward(step: int, raw: str):
         d["reward"] = 12345.5
         lines[0] = json.dumps(d).replace("12345.5", raw)
         p.write_text("\n".join(lines) + "\n")
+
     return edit
 
 
@@ -95,6 +98,7 @@ def _policy(change):
             p.write_bytes(out)
         else:
             torch.save(sd, p)
+
     return edit
 
 
@@ -114,37 +118,87 @@ def _dropout_1e400(rec: Path) -> None:
 
 TRACEBACK_CASES = {
     # name: (edit of the record dir, words the one line must hold)
-    "steps_holding_null": (lambda r: H.edit_json(_manifest(r), lambda m: m["steps"].append(None)), ["record.json", "`steps[2]`"]),
+    "steps_holding_null": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m["steps"].append(None)),
+        ["record.json", "`steps[2]`"],
+    ),
     "manifest_is_a_list": (lambda r: _manifest(r).write_text("[1, 2]"), ["record.json", "JSON object", "list"]),
-    "n_embd_big": (lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].update(n_embd="big")), ["`init_args.n_embd`", "'big'"]),
-    "token_id_beyond_vocab_audited_step": (_set_token(1, 10**6), ["step_000001.jsonl", "`token_ids`", "1000000", "vocabulary"]),
+    "n_embd_big": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].update(n_embd="big")),
+        ["`init_args.n_embd`", "'big'"],
+    ),
+    "token_id_beyond_vocab_audited_step": (
+        _set_token(1, 10**6),
+        ["step_000001.jsonl", "`token_ids`", "1000000", "vocabulary"],
+    ),
     "token_id_negative_audited_step": (_set_token(1, -3), ["step_000001.jsonl", "`token_ids`", "-3"]),
     "token_id_beyond_vocab_earlier_step": (_set_token(0, 10**6), ["step_000000.jsonl", "`token_ids`", "vocabulary"]),
     "token_id_negative_earlier_step": (_set_token(0, -1), ["step_000000.jsonl", "`token_ids`", "-1"]),
     "policy_random_bytes": (_policy(lambda sd: H.garbage()), ["policy_step_000000.pt", "not a torch.save zip archive"]),
     "policy_wrong_shapes": (_policy(_reshape_first), ["policy_step_000000.pt", "does not fit", "size mismatch"]),
     "policy_missing_keys": (_policy(_drop_first), ["policy_step_000000.pt", "does not fit", "Missing key"]),
-    "step_meta_lr_abc": (lambda r: H.edit_json(_meta(r, 0), lambda m: m.update(lr="abc")), ["step_000000.json", "`lr`", "'abc'"]),
-    "step_meta_is_a_list": (_write_raw("steps/step_000000.json", "[]"), ["step_000000.json", "step meta must be a JSON object"]),
+    "step_meta_lr_abc": (
+        lambda r: H.edit_json(_meta(r, 0), lambda m: m.update(lr="abc")),
+        ["step_000000.json", "`lr`", "'abc'"],
+    ),
+    "step_meta_is_a_list": (
+        _write_raw("steps/step_000000.json", "[]"),
+        ["step_000000.json", "step meta must be a JSON object"],
+    ),
     "step_meta_lr_nan": (_write_raw("steps/step_000000.json", '{"lr": [NaN]}'), ["step_000000.json", "NaN"]),
-    "step_meta_lr_1e400": (_write_raw("steps/step_000000.json", '{"lr": [1e400]}'), ["step_000000.json", "`lr[0]`", "inf"]),
-    "step_meta_dropout_seed_text": (lambda r: H.edit_json(_meta(r, 0), lambda m: m.update(dropout_seed="7")), ["`dropout_seed`"]),
-    "no_init_args": (lambda r: H.edit_json(_manifest(r), lambda m: m.pop("init_args")), ["record.json", "`init_args` is missing"]),
-    "init_arg_missing": (lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].pop("dropout")), ["`init_args` is missing", "dropout"]),
-    "init_arg_unknown": (lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].update(bogus=1)), ["`init_args`", "bogus"]),
+    "step_meta_lr_1e400": (
+        _write_raw("steps/step_000000.json", '{"lr": [1e400]}'),
+        ["step_000000.json", "`lr[0]`", "inf"],
+    ),
+    "step_meta_dropout_seed_text": (
+        lambda r: H.edit_json(_meta(r, 0), lambda m: m.update(dropout_seed="7")),
+        ["`dropout_seed`"],
+    ),
+    "no_init_args": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m.pop("init_args")),
+        ["record.json", "`init_args` is missing"],
+    ),
+    "init_arg_missing": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].pop("dropout")),
+        ["`init_args` is missing", "dropout"],
+    ),
+    "init_arg_unknown": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m["init_args"].update(bogus=1)),
+        ["`init_args`", "bogus"],
+    ),
     "init_arg_dropout_1e400": (_dropout_1e400, ["`init_args.dropout`", "inf"]),
     "reward_nan": (_reward(1, "NaN"), ["step_000001.jsonl:1", "NaN"]),
     "reward_infinity": (_reward(1, "-Infinity"), ["step_000001.jsonl:1", "Infinity"]),
     "reward_1e400": (_reward(1, "1e400"), ["step_000001.jsonl:1", "`reward` must be finite"]),
-    "manifest_truncated": (lambda r: _manifest(r).write_text(_manifest(r).read_text()[:40]), ["record.json", "not valid JSON"]),
-    "manifest_deeply_nested": (lambda r: _manifest(r).write_text("[" * 100000 + "]" * 100000), ["record.json", "not valid JSON"]),
-    "world_size_text": (lambda r: H.edit_json(_manifest(r), lambda m: m["trainer"].update(world_size="two")), ["`trainer.world_size`"]),
+    "manifest_truncated": (
+        lambda r: _manifest(r).write_text(_manifest(r).read_text()[:40]),
+        ["record.json", "not valid JSON"],
+    ),
+    "manifest_deeply_nested": (
+        lambda r: _manifest(r).write_text("[" * 100000 + "]" * 100000),
+        ["record.json", "not valid JSON"],
+    ),
+    "world_size_text": (
+        lambda r: H.edit_json(_manifest(r), lambda m: m["trainer"].update(world_size="two")),
+        ["`trainer.world_size`"],
+    ),
     "trainer_missing": (lambda r: H.edit_json(_manifest(r), lambda m: m.pop("trainer")), ["`trainer` is missing"]),
-    "turns_not_a_list": (lambda r: _edit_lines(_traj(r, 1), lambda ls: ls[0].update(turns="x")), ["step_000001.jsonl:1", "`turns`"]),
-    "trajectory_line_garbage": (_write_raw("trajectories/step_000001.jsonl", "{nope\n"), ["step_000001.jsonl:1", "not valid JSON"]),
-    "manifest_symlink_to_dev_zero": (lambda r: (_manifest(r).unlink(), _manifest(r).symlink_to("/dev/zero")),
-                                     ["record.json", "character device"]),
-    "trajectories_fifo": (lambda r: (_traj(r, 1).unlink(), H.os.mkfifo(_traj(r, 1))), ["step_000001.jsonl", "named pipe"]),
+    "turns_not_a_list": (
+        lambda r: _edit_lines(_traj(r, 1), lambda ls: ls[0].update(turns="x")),
+        ["step_000001.jsonl:1", "`turns`"],
+    ),
+    "trajectory_line_garbage": (
+        _write_raw("trajectories/step_000001.jsonl", "{nope\n"),
+        ["step_000001.jsonl:1", "not valid JSON"],
+    ),
+    "manifest_symlink_to_dev_zero": (
+        lambda r: (_manifest(r).unlink(), _manifest(r).symlink_to("/dev/zero")),
+        ["record.json", "character device"],
+    ),
+    "trajectories_fifo": (
+        lambda r: (_traj(r, 1).unlink(), H.os.mkfifo(_traj(r, 1))),
+        ["step_000001.jsonl", "named pipe"],
+    ),
     "steps_not_int": (lambda r: H.edit_json(_manifest(r), lambda m: m.update(steps=["0", 1])), ["`steps[0]`"]),
 }
 
@@ -168,30 +222,60 @@ def _names(module=None, builder=None, init_args=None):
                 m["batch_builder"] = builder
             if init_args is not None:
                 m["init_args"] = init_args
+
         H.edit_json(_manifest(rec), f)
+
     return edit
 
 
 def _evil_package(tmp: Path, marker: Path) -> None:
     pkg = tmp / "evilpkg"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Policy:\n    pass\n")
+    (pkg / "__init__.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\nclass Policy:\n    pass\n"
+    )
 
 
-@pytest.mark.parametrize("case", ["module_os_system", "builder_os_system", "module_in_cwd_package", "builder_in_cwd_package",
-                                  "module_is_a_function", "builder_is_a_class", "module_without_credit_terms"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "module_os_system",
+        "builder_os_system",
+        "module_in_cwd_package",
+        "builder_in_cwd_package",
+        "module_is_a_function",
+        "builder_is_a_class",
+        "module_without_credit_terms",
+    ],
+)
 def test_a_record_runs_nothing_it_names_unless_trusted(heavy, record, tmp_path, case):
     marker = tmp_path / "MARKER"
     _evil_package(tmp_path, marker)
     rec = _copy(record, tmp_path)
     edit, needles, extra = {
-        "module_os_system": (_names(module="os.system", init_args={"command": f"touch {marker}"}), ["`module`", "'os.system'"], []),
+        "module_os_system": (
+            _names(module="os.system", init_args={"command": f"touch {marker}"}),
+            ["`module`", "'os.system'"],
+            [],
+        ),
         "builder_os_system": (_names(builder="os.system"), ["`batch_builder`", "'os.system'"], []),
         "module_in_cwd_package": (_names(module="evilpkg.Policy"), ["`module`", "evilpkg"], []),
         "builder_in_cwd_package": (_names(builder="evilpkg.Policy"), ["`batch_builder`", "evilpkg"], []),
-        "module_is_a_function": (_names(module="lens_callbacks.io.safe.read_regular_file"), ["`module`", "must name a"], []),
-        "builder_is_a_class": (_names(builder="lens_callbacks.examples.grpo.module.RolloutBatch"), ["`batch_builder`", "Python function"], []),
-        "module_without_credit_terms": (_names(module="torch.nn.Linear"), ["`module`", "credit_terms"], ["--allow-module", "torch"]),
+        "module_is_a_function": (
+            _names(module="lens_callbacks.io.safe.read_regular_file"),
+            ["`module`", "must name a"],
+            [],
+        ),
+        "builder_is_a_class": (
+            _names(builder="lens_callbacks.examples.grpo.module.RolloutBatch"),
+            ["`batch_builder`", "Python function"],
+            [],
+        ),
+        "module_without_credit_terms": (
+            _names(module="torch.nn.Linear"),
+            ["`module`", "credit_terms"],
+            ["--allow-module", "torch"],
+        ),
     }[case]
     edit(rec)
     r = heavy.run("audit", rec, "--step", "1", "--no-progress", *extra, cwd=tmp_path)
@@ -224,7 +308,12 @@ def test_an_examples_package_in_the_working_directory_is_not_trusted_by_name(lig
 def test_help_states_the_trust_default(heavy):
     r = heavy.run("audit", "--help")
     text = " ".join(r.stdout.split())
-    assert r.rc == 0 and "--trust-record" in text and "--allow-module" in text and "lens_callbacks and its examples only" in text
+    assert (
+        r.rc == 0
+        and "--trust-record" in text
+        and "--allow-module" in text
+        and "lens_callbacks and its examples only" in text
+    )
 
 
 # ------------------------------------------------------------------------------------- clean records, as before
@@ -238,7 +327,9 @@ def test_clean_record_audits_as_before(heavy, record, tmp_path):
     assert got.keys() == ref.keys()
     for k, v in ref.items():
         assert (got[k] is None and not math.isfinite(v)) or got[k] == v, k
-    assert abs(sum(v for k, v in ref.items() if k.startswith("credit/projected_share/"))) == pytest.approx(1.0, abs=1e-6)
+    assert abs(sum(v for k, v in ref.items() if k.startswith("credit/projected_share/"))) == pytest.approx(
+        1.0, abs=1e-6
+    )
 
 
 def test_process_refuses_a_record_with_a_nan_reward(light, record, tmp_path):

@@ -12,13 +12,13 @@ import pickle
 import time
 import zipfile
 
+import families as F
+import hostile as H
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import families as F
-import hostile as H
 from lens_callbacks.io.pickle_scan import MAX_CONTAINER_KEYS, MAX_KEY_DEPTH, PickleRefused, scan_pickle_stream
 from lens_callbacks.io.safe import BoundedReadError, ReadLimits, check_tensor_views, check_zip
 
@@ -48,7 +48,7 @@ def _tree(o) -> tuple[int, int]:
 @st.composite
 def _dags(draw):
     """A random structure whose later nodes reuse earlier ones (so pickle memoizes and refers back)."""
-    atom = st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=5), st.binary(max_size=9), st.none())
+    atom = st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.binary(max_size=9), st.none())
     pool = [draw(atom) for _ in range(3)]
     for _ in range(draw(st.integers(1, 12))):
         kids = draw(st.lists(st.integers(0, len(pool) - 1), max_size=4))
@@ -119,9 +119,9 @@ def test_tuple_keys_are_counted_and_ints_bounded_to_64_bits():
     frag = F.tuple_collision_dict(MAX_CONTAINER_KEYS + 1)(0)
     with pytest.raises(PickleRefused, match="tuple keys"):
         _scan(b"\x80\x04" + frag + b".")
-    for v in (2**64 - 1, -2**63, 0, 7 * F.M61):
+    for v in (2**64 - 1, -(2**63), 0, 7 * F.M61):
         _scan(pickle.dumps([v], protocol=4))
-    for v in (2**64, -2**63 - 1, 2**200):
+    for v in (2**64, -(2**63) - 1, 2**200):
         with pytest.raises(PickleRefused, match=f"integer of {v.bit_length()} bits"):
             _scan(pickle.dumps([v], protocol=4))
 
@@ -129,7 +129,9 @@ def test_tuple_keys_are_counted_and_ints_bounded_to_64_bits():
 def test_hashing_constructors_have_their_pair_keys_checked():
     """OrderedDict([(key, v)]) hashes key: a deep key inside the pairs is refused as a dict key is."""
     deep = ((((1,),),),)
-    data = b"\x80\x04\x8c\x0bcollections\x8c\x0bOrderedDict\x93](" + pickle.dumps((deep, 1), protocol=4)[2:-1] + b"e\x85R."
+    data = (
+        b"\x80\x04\x8c\x0bcollections\x8c\x0bOrderedDict\x93](" + pickle.dumps((deep, 1), protocol=4)[2:-1] + b"e\x85R."
+    )
     with pytest.raises(PickleRefused, match="nesting containers"):
         _scan(data)
 
@@ -145,7 +147,9 @@ def test_zip_aliases_are_refused_naming_the_entry_and_a_torch_save_archive_passe
         check_zip(zf, "good.pt", len(good), _limits(), "checkpoint", stored_only=True, raw=good)
     bad = F.ckpt_zip_aliases(3, 1 << 12)
     with zipfile.ZipFile(io.BytesIO(bad)) as zf:
-        with pytest.raises(BoundedReadError, match=r"bad\.pt: zip entry 'archive/data/\d' of the checkpoint overlaps entry"):
+        with pytest.raises(
+            BoundedReadError, match=r"bad\.pt: zip entry 'archive/data/\d' of the checkpoint overlaps entry"
+        ):
             check_zip(zf, "bad.pt", len(bad), _limits(), "checkpoint", stored_only=True, raw=bad)
     # The archive is what it claims: torch itself reads three tensors from the one member.
     assert len(torch.load(io.BytesIO(bad), weights_only=True)["state_dict"]) == 3

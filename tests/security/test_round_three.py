@@ -12,10 +12,9 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
 import families as F
 import hostile as H
+import pytest
 
 PEAK_MB = 600
 WITHIN_S = 10.0
@@ -25,7 +24,9 @@ needs_fixtures = pytest.mark.skipif(not H.CURRENT.is_file(), reason=f"SkyRL fixt
 def refused(r, path, *needles: str, rc: int = 2) -> str:
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.rc == rc and not r.timed_out, (r.rc, r.timed_out, r.wall_s, r.stderr[-2000:], r.stdout[-500:])
-    assert len(lines) == 1 and "Traceback" not in r.stderr + r.stdout and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert len(lines) == 1 and "Traceback" not in r.stderr + r.stdout and "Exception ignored" not in r.stderr, r.stderr[
+        -2000:
+    ]
     assert str(path) in lines[0], lines[0]
     for n in needles:  # "a|b": either
         assert any(alt in lines[0] for alt in n.split("|")), (n, lines[0])
@@ -35,10 +36,15 @@ def refused(r, path, *needles: str, rc: int = 2) -> str:
 
 
 # --------------------------------------------------------------------------------------------- 1. the gadgets
-OUTER = [("skyrl.backends.skyrl_train.training_batch", "_rebuild_tensor_batch"),
-         ("skyrl.backends.skyrl_train.training_batch", "TrainingInputBatch"),
-         ("skyrl_train.training_batch", "TrainingInputBatch"), ("torch._utils", "_rebuild_tensor_v2"),
-         ("torch.storage", "_load_from_bytes"), ("collections", "OrderedDict"), ("torch", "device")]
+OUTER = [
+    ("skyrl.backends.skyrl_train.training_batch", "_rebuild_tensor_batch"),
+    ("skyrl.backends.skyrl_train.training_batch", "TrainingInputBatch"),
+    ("skyrl_train.training_batch", "TrainingInputBatch"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "_load_from_bytes"),
+    ("collections", "OrderedDict"),
+    ("torch", "device"),
+]
 INNER = [("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"), ("torch", "FloatStorage")]
 DUNDERS = ["__del__", "__class__", "__reduce__", "__setstate__", "__getattr__", "__init__"]
 
@@ -101,7 +107,9 @@ def test_every_allowed_global_refuses_build_of_special_attributes(light, tmp_pat
             d.mkdir()
             p = PLACES[place](d, gadget(target, ("torch", "device"), dunder, kind))
             for command in ("skyrl", "process"):
-                r = light.run(command, p, "--no-progress" if command == "process" else "--json", timeout=30, mem_mb=2048)
+                r = light.run(
+                    command, p, "--no-progress" if command == "process" else "--json", timeout=30, mem_mb=2048
+                )
                 refused(r, p, "BUILD|special attribute|stand-in|not a readable")
             assert not (d / "MARKER").exists()
 
@@ -157,11 +165,25 @@ def test_one_large_tensor_does_not_lift_the_bound_of_a_layer_count(heavy, record
 # --------------------------------------------------------------------------------------------- 3. count versus value
 def _traj(step: int, k: int, n_tokens: int, text_only: bool = False) -> dict:
     ids = [(3 + i) % 20 for i in range(n_tokens)]
-    turns = [{"role": "user", "text": "1 + 1 =", "token_ids": ids[:1], "trained": False, "tool_call": None},
-             {"role": "assistant", "text": "2 <eot>", "token_ids": None if text_only else ids[1:], "trained": True,
-              "tool_call": None}]
-    return {"schema": "lens_callbacks.trajectory/1", "step": step, "group": k, "rollout": k, "prompt_id": str(k),
-            "reward": float(k % 2), "turns": turns}
+    turns = [
+        {"role": "user", "text": "1 + 1 =", "token_ids": ids[:1], "trained": False, "tool_call": None},
+        {
+            "role": "assistant",
+            "text": "2 <eot>",
+            "token_ids": None if text_only else ids[1:],
+            "trained": True,
+            "tool_call": None,
+        },
+    ]
+    return {
+        "schema": "lens_callbacks.trajectory/1",
+        "step": step,
+        "group": k,
+        "rollout": k,
+        "prompt_id": str(k),
+        "reward": float(k % 2),
+        "turns": turns,
+    }
 
 
 def _write_jsonl(path: Path, rows) -> Path:
@@ -180,7 +202,11 @@ def test_a_huge_step_number_costs_the_steps_listed_not_its_value(heavy, record, 
     shutil.copy(rec / "trajectories" / "step_000001.jsonl", rec / "trajectories" / f"step_{big:06d}.jsonl")
     H.edit_json(rec / "record.json", lambda m: m.update(steps=[0, 1, big]))
     r = heavy.run("audit", rec, "--step", str(big), "--no-progress", cwd=tmp_path, timeout=60)
-    assert r.rc == 3 and "missing_steps" in r.stdout and r.wall_s < WITHIN_S and r.peak_mb < PEAK_MB, (r.rc, r.stdout, r.stderr)
+    assert r.rc == 3 and "missing_steps" in r.stdout and r.wall_s < WITHIN_S and r.peak_mb < PEAK_MB, (
+        r.rc,
+        r.stdout,
+        r.stderr,
+    )
 
 
 def test_missing_steps_are_counted_in_the_steps_listed():
@@ -190,7 +216,10 @@ def test_missing_steps_are_counted_in_the_steps_listed():
 
     steps = list(range(0, 20_000, 2))
     n, first = _missing_steps(steps, 0, 20_000)
-    assert (n, first) == (10_000, [1, 3, 5, 7, 9])  # the naive reference: [s for s in range(0, 20000) if s not in steps]
+    assert (n, first) == (
+        10_000,
+        [1, 3, 5, 7, 9],
+    )  # the naive reference: [s for s in range(0, 20000) if s not in steps]
     naive = [s for s in range(0, 2_000) if s not in set(steps)]
     assert _missing_steps(steps, 0, 2_000) == (len(naive), naive[:5])
     t = []
@@ -233,8 +262,11 @@ def _step_trajectories(rec: Path, rows) -> Path:
 @pytest.mark.parametrize("shape", ["padded", "many_short", "many_long"])
 def test_a_step_batch_is_bounded_by_what_it_pads_to(heavy, record, tmp_path, shape):
     rec = _copy(record, tmp_path)
-    n, lengths = {"padded": (20_000, lambda k: 120 if k == 0 else 2), "many_short": (50_000, lambda k: 9),
-                  "many_long": (3_000, lambda k: 120)}[shape]
+    n, lengths = {
+        "padded": (20_000, lambda k: 120 if k == 0 else 2),
+        "many_short": (50_000, lambda k: 9),
+        "many_long": (3_000, lambda k: 120),
+    }[shape]
     path = _step_trajectories(rec, (_traj(1, k, lengths(k)) for k in range(n)))
     r = heavy.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60)
     refused(r, path, "pads", "LENS_MEMORY_MB")
@@ -254,8 +286,17 @@ def test_text_turns_are_bounded_like_id_turns(heavy, record, tmp_path):
     row = _traj(1, 0, 3, text_only=True)
     row["turns"][1]["text"] = "7" * 40_000_000
     path = _step_trajectories(rec, [row])
-    r = heavy.run("audit", rec, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60, env={"LENS_MEMORY_MB": "512"},
-                  mem_mb=1536)
+    r = heavy.run(
+        "audit",
+        rec,
+        "--step",
+        "1",
+        "--no-progress",
+        cwd=tmp_path,
+        timeout=60,
+        env={"LENS_MEMORY_MB": "512"},
+        mem_mb=1536,
+    )
     refused(r, path, "`text`", "token_ids: null")
     row["turns"][1]["text"] = " ".join(["7"] * 200)  # 200 tokens of a 128-position policy
     path = _step_trajectories(rec, [row])
@@ -266,7 +307,9 @@ def test_text_turns_are_bounded_like_id_turns(heavy, record, tmp_path):
 # --------------------------------------------------------------------------------------------- 6. the probe path
 def _probe_record(record: Path, tmp: Path) -> Path:
     rec = _copy(record, tmp)
-    H.edit_json(rec / "record.json", lambda m: m.update(module="lens_callbacks.examples.grpo_tools.probe.ToolsProbeModule"))
+    H.edit_json(
+        rec / "record.json", lambda m: m.update(module="lens_callbacks.examples.grpo_tools.probe.ToolsProbeModule")
+    )
     return rec
 
 
@@ -321,17 +364,29 @@ def test_an_oversized_dropout_seed_names_its_field(heavy, record, tmp_path):
     refused(r, meta, "field `dropout_seed`", "torch seed")
 
 
-@pytest.mark.parametrize("name,value", [("LENS_READ_BUDGET_FACTOR", "1e308"), ("LENS_MEMORY_MB", "1e-30"),
-                                        ("LENS_MEMORY_MB", "nan"), ("LENS_READ_BUDGET_FLOOR_MB", "lots")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("LENS_READ_BUDGET_FACTOR", "1e308"),
+        ("LENS_MEMORY_MB", "1e-30"),
+        ("LENS_MEMORY_MB", "nan"),
+        ("LENS_READ_BUDGET_FLOOR_MB", "lots"),
+    ],
+)
 def test_environment_knobs_are_one_line_naming_the_variable(heavy, record, tmp_path, name, value):
     r = heavy.run("audit", record, "--step", "1", "--no-progress", cwd=tmp_path, timeout=60, env={name: value})
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.rc == 2 and len(lines) == 1 and f"`{name}`" in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("name,shown", [("run\x1b[2J\x1b[31mred", "run\\x1b[2J\\x1b[31mred"),
-                                        ("run\nlens-callbacks: all good", "run\\nlens-callbacks: all good"),
-                                        ("run\x07bell", "run\\x07bell")])
+@pytest.mark.parametrize(
+    "name,shown",
+    [
+        ("run\x1b[2J\x1b[31mred", "run\\x1b[2J\\x1b[31mred"),
+        ("run\nlens-callbacks: all good", "run\\nlens-callbacks: all good"),
+        ("run\x07bell", "run\\x07bell"),
+    ],
+)
 def test_file_names_are_shown_escaped_and_cannot_forge_a_line(heavy, record, tmp_path, name, shown):
     import shutil
 
@@ -364,8 +419,12 @@ def test_a_non_utf8_file_name_under_a_strict_locale_is_one_line(record, tmp_path
     shutil.copytree(record, rec)
     (rec / "record.json").write_text("{not json")
     env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONIOENCODING="ascii:strict", PYTHONUTF8="0", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "lens_callbacks.cli", "audit", os.fsencode(rec), "--step", "1", "--no-progress"],
-                       capture_output=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "lens_callbacks.cli", "audit", os.fsencode(rec), "--step", "1", "--no-progress"],
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     err = r.stderr.decode("ascii", "replace")
     assert r.returncode == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert "run\\udcff\\udcfe/record.json" in err or "run\\xff\\xfe/record.json" in err, err
@@ -396,9 +455,10 @@ def test_fit_refuses_a_fifo_config_and_a_number_too_long_to_read(light, tmp_path
 
 
 def test_fit_reads_every_shipped_config_through_the_same_check():
+    import yaml
+
     from lens_callbacks.cli import check_configs, config_paths
     from lens_callbacks.io.config import read_config_yaml
-    import yaml
 
     configs = sorted((Path(__file__).resolve().parents[2] / "cli_configs").glob("*.yaml"))
     assert configs

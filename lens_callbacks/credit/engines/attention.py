@@ -55,12 +55,20 @@ def _repeat_heads(x: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
 
 
 def attention_jvp(
-    q: torch.Tensor, dq: Optional[torch.Tensor],
-    k: torch.Tensor, dk: Optional[torch.Tensor],
-    v: torch.Tensor, dv: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor] = None, dmask: Optional[torch.Tensor] = None,
-    *, is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
-    block_elements: int = DEFAULT_BLOCK_ELEMENTS, chunk: Optional[int] = None,
+    q: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    k: torch.Tensor,
+    dk: Optional[torch.Tensor],
+    v: torch.Tensor,
+    dv: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor] = None,
+    dmask: Optional[torch.Tensor] = None,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+    chunk: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(O, Ȯ)`` of ``scaled_dot_product_attention`` at ``(q, k, v)`` along ``(dq, dk, dv)`` (None: zero).
 
@@ -190,7 +198,18 @@ class ForwardAttention(TorchFunctionMode):
             )
         self.calls += 1
         out, tan = attention_jvp(
-            qp, dq, kp, dk, vp, dv, mp, dm, is_causal=bool(call.get("is_causal", False)), scale=call.get("scale"),
-            enable_gqa=bool(call.get("enable_gqa", False)), block_elements=self.block_elements, chunk=self.chunk,
+            qp,
+            dq,
+            kp,
+            dk,
+            vp,
+            dv,
+            mp,
+            dm,
+            is_causal=bool(call.get("is_causal", False)),
+            scale=call.get("scale"),
+            enable_gqa=bool(call.get("enable_gqa", False)),
+            block_elements=self.block_elements,
+            chunk=self.chunk,
         )
         return fwAD.make_dual(out, tan)

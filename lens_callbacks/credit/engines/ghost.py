@@ -47,13 +47,32 @@ import torch
 from torch import nn
 
 from ..inputs.partition import Partition, PartitionFn, apply_partition, position_parts, resolve_partition
-from ..primitives import _grad_match, _onto, _partition_name, _preserved_rng, compute_dtype_now, evaluate_terms, precision_watch
-from ..report import CreditGrads, CreditReport, PositionSplit, share_readings
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
+from ..primitives import (
+    _grad_match,
+    _onto,
+    _partition_name,
+    _preserved_rng,
+    compute_dtype_now,
+    evaluate_terms,
+    precision_watch,
+)
+from ..report import CreditGrads, CreditReport, PositionSplit, share_readings
 from . import READINGS
-from .ghost_routes import ROUTES, choose_route, direct_param, ghost_eligible, fine_products, ghost_param, row_dot, sparse_only, use_factors, widened
-from .rules import Rule, find_rule
+from .ghost_routes import (
+    ROUTES,
+    choose_route,
+    direct_param,
+    fine_products,
+    ghost_eligible,
+    ghost_param,
+    row_dot,
+    sparse_only,
+    use_factors,
+    widened,
+)
 from .reductions import diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
+from .rules import Rule, find_rule
 
 __all__ = [
     "disintegrate_ghost",
@@ -111,10 +130,32 @@ def row_interacting_modules(module: nn.Module) -> list[str]:
 class _Use:
     """One call of a covered layer: its parameters, its input, and the gradient at its output."""
 
-    __slots__ = ("rule", "handler", "module", "weight", "bias", "a", "xhat", "b", "sealed", "capture", "version", "edge",
-                 "span", "calls", "rows_ok")
+    __slots__ = (
+        "rule",
+        "handler",
+        "module",
+        "weight",
+        "bias",
+        "a",
+        "xhat",
+        "b",
+        "sealed",
+        "capture",
+        "version",
+        "edge",
+        "span",
+        "calls",
+        "rows_ok",
+    )
 
-    def __init__(self, rule: Rule, module: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], a: torch.Tensor):
+    def __init__(
+        self,
+        rule: Rule,
+        module: nn.Module,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        a: torch.Tensor,
+    ):
         self.handler = rule  # the registered rule that reads this use
         self.rule = rule.name
         self.module = module
@@ -186,7 +227,9 @@ class _StackedUse(_Use):
         if like is None:
             return None
         # a call whose rows the backward never reached adds zero rows
-        self._b = torch.cat([x if x is not None else like.new_zeros((n,) + tuple(like.shape[1:])) for x, n in zip(bs, self._rows)])
+        self._b = torch.cat(
+            [x if x is not None else like.new_zeros((n,) + tuple(like.shape[1:])) for x, n in zip(bs, self._rows)]
+        )
         for u in self.children:
             u.b = None
         return self._b
@@ -200,7 +243,9 @@ def _unstackable(groups: Sequence[Sequence[_Use]], rows: Sequence[int], what: st
     """Why the covered layers' calls in ``groups`` (one group per chunk of ``rows[k]`` rows, ``what`` names
     the chunks) cannot be read as one batch's calls, or None."""
     if any(len(g) != len(groups[0]) for g in groups):
-        return f"the covered layers ran {[len(g) for g in groups]} times in {what}; stacking needs the same layers in each"
+        return (
+            f"the covered layers ran {[len(g) for g in groups]} times in {what}; stacking needs the same layers in each"
+        )
     for us in zip(*groups):
         u0 = us[0]
         name = type(u0.module).__name__
@@ -389,7 +434,12 @@ class RowCapture:
         return hook
 
     def record(
-        self, rule: Rule, mod: nn.Module, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], x: torch.Tensor,
+        self,
+        rule: Rule,
+        mod: nn.Module,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        x: torch.Tensor,
         out: Optional[torch.Tensor] = None,
     ) -> _Use:
         """Record one use of ``mod``'s parameters read from input ``x`` (``[B, ...]``).
@@ -684,7 +734,11 @@ class _Accum:
         self._reduce(P, torch.cat([h[1].to(dtype) for h in held]), torch.cat([h[2].to(dtype) for h in held]))
 
     def add(
-        self, pieces: Callable[[list[int]], torch.Tensor], chunks: list[list[int]], g_full: torch.Tensor, keep_sum: bool,
+        self,
+        pieces: Callable[[list[int]], torch.Tensor],
+        chunks: list[list[int]],
+        g_full: torch.Tensor,
+        keep_sum: bool,
         target: Optional[torch.Tensor] = None,
     ) -> Optional[torch.Tensor]:
         gf = g_full.reshape(-1)  # [n]
@@ -803,7 +857,7 @@ def disintegrate_ghost(
         cap.install()
         cap.active = True
         try:
-            with (forward_context() if forward_context is not None else contextlib.nullcontext()):
+            with forward_context() if forward_context is not None else contextlib.nullcontext():
                 watch = precision_watch(module, dtype)
                 terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
                 compute = watch.coarser_than(used)
@@ -828,23 +882,57 @@ def disintegrate_ghost(
         pdots = PositionDots(*position_parts(terms)) if position_split else None
         with torch.enable_grad():
             loss = terms.terms.sum()
-            reduced = _run(cap, terms, names, leaves, loss, rp, ids, m, B, readings, keep_grads, memory_budget, verify, route,
-                           onto=onto, full_grad=given, spans=spans, positions=pdots)
+            reduced = _run(
+                cap,
+                terms,
+                names,
+                leaves,
+                loss,
+                rp,
+                ids,
+                m,
+                B,
+                readings,
+                keep_grads,
+                memory_budget,
+                verify,
+                route,
+                onto=onto,
+                full_grad=given,
+                spans=spans,
+                positions=pdots,
+            )
     g_full = reduced[0]
     full_sq = _sum_sq(g_full)
     grad_match = None
     if reference_grads is not None and given is None:
         grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(full_sq))
     return build_report(
-        reduced, names, part.names, readings, grad_match=grad_match, dtype=used, n_trained=terms.n_trained,
-        loss=float(loss.detach()), partition=_partition_name(partition), engine="ghost" if given is None else "ghost+grad",
-        keep_grads=keep_grads, onto=onto, full_sq=full_sq, compute_dtype=compute, spans=spans is not None,
-        spans_verified=verify and spans is not None, position_split=read_position_split(pdots, g_full, onto, full_sq),
+        reduced,
+        names,
+        part.names,
+        readings,
+        grad_match=grad_match,
+        dtype=used,
+        n_trained=terms.n_trained,
+        loss=float(loss.detach()),
+        partition=_partition_name(partition),
+        engine="ghost" if given is None else "ghost+grad",
+        keep_grads=keep_grads,
+        onto=onto,
+        full_sq=full_sq,
+        compute_dtype=compute,
+        spans=spans is not None,
+        spans_verified=verify and spans is not None,
+        position_split=read_position_split(pdots, g_full, onto, full_sq),
     )
 
 
 def read_position_split(
-    pdots: Optional[PositionDots], g_full: Sequence[torch.Tensor], onto: Optional[Sequence[torch.Tensor]], full_sq: float
+    pdots: Optional[PositionDots],
+    g_full: Sequence[torch.Tensor],
+    onto: Optional[Sequence[torch.Tensor]],
+    full_sq: float,
 ) -> Optional[PositionSplit]:
     """The :class:`PositionSplit` from what :class:`PositionDots` summed (None when it was not asked for)."""
     if pdots is None:
@@ -862,8 +950,18 @@ def read_position_split(
 
 
 def build_report(
-    reduced: tuple, names: Sequence[str], part_names: Sequence[str], readings: str, *, grad_match: Optional[float],
-    dtype: str, n_trained: int, loss: float, partition: str, engine: str, keep_grads: bool,
+    reduced: tuple,
+    names: Sequence[str],
+    part_names: Sequence[str],
+    readings: str,
+    *,
+    grad_match: Optional[float],
+    dtype: str,
+    n_trained: int,
+    loss: float,
+    partition: str,
+    engine: str,
+    keep_grads: bool,
     onto: Optional[Sequence[torch.Tensor]] = None,
     full_sq: Optional[float] = None,
     compute_dtype: Optional[str] = None,
@@ -978,7 +1076,9 @@ def seal(uses: Iterable[_Use]) -> None:
         u.sealed = True
 
 
-def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edges: dict[int, int]) -> dict[int, list[_Use]]:
+def plan_uses(
+    uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edges: dict[int, int]
+) -> dict[int, list[_Use]]:
     """Leaf index → its captured uses, for the leaves the hooks cover completely; the rest fall back."""
     index = {id(x): i for i, x in enumerate(leaves)}
     seen: dict[int, list[_Use]] = {}
@@ -1001,7 +1101,9 @@ def plan_uses(uses: Sequence[_Use], leaves: Sequence[torch.Tensor], B: int, edge
     return out
 
 
-def _fallback_parts(terms: CreditTerms, ids: torch.Tensor, fl: list[torch.Tensor], m: int, retain: bool) -> torch.Tensor:
+def _fallback_parts(
+    terms: CreditTerms, ids: torch.Tensor, fl: list[torch.Tensor], m: int, retain: bool
+) -> torch.Tensor:
     """``[m, n_fallback]``: each part's gradient on the fallback parameters, one masked backward per part."""
     rows = []
     for i in range(m):
@@ -1065,8 +1167,10 @@ class PositionDots:
         base = [getattr(u, "_use", u) for u in uses]  # through a spans view: the captured use itself
         for u in base:
             if u.a is None or u.a.dim() < 2 or tuple(u.a.shape[:2]) != self.shape:
-                self.reason = (f"{type(u.module).__name__} was not called on every position of every row "
-                               f"(input {list(u.a.shape) if u.a is not None else None}, batch {list(self.shape)})")
+                self.reason = (
+                    f"{type(u.module).__name__} was not called on every position of every row "
+                    f"(input {list(u.a.shape) if u.a is not None else None}, batch {list(self.shape)})"
+                )
                 return
         W = g if target is None else target
         BT = self.shape[0] * self.shape[1]
@@ -1097,8 +1201,19 @@ class _Reducer:
     parts and returns what :func:`build_report` takes.
     """
 
-    def __init__(self, by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=None,
-                 positions: Optional[PositionDots] = None) -> None:
+    def __init__(
+        self,
+        by_leaf,
+        leaves,
+        rp,
+        m,
+        readings,
+        keep_sum,
+        memory_budget,
+        route,
+        onto=None,
+        positions: Optional[PositionDots] = None,
+    ) -> None:
         self.positions = positions
         if route not in ROUTES:
             raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
@@ -1169,11 +1284,36 @@ class _Reducer:
                 self.sel_dst = (sel_all, self.rp[sel_all])
             sel, dst = self.sel_dst
             if route == "ghost":
-                total, diff = ghost_param(us, g, sel, dst, self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
-                                          keep_total=self.keep_sum, target=target)
+                total, diff = ghost_param(
+                    us,
+                    g,
+                    sel,
+                    dst,
+                    self.B,
+                    acc.dots,
+                    acc.gram,
+                    half,
+                    sq=acc.sq,
+                    param=p,
+                    keep_total=self.keep_sum,
+                    target=target,
+                )
             else:  # the direct route on an Lᵀ R weight: every part's pieces, a block of the weight's rows at a time
-                total, diff = direct_param(us, g, sel, dst, self.m, self.B, acc.dots, acc.gram, half, sq=acc.sq, param=p,
-                                           keep_total=self.keep_sum, target=target)
+                total, diff = direct_param(
+                    us,
+                    g,
+                    sel,
+                    dst,
+                    self.m,
+                    self.B,
+                    acc.dots,
+                    acc.gram,
+                    half,
+                    sq=acc.sq,
+                    param=p,
+                    keep_total=self.keep_sum,
+                    target=target,
+                )
             acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
@@ -1197,7 +1337,9 @@ class _Reducer:
         acc.flush()
         coverage = self.coverage
         if fallback and self.positions is not None:
-            self.positions.fail(f"{len(fallback)} parameter(s) are read by the fallback, which has no pieces by position")
+            self.positions.fail(
+                f"{len(fallback)} parameter(s) are read by the fallback, which has no pieces by position"
+            )
         if fallback:
             gf = torch.cat([g_full[i].reshape(-1) for i in fallback])  # [n_fallback]
             n_fb = int(gf.numel())
@@ -1219,8 +1361,18 @@ class _Reducer:
                     totals[i] = s[off : off + n].view_as(leaves[i])
                     off += n
         if verify is not None:
-            _verify_one_part(verify, leaves, g_full if self.onto is None else self.onto, acc, self.rows_per_part, self.by_leaf,
-                             fallback, fb, self.rp, m)
+            _verify_one_part(
+                verify,
+                leaves,
+                g_full if self.onto is None else self.onto,
+                acc,
+                self.rows_per_part,
+                self.by_leaf,
+                fallback,
+                fb,
+                self.rp,
+                m,
+            )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
         return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
@@ -1240,7 +1392,11 @@ def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallba
     dot = math.fsum(float(torch.sum(a.double() * b.double())) for a, b in zip(gs, g_full))
     full = math.sqrt(math.fsum(float(torch.sum(b.double() ** 2)) for b in g_full)) or 1.0
     part = math.sqrt(math.fsum(float(torch.sum(a.double() ** 2)) for a in gs))
-    tol = 1e-4 if leaves and leaves[0].dtype in (torch.float32,) else (1e-10 if leaves and leaves[0].dtype == torch.float64 else 1e-2)
+    tol = (
+        1e-4
+        if leaves and leaves[0].dtype in (torch.float32,)
+        else (1e-10 if leaves and leaves[0].dtype == torch.float64 else 1e-2)
+    )
     err = abs(dot - float(acc.dots[k])) / (part * full or 1.0)
     if err > tol:
         if spans is not None:
@@ -1384,20 +1540,44 @@ class RideAlong:
         missing = [names[i] for i in range(len(leaves)) if i not in by_leaf]
         if missing:
             return _uncovered(missing, self.reentrant)
-        return {"part": part, "rp": rp, "names": names, "leaves": leaves, "by_leaf": by_leaf, "uses": uses,
-                "spans": spans}
+        return {
+            "part": part,
+            "rp": rp,
+            "names": names,
+            "leaves": leaves,
+            "by_leaf": by_leaf,
+            "uses": uses,
+            "spans": spans,
+        }
 
-    def _prepare(self, partition_fn, readings, memory_budget, keep_grads, route, position_split=False) -> Union[str, dict[str, Any]]:
+    def _prepare(
+        self, partition_fn, readings, memory_budget, keep_grads, route, position_split=False
+    ) -> Union[str, dict[str, Any]]:
         lay = self._layout(partition_fn)
         if isinstance(lay, str):
             return lay
         pdots = PositionDots(*position_parts(validate_terms(self.terms))) if position_split else None
-        red = _Reducer(lay["by_leaf"], lay["leaves"], lay["rp"], lay["part"].n_parts, readings, keep_grads, memory_budget,
-                       route, positions=pdots)
+        red = _Reducer(
+            lay["by_leaf"],
+            lay["leaves"],
+            lay["rp"],
+            lay["part"].n_parts,
+            readings,
+            keep_grads,
+            memory_budget,
+            route,
+            positions=pdots,
+        )
         # ‖g‖² of the gradient each parameter was reduced against, to hold against its `.grad` afterwards
         seen = torch.full((len(lay["leaves"]),), float("nan"), dtype=torch.float64, device=red.device)  # [n_leaves]
-        plan: dict[str, Any] = {**lay, "red": red, "seen": seen, "args": (readings, keep_grads), "error": None,
-                                "positions": pdots}
+        plan: dict[str, Any] = {
+            **lay,
+            "red": red,
+            "seen": seen,
+            "args": (readings, keep_grads),
+            "error": None,
+            "positions": pdots,
+        }
 
         def hook(i: int) -> Callable[[torch.Tensor], None]:
             def on_grad(g: torch.Tensor) -> None:
@@ -1489,12 +1669,34 @@ class RideAlong:
             reduced = red.finish(g_full, [], None, None)
         else:
             reduced = reduce_pieces(
-                lay["uses"], by_leaf, leaves, g_full, lay["rp"], part.n_parts, readings, keep_grads, memory_budget, [],
-                None, route=route,
+                lay["uses"],
+                by_leaf,
+                leaves,
+                g_full,
+                lay["rp"],
+                part.n_parts,
+                readings,
+                keep_grads,
+                memory_budget,
+                [],
+                None,
+                route=route,
             )
         split = read_position_split(plan["positions"], g_full, None, full_sq) if plan is not None else None
-        return _ride_report(reduced, full_sq, t, float(self.loss), names, part.names, readings, partition_name, keep_grads,
-                            self.compute_dtype, spans=lay["spans"] is not None, position_split=split)
+        return _ride_report(
+            reduced,
+            full_sq,
+            t,
+            float(self.loss),
+            names,
+            part.names,
+            readings,
+            partition_name,
+            keep_grads,
+            self.compute_dtype,
+            spans=lay["spans"] is not None,
+            position_split=split,
+        )
 
     def _contract(self) -> Optional[str]:
         """What breaks the contract of riding along (``credit_terms`` once, a backward of ``scale · terms.sum()``
@@ -1536,8 +1738,17 @@ def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.T
 
 
 def _ride_report(
-    reduced: tuple, full_sq: float, t: CreditTerms, loss: float, names: Sequence[str], part_names: Sequence[str],
-    readings: str, partition_name: str, keep_grads: bool, compute_dtype: Optional[str] = None, spans: bool = False,
+    reduced: tuple,
+    full_sq: float,
+    t: CreditTerms,
+    loss: float,
+    names: Sequence[str],
+    part_names: Sequence[str],
+    readings: str,
+    partition_name: str,
+    keep_grads: bool,
+    compute_dtype: Optional[str] = None,
+    spans: bool = False,
     position_split: Optional[PositionSplit] = None,
 ) -> Union[CreditReport, str]:
     """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``.
@@ -1547,9 +1758,21 @@ def _ride_report(
     the step's loss holds a term that ``terms`` does not."""
     used = str(t.terms.dtype).replace("torch.", "")
     report = build_report(
-        reduced, names, part_names, readings, grad_match=None, dtype=used, n_trained=t.n_trained,
-        loss=loss, partition=partition_name, engine="ghost+training_step", keep_grads=keep_grads, full_sq=full_sq,
-        compute_dtype=compute_dtype, spans=spans, position_split=position_split,
+        reduced,
+        names,
+        part_names,
+        readings,
+        grad_match=None,
+        dtype=used,
+        n_trained=t.n_trained,
+        loss=loss,
+        partition=partition_name,
+        engine="ghost+training_step",
+        keep_grads=keep_grads,
+        full_sq=full_sq,
+        compute_dtype=compute_dtype,
+        spans=spans,
+        position_split=position_split,
     )
     if report.conservation_violated:
         where = used if compute_dtype is None else f"{used} under {compute_dtype} autocast"
@@ -1648,12 +1871,36 @@ def report_accumulated(
     by_leaf = plan_uses(uses, leaves, rows, riders[0].edges or {})
     g_full, _, full_sq = _grads_now(leaves, keep_grads)
     pdots = PositionDots(*position_parts(t)) if position_split else None
-    reduced = reduce_pieces(uses, by_leaf, leaves, g_full, rp, part.n_parts, readings, keep_grads, memory_budget, [], None,
-                            route=route, positions=pdots)
+    reduced = reduce_pieces(
+        uses,
+        by_leaf,
+        leaves,
+        g_full,
+        rp,
+        part.n_parts,
+        readings,
+        keep_grads,
+        memory_budget,
+        [],
+        None,
+        route=route,
+        positions=pdots,
+    )
     loss = math.fsum(float(r.loss) for r in riders)  # type: ignore[arg-type]
-    return _ride_report(reduced, full_sq, t, loss, names, part.names, readings, partition_name, keep_grads,
-                        riders[-1].compute_dtype, spans=spans is not None,
-                        position_split=read_position_split(pdots, g_full, None, full_sq))
+    return _ride_report(
+        reduced,
+        full_sq,
+        t,
+        loss,
+        names,
+        part.names,
+        readings,
+        partition_name,
+        keep_grads,
+        riders[-1].compute_dtype,
+        spans=spans is not None,
+        position_split=read_position_split(pdots, g_full, None, full_sq),
+    )
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -317,7 +317,9 @@ def _col_blocks(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return P[:, : nb * _COLS].view(m, nb, _COLS).transpose(0, 1), P[:, nb * _COLS :]
 
 
-def fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fine_products(
+    P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``P w`` (``[m]``) and ``P Pᵀ`` (``[m, m]``, or its diagonal with ``diag``; None with neither) of a
     ``[m, N]`` block, float64: float32 products (norms with ``diag``) over ``2¹⁰`` columns at a time,
     summed in float64.
@@ -328,7 +330,6 @@ def fine_products(P: torch.Tensor, w: torch.Tensor, gram: bool, diag: bool) -> t
     if P.dtype == torch.float64:
         G = P @ P.T if gram or diag else None
         return P @ w.reshape(-1), (G.diagonal().clone() if diag and G is not None else G)
-    m = P.shape[0]
     body, tail = _col_blocks(P)  # [nb, m, cols], [m, tail]
     wb, wt = _col_blocks(w.reshape(1, -1).to(P.dtype))  # [nb, 1, cols], [1, tail]
     dots = torch.bmm(body, wb.transpose(1, 2)).double().sum(0)[:, 0] + (tail @ wt.T).double()[:, 0]  # [m]
@@ -403,7 +404,11 @@ def direct_param(
     starts = list(range(0, dL, vb))
     # per token-id use: ids sorted, their values and parts, and where each block's ids begin
     tokens = [_sorted_tokens(f, dst, starts, dL, dtype) for f in facs if f.index]
-    total = torch.empty(g_full.shape, dtype=torch.promote_types(sum_dtype(dtype), g_full.dtype), device=g_full.device) if keep_total else None
+    total = (
+        torch.empty(g_full.shape, dtype=torch.promote_types(sum_dtype(dtype), g_full.dtype), device=g_full.device)
+        if keep_total
+        else None
+    )
     diff = torch.zeros((), dtype=torch.float64, device=g_full.device)
     # Every block's piece (and product) is written into one buffer made once: a fresh block of several MB
     # per product is a fresh mapping on a CPU, and its page faults cost as much as the product itself.
@@ -464,7 +469,12 @@ def _by_part(device: torch.device, numel: int) -> bool:
 
 
 def read_piece(
-    P: torch.Tensor, w: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor, dots: torch.Tensor, sq: Optional[torch.Tensor],
+    P: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    tmp: torch.Tensor,
+    dots: torch.Tensor,
+    sq: Optional[torch.Tensor],
     first: bool,
 ) -> None:
     """One part's piece of a block (``P``, ``[rows, d_R]``) read for every reading: its dot with ``w`` per
@@ -522,7 +532,9 @@ def _direct_by_part(
     # per token-id use: tokens sorted by (part, id), their values, and where each (part, block)'s begin
     tokens = [_sorted_tokens(f, dst, starts, dL, pdt, m) for f in facs if f.index]
     total = torch.empty(g_full.shape, dtype=torch.promote_types(sdt, g_full.dtype), device=dev) if keep_total else None
-    s_buf = None if keep_total else torch.empty(min(vb, dL), dR, dtype=torch.promote_types(sdt, g_full.dtype), device=dev)
+    s_buf = (
+        None if keep_total else torch.empty(min(vb, dL), dR, dtype=torch.promote_types(sdt, g_full.dtype), device=dev)
+    )
     diff = torch.zeros((), dtype=torch.float64, device=dev)
     buf = torch.empty(min(vb, dL) * dR, dtype=pdt, device=dev)  # one part's piece of a block, reused
     tmp = torch.empty(min(vb, dL) * dR, dtype=sdt, device=dev)  # its products with W
@@ -559,8 +571,15 @@ def _direct_by_part(
                 if row_sq is not None:
                     row_sq[i, : hi - lo].zero_()
                 continue
-            read_piece(P, w, s, tmp[: (hi - lo) * dR].view(hi - lo, dR), row_dots[i, : hi - lo],
-                       None if row_sq is None else row_sq[i, : hi - lo], first)
+            read_piece(
+                P,
+                w,
+                s,
+                tmp[: (hi - lo) * dR].view(hi - lo, dR),
+                row_dots[i, : hi - lo],
+                None if row_sq is None else row_sq[i, : hi - lo],
+                first,
+            )
             first = False
         if first:  # no part has anything in this block
             s.zero_()

@@ -29,12 +29,14 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import nn
 
+from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
+from ..inputs.terms import CreditTerms, validate_terms
+from ..precision import PrecisionWatch
 from ..primitives import (
     DTypeSpec,
-    _TermsCall,
     _diff_norm,
-    _grad,
     _dot,
+    _grad,
     _grad_match,
     _native_dtype,
     _onto,
@@ -42,16 +44,14 @@ from ..primitives import (
     _preserved_rng,
     _rng_devices,
     _sqnorm,
+    _TermsCall,
     audit_passes,
     evaluate_terms,
     precision_watch,
     resolve_dtype,
 )
-from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
-from ..precision import PrecisionWatch
-from .attention import AttentionDropoutError, ForwardAttention
 from ..report import CreditReport
-from ..inputs.terms import CreditTerms, validate_terms
+from .attention import AttentionDropoutError, ForwardAttention
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -148,14 +148,24 @@ def terms_jvp(
                 if b.is_floating_point() and b.dtype != target:
                     state["inner." + name] = b.to(target)
         try:
-            with torch.no_grad(), audit_passes(), (watch if watch is not None else contextlib.nullcontext()), ForwardAttention():
+            with (
+                torch.no_grad(),
+                audit_passes(),
+                watch if watch is not None else contextlib.nullcontext(),
+                ForwardAttention(),
+            ):
                 # forward AD needs no graph: activations are freed as the pass goes; sdpa takes its rule (attention.py)
                 terms = torch.func.functional_call(_TermsCall(module, fn), state, (batch,), strict=False)
         except AttentionDropoutError as err:
             raise ForwardADUnsupportedError(str(err)) from err
         except (NotImplementedError, RuntimeError) as err:
             text = str(err)
-            if isinstance(err, NotImplementedError) or "forward AD" in text or "forward-mode" in text or "forward grad" in text:
+            if (
+                isinstance(err, NotImplementedError)
+                or "forward AD" in text
+                or "forward-mode" in text
+                or "forward grad" in text
+            ):
                 first = text.splitlines()[0] if text else type(err).__name__
                 raise ForwardADUnsupportedError(
                     f"forward-mode AD failed inside `credit_terms`: {first}. scaled_dot_product_attention has a rule "
@@ -322,8 +332,9 @@ def disintegrate_jvp(
         direction = g_full if onto is None else onto
         with _replayed_rng(module, start), context():
             watch = precision_watch(module, dtype)
-            tan_terms, tangent = terms_jvp(module, batch, dict(zip(names, direction)), dtype, terms_fn, params=params,
-                                           watch=watch)
+            tan_terms, tangent = terms_jvp(
+                module, batch, dict(zip(names, direction)), dtype, terms_fn, params=params, watch=watch
+            )
             if full_grad is not None and not exact_norms:
                 compute = watch.coarser_than(used)
     if part is None:  # the tangent pass was the only one: the partition is of its terms
@@ -416,7 +427,9 @@ def _given(
         if g is None:
             out.append(torch.zeros(x.shape, dtype=want, device=x.device))
         elif tuple(g.shape) != tuple(x.shape):
-            raise ValueError(f"`full_grad` entries must match their parameter's shape {list(x.shape)}, got {list(g.shape)}.")
+            raise ValueError(
+                f"`full_grad` entries must match their parameter's shape {list(x.shape)}, got {list(g.shape)}."
+            )
         else:
             out.append(g.detach().to(device=x.device, dtype=want))
     return out

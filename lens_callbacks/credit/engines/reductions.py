@@ -141,9 +141,16 @@ def dot64(a: torch.Tensor, b: torch.Tensor, c: "torch.Tensor | None" = None, exa
             if x.stride(0) == 0 or y.stride(0) == 0:  # a broadcast scalar: a plain sum of products
                 parts.append((x * y).sum())
             else:
-                parts.append(torch.stack([torch.dot(x[i:j], y[i:j]) for i, j in _blocks(e - s)]).sum(dtype=torch.float64)
-                             if e - s > BLOCK else torch.dot(x, y))
-        return torch.stack([q.double() for q in parts]).sum() if parts else torch.zeros((), dtype=torch.float64, device=dev)
+                parts.append(
+                    torch.stack([torch.dot(x[i:j], y[i:j]) for i, j in _blocks(e - s)]).sum(dtype=torch.float64)
+                    if e - s > BLOCK
+                    else torch.dot(x, y)
+                )
+        return (
+            torch.stack([q.double() for q in parts]).sum()
+            if parts
+            else torch.zeros((), dtype=torch.float64, device=dev)
+        )
     out = torch.zeros((), dtype=torch.float64, device=dev)
     for s, e in _blocks(n, WIDE_BLOCK):
         prod = u[s:e].double() * v[s:e].double()

@@ -101,10 +101,14 @@ class Partition:
         if pos is None:
             return
         if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != tuple(self.ids.shape) or pos.is_floating_point():
-            raise PartitionError(f"`positions` must be a [B, T] = {list(self.ids.shape)} integer tensor, got {_desc(pos)}.")
+            raise PartitionError(
+                f"`positions` must be a [B, T] = {list(self.ids.shape)} integer tensor, got {_desc(pos)}."
+            )
         if pos.numel() and (int(pos.min()) < -1 or int(pos.max()) >= len(self.names)):
-            raise PartitionError(f"`positions` must lie in -1 .. {len(self.names) - 1}, got values in "
-                                 f"{int(pos.min())} .. {int(pos.max())}.")
+            raise PartitionError(
+                f"`positions` must lie in -1 .. {len(self.names) - 1}, got values in "
+                f"{int(pos.min())} .. {int(pos.max())}."
+            )
         ids = self.ids.to(pos.device)
         off = (ids >= 0) & (pos != ids)
         if bool(off.any()):
@@ -205,7 +209,9 @@ def _packed_rollouts(terms: CreditTerms) -> Partition:
     trained = terms.trained.cpu()  # [B, T]
     if bool((trained & (rollout < 0)).any()):
         pos = [tuple(q) for q in (trained & (rollout < 0)).nonzero()[:5].tolist()]
-        raise PartitionError(f"packed `rollout` ids must be >= 0 at every trained position, got -1 at (row, t) = {pos}.")
+        raise PartitionError(
+            f"packed `rollout` ids must be >= 0 at every trained position, got -1 at (row, t) = {pos}."
+        )
     key = rollout
     mb = terms.micro_batch.cpu().long()[:, None].expand_as(rollout) if terms.micro_batch is not None else None
     keyed = mb is not None and _repeats_across(rollout[rollout >= 0], mb[rollout >= 0])

@@ -106,7 +106,9 @@ class CreditTerms:
         B, T = t.shape
         tr = self.trained
         if not isinstance(tr, torch.Tensor) or tr.dim() != 2:
-            raise CreditTermsError("trained", f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(tr)}.")
+            raise CreditTermsError(
+                "trained", f"`trained` must be a [B, T] = [{B}, {T}] bool tensor, got {_describe(tr)}."
+            )
         if tuple(tr.shape) != (B, T):
             wrong = _odd_one_out(self, tuple(t.shape), tuple(tr.shape))
             numbers = {"terms_shape": str(list(t.shape)), "trained_shape": str(list(tr.shape))}
@@ -138,17 +140,33 @@ class CreditTerms:
         if self.segment is not None:
             s = self.segment
             if not isinstance(s, torch.Tensor) or tuple(s.shape) != (B, T):
-                raise CreditTermsError("segment", f"`segment` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(s)}.")
+                raise CreditTermsError(
+                    "segment", f"`segment` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(s)}."
+                )
             if s.is_floating_point() or s.dtype == torch.bool:
                 raise CreditTermsError("segment", f"`segment` must be an integer tensor, got dtype {s.dtype}.")
-        if self.rewards is not None and (not isinstance(self.rewards, torch.Tensor) or tuple(self.rewards.shape) != (B,)):
-            raise CreditTermsError("rewards", f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}.")
+        if self.rewards is not None and (
+            not isinstance(self.rewards, torch.Tensor) or tuple(self.rewards.shape) != (B,)
+        ):
+            raise CreditTermsError(
+                "rewards", f"`rewards` must be a [B] = [{B}] float tensor or None, got {_describe(self.rewards)}."
+            )
         mb = self.micro_batch
-        if mb is not None and (not isinstance(mb, torch.Tensor) or tuple(mb.shape) != (B,) or mb.is_floating_point()
-                               or mb.dtype == torch.bool):
-            raise CreditTermsError("micro_batch", f"`micro_batch` must be a [B] = [{B}] int tensor or None, got {_describe(mb)}.")
-        if self.tokens is not None and (not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)):
-            raise CreditTermsError("tokens", f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}.")
+        if mb is not None and (
+            not isinstance(mb, torch.Tensor)
+            or tuple(mb.shape) != (B,)
+            or mb.is_floating_point()
+            or mb.dtype == torch.bool
+        ):
+            raise CreditTermsError(
+                "micro_batch", f"`micro_batch` must be a [B] = [{B}] int tensor or None, got {_describe(mb)}."
+            )
+        if self.tokens is not None and (
+            not isinstance(self.tokens, torch.Tensor) or tuple(self.tokens.shape) != (B, T)
+        ):
+            raise CreditTermsError(
+                "tokens", f"`tokens` must be a [B, T] = [{B}, {T}] int tensor or None, got {_describe(self.tokens)}."
+            )
         # The contract says untrained positions hold exactly 0: a non-zero there would enter g_full and no part.
         # A non-finite value there makes the loss non-finite, which the audit reports as such.
         d = t.detach()
@@ -169,11 +187,20 @@ class CreditTerms:
         """Check the optional per-row labels that the stable-name partitions read."""
         a = self.advantages
         if a is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != (B,) or not a.is_floating_point()):
-            raise CreditTermsError("advantages", f"`advantages` must be a [B] = [{B}] float tensor or None, got {_describe(a)}.")
+            raise CreditTermsError(
+                "advantages", f"`advantages` must be a [B] = [{B}] float tensor or None, got {_describe(a)}."
+            )
         s = self.source
         if s is not None:
-            if not isinstance(s, torch.Tensor) or tuple(s.shape) != (B,) or s.is_floating_point() or s.dtype == torch.bool:
-                raise CreditTermsError("source", f"`source` must be a [B] = [{B}] int tensor or None, got {_describe(s)}.")
+            if (
+                not isinstance(s, torch.Tensor)
+                or tuple(s.shape) != (B,)
+                or s.is_floating_point()
+                or s.dtype == torch.bool
+            ):
+                raise CreditTermsError(
+                    "source", f"`source` must be a [B] = [{B}] int tensor or None, got {_describe(s)}."
+                )
             if s.numel() and int(s.min()) < 0:
                 raise CreditTermsError("source", f"`source` ids must be >= 0, got a minimum of {int(s.min())}.")
             n = self.source_names
@@ -181,7 +208,7 @@ class CreditTerms:
                 raise CreditTermsError(
                     "source",
                     f"`source` ids must index `source_names` ({len(n)} names), got an id of {int(s.max())}; "
-                    "add the missing names or pass source_names=None."
+                    "add the missing names or pass source_names=None.",
                 )
 
     def detached(self) -> "CreditTerms":
@@ -263,8 +290,12 @@ def cat_terms(parts: Sequence[CreditTerms]) -> CreditTerms:
         source=rows("source"),
         source_names=names("source_names"),
         text=None if any(t is None for t in texts) else tuple(x for t in texts for x in t),
-        micro_batch=torch.cat([torch.full((int(p.terms.shape[0]),), j, dtype=torch.long, device=p.rollout.device)
-                               for j, p in enumerate(parts)]),
+        micro_batch=torch.cat(
+            [
+                torch.full((int(p.terms.shape[0]),), j, dtype=torch.long, device=p.rollout.device)
+                for j, p in enumerate(parts)
+            ]
+        ),
     )
 
 

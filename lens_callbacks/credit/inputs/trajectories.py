@@ -285,7 +285,9 @@ def batch_from_trajectories(
         if not isinstance(traj, Trajectory):
             raise ValueError(f"`trajectories[{k}]` must be a Trajectory, got {type(traj).__name__}.")
         if not traj.turns:
-            raise ValueError(f"`trajectories[{k}]` (rollout {traj.rollout}) has no turns; every trajectory needs at least one.")
+            raise ValueError(
+                f"`trajectories[{k}]` (rollout {traj.rollout}) has no turns; every trajectory needs at least one."
+            )
         ids: list[int] = []
         tmask: list[bool] = []
         tid: list[int] = []
@@ -293,7 +295,11 @@ def batch_from_trajectories(
         r_trained: list[bool] = []
         r_spans: list[tuple[int, int]] = []
         for j, turn in enumerate(traj.turns):
-            piece = list(turn.token_ids) if (use_token_ids and turn.token_ids is not None) else encode_text(tokenizer, turn.text)
+            piece = (
+                list(turn.token_ids)
+                if (use_token_ids and turn.token_ids is not None)
+                else encode_text(tokenizer, turn.text)
+            )
             if not piece:
                 raise ValueError(
                     f"turn {j} ({turn.role}) of `trajectories[{k}]` tokenises to nothing (text {turn.text!r}); "
@@ -473,7 +479,9 @@ def turn_claim_support(trajectories: Iterable[Trajectory]) -> Union[tuple[bool, 
     trajs = list(trajectories)
     if not trajs:
         return Refusal("no_trajectories", "there are no trajectories to read.", remedy="record some steps first")
-    trained_per = [sum(bool(t.trained) if t.trained is not None else t.role == "assistant" for t in tr.turns) for tr in trajs]
+    trained_per = [
+        sum(bool(t.trained) if t.trained is not None else t.role == "assistant" for t in tr.turns) for tr in trajs
+    ]
     turns = [len(tr.turns) for tr in trajs]
     calls = sum(tr.n_tool_calls for tr in trajs)
     multi = sum(n >= 2 for n in trained_per)

@@ -164,7 +164,8 @@ class ConservationReading:
         where = f" at step {self.step}" if self.step is not None else ""
         against = (
             "the credit audit's summed parts Σ g_S (the gradient of credit_terms(batch).terms.sum())"
-            if self.source == "credit_parts" else f"the gradient `{self.source}` read before the step"
+            if self.source == "credit_parts"
+            else f"the gradient `{self.source}` read before the step"
         )
         head = (
             f"step conservation violated{where}: the update the optimizer applied, (θ_before − θ_after)/η, differs "
@@ -174,7 +175,9 @@ class ConservationReading:
         c = self.scale
         fit = _scaled_residual(self.relative_error, c)
         # A multiple of Σ g_S: scaling removes most of the error (what is left is within 10% of it, or the floor).
-        multiple = math.isfinite(c) and abs(c - 1.0) > 0.05 and fit <= 0.1 * self.relative_error + self.update_precision_floor
+        multiple = (
+            math.isfinite(c) and abs(c - 1.0) > 0.05 and fit <= 0.1 * self.relative_error + self.update_precision_floor
+        )
         if self.source == "credit_parts" and multiple:
             cause = (
                 f" The applied update is {c:.4g} × Σ g_S: the loss the trainer backpropagated is {c:.4g} × terms.sum() "
@@ -190,7 +193,8 @@ class ConservationReading:
         fix = (
             " Fix: build the loss as `loss = self.credit_terms(batch).terms.sum()`, with every term of the objective in "
             "`terms` at the position it comes from."
-            if self.source == "credit_parts" else " Fix: leave `.grad` alone after backward on the steps you check."
+            if self.source == "credit_parts"
+            else " Fix: leave `.grad` alone after backward on the steps you check."
         )
         return head + cause + fix
 
@@ -221,7 +225,11 @@ class ConservationReading:
                 f"{self.tolerance:.1e}: no evidence of a violation"
             )
         elif status == "holds":
-            bound = ("floor", self.update_precision_floor) if self.update_precision_limited else ("tolerance", self.tolerance)
+            bound = (
+                ("floor", self.update_precision_floor)
+                if self.update_precision_limited
+                else ("tolerance", self.tolerance)
+            )
             verdict = f"HOLDS (error <= {bound[0]} {bound[1]:.1e})"
         else:
             verdict = f"VIOLATED (error > floor and > tolerance {self.tolerance:.1e})"
@@ -276,8 +284,7 @@ def trainer_preconditions(
     if step_skipped:
         return Refusal(
             "step_skipped",
-            "the optimizer step was skipped (the GradScaler found inf/NaN gradients), so there is no update "
-            "to read.",
+            "the optimizer step was skipped (the GradScaler found inf/NaN gradients), so there is no update to read.",
             numbers={"step_skipped": 1},
             remedy="nothing to do: the next step that is taken is read as usual.",
         )
@@ -344,7 +351,9 @@ def exact_optimizer_precondition(
                     numbers={"param_group": i, key: value},
                     remedy=_REMEDY,
                 )
-    refused = trainer_preconditions("for the step to conserve", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY)
+    refused = trainer_preconditions(
+        "for the step to conserve", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY
+    )
     if refused is not None:
         return refused
     lrs = [_scalar(g["lr"]) for g in optimizer.param_groups]
@@ -444,7 +453,9 @@ def step_conservation(
     n_without = 0
     for tb, ta, g, gi in zip(theta_before, theta_after, grad, group_index):
         if tuple(tb.shape) != tuple(ta.shape):
-            raise ValueError(f"`theta_before` and `theta_after` must match in shape, got {list(tb.shape)} and {list(ta.shape)}.")
+            raise ValueError(
+                f"`theta_before` and `theta_after` must match in shape, got {list(tb.shape)} and {list(ta.shape)}."
+            )
         eta = lrs[int(gi)]
         a = _f64(ta).reshape(-1)  # [n]
         r = _f64(tb).reshape(-1).to(a.device) - a  # [n] Δθ; exact for nearby floats
@@ -457,12 +468,16 @@ def step_conservation(
             continue
         g64 = _f64(g).to(a.device)
         if g64.numel() != r.numel() or tuple(g64.shape) != tuple(ta.shape):
-            raise ValueError(f"`grad` entries must match their parameter's shape, got {list(g64.shape)} for {list(ta.shape)}.")
+            raise ValueError(
+                f"`grad` entries must match their parameter's shape, got {list(g64.shape)} for {list(ta.shape)}."
+            )
         g64 = g64.reshape(-1)  # [n]
         r.sub_(g64)  # Δθ/η − g
         a_sq = torch.dot(a, a)
         u_i = UNIT_ROUNDOFF[ta.dtype]  # each tensor is rounded in its own dtype
-        sums.append(torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2, torch.dot(r, g64)]))
+        sums.append(
+            torch.stack([torch.dot(r, r), torch.dot(g64, g64), upd, a_sq, a_sq * (u_i / eta) ** 2, torch.dot(r, g64)])
+        )
     dev = sums[0].device
     res_sq, g_sq, upd_sq, after_sq, par_sq, rg = (float(x) for x in torch.stack([t.to(dev) for t in sums]).sum(0).cpu())
 

@@ -69,8 +69,10 @@ class PartitionShares:
 
     def render(self) -> str:
         w = max([len("part")] + [len(n) for n in self.part_names])
-        lines = [f"credit by {self.partition} ({len(self.part_names)} parts, {self.method})",
-                 f"{'part':<{w}}  {'projected_share':>15}  {'rows':>5}"]
+        lines = [
+            f"credit by {self.partition} ({len(self.part_names)} parts, {self.method})",
+            f"{'part':<{w}}  {'projected_share':>15}  {'rows':>5}",
+        ]
         for i, n in enumerate(self.part_names):
             rows = "" if self.n_rows is None else str(self.n_rows[i])
             lines.append(f"{n:<{w}}  {self.projected_share[i]:>15.6f}  {rows:>5}")
@@ -103,7 +105,10 @@ def coarsening(fine: Partition, coarse: Partition) -> Optional[list[int]]:
 
 
 def derive_shares(
-    projected_share: Sequence[float], mapping: Sequence[int], coarse: Partition, name: str,
+    projected_share: Sequence[float],
+    mapping: Sequence[int],
+    coarse: Partition,
+    name: str,
     n_rows: Optional[Sequence[int]] = None,
 ) -> PartitionShares:
     """Sum the fine parts' shares into the coarse parts (``mapping`` from :func:`coarsening`).

@@ -29,10 +29,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ...refusal import Refusal
-from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
 from ..inputs.partition import POSITIONAL_PARTITIONS, Partition
-from ..report import CreditGrads, CreditReport
 from ..inputs.terms import CreditTerms
+from ..report import CreditGrads, CreditReport
+from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
 
 __all__ = ["Collectives", "global_report", "global_part_name", "global_extra_shares"]
 
@@ -121,14 +121,17 @@ def global_report(
         return Refusal(
             "credit_audit_global",
             f"the audit declined on rank(s) {missing} this step, so the global step has no reading"
-            + (f" (rank {rank}: {why})" if local is None else "") + ".",
+            + (f" (rank {rank}: {why})" if local is None else "")
+            + ".",
             numbers={"ranks_without_reading": len(missing), "world_size": W},
             remedy="check what credit_terms returns for those ranks' batches (see docs/credit_audit.md)",
         )
 
     max_p = int(heads[:, 2].max())
     max_b = int(heads[:, 3].max())
-    rows = torch.full((max_p + 1, 2), float("nan"), dtype=torch.float64)  # [P+1, 2]: (share, norm); row 0 (loss, n_trained)
+    rows = torch.full(
+        (max_p + 1, 2), float("nan"), dtype=torch.float64
+    )  # [P+1, 2]: (share, norm); row 0 (loss, n_trained)
     rows[0, 0], rows[0, 1] = float(local.loss), float(local.n_trained)
     if n_parts:
         rows[1 : n_parts + 1, 0] = torch.tensor(local.projected_share, dtype=torch.float64)
@@ -146,7 +149,9 @@ def global_report(
     vec = coll.all_reduce_sum(vec.clone()) / W
     n = vec.numel() // 2
     G, E = vec[:n], vec[n:]  # [|θ|], [|θ|]
-    ref = _flat([torch.zeros_like(g) if a is None else a.detach().to(g.device, g.dtype) for a, g in zip(applied, g_full)])
+    ref = _flat(
+        [torch.zeros_like(g) if a is None else a.detach().to(g.device, g.dtype) for a, g in zip(applied, g_full)]
+    )
 
     g64, e64, r64 = G.double(), E.double(), ref.double()
     full_norm = float(torch.linalg.vector_norm(g64))
@@ -164,9 +169,11 @@ def global_report(
     undefined = [r for r in range(W) if int(heads[r, 1]) == 0]
     reason: Optional[str] = None
     if undefined:
-        reason = f"the shares are undefined on rank(s) {undefined} this step" + (
-            f" (rank {rank}: {local.reason})" if local.reason else ""
-        ) + "."
+        reason = (
+            f"the shares are undefined on rank(s) {undefined} this step"
+            + (f" (rank {rank}: {local.reason})" if local.reason else "")
+            + "."
+        )
     elif not (math.isfinite(full_norm) and full_norm > 0):
         reason = f"the global gradient has norm {full_norm}; shares are undefined this step."
     if reason is not None:
@@ -262,7 +269,11 @@ def global_extra_shares(
                 rows[n] = rows.get(n, 0) + (int(n_rows[i]) if i < len(n_rows) else 0)
         part_names = tuple(acc)
         out[name] = PartitionShares(
-            name, part_names, tuple(math.fsum(acc[n]) for n in part_names), None,
-            tuple(rows[n] for n in part_names), method="derived over all ranks",
+            name,
+            part_names,
+            tuple(math.fsum(acc[n]) for n in part_names),
+            None,
+            tuple(rows[n] for n in part_names),
+            method="derived over all ranks",
         )
     return all(bool(e["whole"]) for e in everyone), out

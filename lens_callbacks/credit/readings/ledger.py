@@ -117,8 +117,11 @@ class RunLedger:
         return fig
 
     def state_dict(self) -> dict[str, Any]:
-        return {"totals": copy.deepcopy(self._totals), "history": copy.deepcopy(self._history),
-                "n_updates": copy.deepcopy(self.n_updates)}
+        return {
+            "totals": copy.deepcopy(self._totals),
+            "history": copy.deepcopy(self._history),
+            "n_updates": copy.deepcopy(self.n_updates),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._totals = copy.deepcopy(dict(state.get("totals", {})))

@@ -64,8 +64,10 @@ class NoiseScale:
         }
 
     def render(self) -> str:
-        return (f"noise scale over {self.n} rows: B_simple = {self.b_simple:.4g} "
-                f"(tr Σ = {self.trace_sigma:.4g}, |G|² = {self.grad_sq:.4g})")
+        return (
+            f"noise scale over {self.n} rows: B_simple = {self.b_simple:.4g} "
+            f"(tr Σ = {self.trace_sigma:.4g}, |G|² = {self.grad_sq:.4g})"
+        )
 
 
 def noise_scale(part_norm: Sequence[float], full_grad_norm: float) -> NoiseScale:
@@ -131,7 +133,7 @@ class NoiseScaleEMA:
         """The smoothed readings that exist: a NaN would be a gap in every plot, so it is left out."""
         if not self.n:
             return {}
-        c = 1.0 - self.beta ** self.n
+        c = 1.0 - self.beta**self.n
         out = {
             f"{prefix}grad_sq_ema": self.grad_sq / c,
             f"{prefix}trace_sigma_ema": self.trace_sigma / c,

@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from ...refusal import Refusal
-from .conservation import UNIT_ROUNDOFF, trainer_preconditions
-from .derived import coarsening
 from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
 from ..engines.reductions import dot64
-from ..primitives import audit_passes, detached_state
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
-from .step_readings import RecordingPartition
 from ..inputs.terms import CreditTerms
+from ..primitives import audit_passes, detached_state
+from .conservation import UNIT_ROUNDOFF, trainer_preconditions
+from .derived import coarsening
+from .step_readings import RecordingPartition
 
 __all__ = [
     "UpdateMap",
@@ -164,7 +164,9 @@ def optimizer_update_map(
             numbers={"optimizer": name},
             remedy=_REMEDY,
         )
-    refused = trainer_preconditions("for probe credit", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY)
+    refused = trainer_preconditions(
+        "for probe credit", gradient_clip_val, accumulate_grad_batches, step_skipped, _REMEDY
+    )
     if refused is not None:
         return refused
     grads = [p.grad for p in params] if grads is None else list(grads)
@@ -176,27 +178,43 @@ def optimizer_update_map(
     lines = []
     for gi, group in enumerate(opt.param_groups):
         if group.get("maximize", False):
-            return Refusal("maximize", f"`maximize` must be False for probe credit, got True in param group {gi}.",
-                           numbers={"param_group": gi}, remedy=_REMEDY)
+            return Refusal(
+                "maximize",
+                f"`maximize` must be False for probe credit, got True in param group {gi}.",
+                numbers={"param_group": gi},
+                remedy=_REMEDY,
+            )
         lr = _f(group["lr"])
         wd = _f(group.get("weight_decay", 0.0))
         if kind is torch.optim.SGD:
-            mom, damp, nest = _f(group.get("momentum", 0.0)), _f(group.get("dampening", 0.0)), bool(group.get("nesterov", False))
-            lines.append(f"group {gi}: SGD lr {lr:g}, momentum {mom:g}, dampening {damp:g}, nesterov {nest}, weight_decay {wd:g}")
+            mom, damp, nest = (
+                _f(group.get("momentum", 0.0)),
+                _f(group.get("dampening", 0.0)),
+                bool(group.get("nesterov", False)),
+            )
+            lines.append(
+                f"group {gi}: SGD lr {lr:g}, momentum {mom:g}, dampening {damp:g}, nesterov {nest}, weight_decay {wd:g}"
+            )
         else:
             b1, b2 = (_f(b) for b in group["betas"])
             eps, ams = _f(group["eps"]), bool(group.get("amsgrad", False))
             decoupled = kind is torch.optim.AdamW or bool(group.get("decoupled_weight_decay", False))
-            lines.append(f"group {gi}: {kind.__name__} lr {lr:g}, betas ({b1:g}, {b2:g}), eps {eps:g}, "
-                         f"weight_decay {wd:g} ({'decoupled' if decoupled else 'coupled'}), amsgrad {ams}")
+            lines.append(
+                f"group {gi}: {kind.__name__} lr {lr:g}, betas ({b1:g}, {b2:g}), eps {eps:g}, "
+                f"weight_decay {wd:g} ({'decoupled' if decoupled else 'coupled'}), amsgrad {ams}"
+            )
         for p in group["params"]:
             i = where.get(id(p))
             g = grads[i] if i is not None else p.grad
             if i is None or g is None:
                 continue  # the step leaves a parameter without gradient alone; one outside `params` is not read
             if g.is_sparse:
-                return Refusal("sparse_grad", "a sparse gradient is not read by probe credit.",
-                               numbers={"param_group": gi}, remedy="use dense gradients (e.g. nn.Embedding(sparse=False)).")
+                return Refusal(
+                    "sparse_grad",
+                    "a sparse gradient is not read by probe credit.",
+                    numbers={"param_group": gi},
+                    remedy="use dense gradients (e.g. nn.Embedding(sparse=False)).",
+                )
             # In the parameter's precision (at least float32), as the optimizer computes its own step: a
             # float64 map of a float32 model would cost twice the memory and match the step no better.
             keep = torch.promote_types(p.dtype, torch.float32)
@@ -480,17 +498,24 @@ class ProbeCreditReport:
             f"  predicted ΔL_probe  {self.predicted:+.6e}  (Σ_S c_S {self.parts_sum:+.6e} + carried {self.carried:+.6e})",
         ]
         if self.loss_after is not None:
-            lines.append(f"  actual ΔL_probe     {self.actual:+.6e}  (L_probe {self.loss_before:.6g} → {self.loss_after:.6g})")
+            lines.append(
+                f"  actual ΔL_probe     {self.actual:+.6e}  (L_probe {self.loss_before:.6g} → {self.loss_after:.6g})"
+            )
             lines.append(
                 f"  first_order_gap     {self.first_order_gap:+.6e}  (relative {self.relative_gap:.3e}; the losses resolve "
                 f"changes above {self.actual_floor:.1e})"
             )
-        lines.append(f"  cos(g, g_probe)     {self.alignment:+.4f}   parts vs applied .grad through D: {self.parts_gap:.2e}")
+        lines.append(
+            f"  cos(g, g_probe)     {self.alignment:+.4f}   parts vs applied .grad through D: {self.parts_gap:.2e}"
+        )
         if self.applied is not None:
             lines.append(f"  update map vs the applied update: {self.update_match:.2e}")
         if self.reason:
             lines.append(f"  UNDEFINED: {self.reason}")
-        for title, idx in (("helped (lowered the probe loss)", self.helped(top_k)), ("hurt (raised it)", self.hurt(top_k))):
+        for title, idx in (
+            ("helped (lowered the probe loss)", self.helped(top_k)),
+            ("hurt (raised it)", self.hurt(top_k)),
+        ):
             lines.append(f"  {title}:")
             if not idx:
                 lines.append("    none")
@@ -528,7 +553,9 @@ def _sum64(xs: Any) -> float:
     return float(torch.stack(xs).sum()) if xs else 0.0
 
 
-def _part_info(terms: Optional[CreditTerms], part: Optional[Partition], texts: Optional[Sequence[Optional[str]]]) -> tuple[PartInfo, ...]:
+def _part_info(
+    terms: Optional[CreditTerms], part: Optional[Partition], texts: Optional[Sequence[Optional[str]]]
+) -> tuple[PartInfo, ...]:
     if terms is None or part is None:
         return ()
     ids = part.ids.cpu()  # [B, T]
@@ -539,17 +566,21 @@ def _part_info(terms: Optional[CreditTerms], part: Optional[Partition], texts: O
             out.append(PartInfo(len(rows)))
             continue
         k = rows[0]
-        out.append(PartInfo(
-            1,
-            group=int(terms.group[k]),
-            reward=None if terms.rewards is None else float(terms.rewards[k]),
-            advantage=None if terms.advantages is None else float(terms.advantages[k]),
-            text=None if texts is None or k >= len(texts) else texts[k],
-        ))
+        out.append(
+            PartInfo(
+                1,
+                group=int(terms.group[k]),
+                reward=None if terms.rewards is None else float(terms.rewards[k]),
+                advantage=None if terms.advantages is None else float(terms.advantages[k]),
+                text=None if texts is None or k >= len(texts) else texts[k],
+            )
+        )
     return tuple(out)
 
 
-def _splits(terms: Optional[CreditTerms], part: Optional[Partition], contribution: Sequence[float], split_by: Sequence[Any]):
+def _splits(
+    terms: Optional[CreditTerms], part: Optional[Partition], contribution: Sequence[float], split_by: Sequence[Any]
+):
     """Sum the contributions into every stable-name partition whose parts are unions of the step's parts."""
     if terms is None or part is None:
         return ()
@@ -621,9 +652,13 @@ def probe_credit(
     target = resolve_dtype(dtype) or _native_dtype(module)
     for gp, p in zip(probe_grad, trainable):
         if tuple(gp.shape) != tuple(p.shape):
-            raise ValueError(f"`probe_grad` entries must match their parameter's shape {list(p.shape)}, got {list(gp.shape)}.")
+            raise ValueError(
+                f"`probe_grad` entries must match their parameter's shape {list(p.shape)}, got {list(gp.shape)}."
+            )
     # v = D ⊙ g_probe in the audit's dtype (D is kept in the parameter's own precision, as the optimizer steps)
-    onto = [(d.to(target) * gp.detach().to(target)).expand(p.shape) for d, gp, p in zip(update.coeff, probe_grad, trainable)]
+    onto = [
+        (d.to(target) * gp.detach().to(target)).expand(p.shape) for d, gp, p in zip(update.coeff, probe_grad, trainable)
+    ]
     onto_sq = _sum64(dot64(v, v, exact=False) for v in onto)
     spec = resolve_partition(partition)
     name = _partition_name(partition)
@@ -632,11 +667,29 @@ def probe_credit(
     # The step's own gradient is g_full when this batch's gradient is what the optimizer applies (one process,
     # `scale` 1): the engine then takes no forward and backward of its own (the forward-mode engine: its
     # tangent pass along v alone; the one-pass engine: a backward to the layers' outputs).
-    given = applied if (use_grad and engine != "reference" and scale == 1.0 and params is None
-                        and all(g is not None for g in applied)) else None
+    given = (
+        applied
+        if (
+            use_grad
+            and engine != "reference"
+            and scale == 1.0
+            and params is None
+            and all(g is not None for g in applied)
+        )
+        else None
+    )
     rep = disintegrate(
-        module, batch, recorder, dtype=dtype, terms_fn=terms_fn, forward_context=forward_context, params=params,
-        project_onto=onto, engine=engine, readings="projected", full_grad=given,
+        module,
+        batch,
+        recorder,
+        dtype=dtype,
+        terms_fn=terms_fn,
+        forward_context=forward_context,
+        params=params,
+        project_onto=onto,
+        engine=engine,
+        readings="projected",
+        full_grad=given,
     )
     terms, part = recorder.take()
     reason = None
@@ -688,7 +741,9 @@ def probe_credit(
 
 
 def with_actual(
-    report: ProbeCreditReport, loss_after: float, delta: Optional[Sequence[torch.Tensor]] = None,
+    report: ProbeCreditReport,
+    loss_after: float,
+    delta: Optional[Sequence[torch.Tensor]] = None,
     probe_grad: Optional[Sequence[torch.Tensor]] = None,
 ) -> ProbeCreditReport:
     """The report with the real change: ``L_probe(θ_after)`` and, given ``Δθ`` and ``g_probe``, ``⟨Δθ, g_probe⟩``."""
@@ -724,8 +779,11 @@ def combine_ranks(reports: Sequence[ProbeCreditReport]) -> ProbeCreditReport:
                     acc[name][n] = []
                     order[name].append(n)
                 acc[name][n].append(v)
-    splits = tuple((name, tuple(order[name]), tuple(math.fsum(acc[name][n]) for n in order[name])) for name in order
-                   if sum(1 for rep in reports if name in [s[0] for s in rep.splits]) == w)
+    splits = tuple(
+        (name, tuple(order[name]), tuple(math.fsum(acc[name][n]) for n in order[name]))
+        for name in order
+        if sum(1 for rep in reports if name in [s[0] for s in rep.splits]) == w
+    )
     reason = next((rep.reason for rep in reports if rep.reason), None)
     return replace(
         first,

@@ -21,13 +21,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from ..inputs.partition import POSITIONAL_PARTITIONS, Partition, PartitionFn
+from ..inputs.terms import CreditTerms
+from ..report import CreditReport
 from .derived import PartitionShares, coarsening, derive_shares, rows_per_part
 from .ledger import RunLedger
 from .noise import NoiseScale, NoiseScaleEMA, noise_scale
-from ..inputs.partition import POSITIONAL_PARTITIONS, Partition, PartitionFn
-from ..report import CreditReport
 from .summaries import Concentration, concentration
-from ..inputs.terms import CreditTerms
 
 __all__ = ["StepReadings", "RecordingPartition", "whole_rows"]
 
@@ -136,7 +136,9 @@ class StepReadings:
             out.update(self.noise_ema.to_dict(f"{p}noise/"))
 
         if report.ok and self.primary_name not in POSITIONAL_PARTITIONS:
-            self.ledger.update("gradient", self.primary_name, dict(zip(report.part_names, report.projected_share)), step)
+            self.ledger.update(
+                "gradient", self.primary_name, dict(zip(report.part_names, report.projected_share)), step
+            )
 
         self.last_extra = {}
         for name, fn in self.extra:
@@ -168,7 +170,9 @@ class StepReadings:
         if coarse is not None and partition is not None:
             mapping = coarsening(partition, coarse)
             if mapping is not None:
-                return derive_shares(report.projected_share, mapping, coarse, name, rows_per_part(coarse, terms.trained))
+                return derive_shares(
+                    report.projected_share, mapping, coarse, name, rows_per_part(coarse, terms.trained)
+                )
         if run_engine is None:
             self.last_errors[name] = "not a union of the primary partition's parts, and no engine to run it"
             return None

@@ -86,7 +86,9 @@ class Concentration:
         return {
             f"{prefix}effective_parts_norm": float(self.effective_parts_norm),
             f"{prefix}effective_parts_positive": float(self.effective_parts_positive),
-            f"{prefix}effective_fraction_norm": float(self.effective_parts_norm / self.n_parts) if self.n_parts else float("nan"),
+            f"{prefix}effective_fraction_norm": float(self.effective_parts_norm / self.n_parts)
+            if self.n_parts
+            else float("nan"),
             f"{prefix}top1_share": float(self.top1_share),
             f"{prefix}topk_share": float(self.topk_share),
             f"{prefix}negative_fraction": float(self.negative_fraction),
@@ -107,7 +109,9 @@ class Concentration:
         )
 
 
-def concentration(projected_share: Sequence[float], part_norm: Optional[Sequence[float]] = None, k: int = 3) -> Concentration:
+def concentration(
+    projected_share: Sequence[float], part_norm: Optional[Sequence[float]] = None, k: int = 3
+) -> Concentration:
     """Concentration summaries of one reading.
 
     Args:

@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..inputs.partition import Partition
-from ..report import CreditReport
 from ..inputs.terms import CreditTerms
+from ..report import CreditReport
 
 __all__ = ["PartContext", "TableRow", "CreditTable", "credit_table", "part_context", "module_decoder"]
 
@@ -175,9 +175,7 @@ class CreditTable:
                 line += f"  {'':>6}  {'':>7}  {'':>9}  {'':>7}"
             else:
                 group = str(c.group) if c.group is not None else f"{c.n_groups}g"
-                line += (
-                    f"  {group:>6}  {_num(c.reward, 7, '')}  {_num(c.advantage, 9, '+')}  {c.trained:>7d}"
-                )
+                line += f"  {group:>6}  {_num(c.reward, 7, '')}  {_num(c.advantage, 9, '+')}  {c.trained:>7d}"
                 if c.text is not None:
                     line += f"  {c.text}"
         return line.rstrip()
@@ -213,8 +211,10 @@ def _position_lines(rep: CreditReport) -> list[str]:
     w = max([len("position part")] + [len(n) for n in split.part_names])
     lines = ["position split (the gradient computed at each segment's positions, trained or not):"]
     lines += [f"  {n:<{w}}  {v:>10.6f}" for n, v in zip(split.part_names, split.projected_share)]
-    lines.append(f"  {'sum':<{w}}  {math.fsum(split.projected_share):>10.6f}  (conservation_error "
-                 f"{split.conservation_error:.3e})")
+    lines.append(
+        f"  {'sum':<{w}}  {math.fsum(split.projected_share):>10.6f}  (conservation_error "
+        f"{split.conservation_error:.3e})"
+    )
     return lines
 
 

@@ -127,7 +127,9 @@ class UpdateShareReport:
             f"<g, Δθ> {self.update_dot:.4e}, ||Δθ|| {self.update_norm:.4e}, cos(g, Δθ) {self.update_grad_cosine:.4f} "
             "(1 under plain SGD)"
         )
-        lines.append(f"conservation_error {self.conservation_error:.3e} (Σ_S <g_S, Δθ> by forward mode vs <g, Δθ> by backward)")
+        lines.append(
+            f"conservation_error {self.conservation_error:.3e} (Σ_S <g_S, Δθ> by forward mode vs <g, Δθ> by backward)"
+        )
         if self.reason:
             lines.append(f"UNDEFINED: {self.reason}")
         return "\n".join(lines)

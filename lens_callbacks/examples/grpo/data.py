@@ -31,7 +31,11 @@ class AdditionDataModule(LightningDataModule):
     """
 
     def __init__(
-        self, batch_size: int = 4, max_operand: int = 9, num_prompts: int = 256, data_seed: int = 0,
+        self,
+        batch_size: int = 4,
+        max_operand: int = 9,
+        num_prompts: int = 256,
+        data_seed: int = 0,
         num_val_prompts: int = 0,
     ) -> None:
         super().__init__()
@@ -60,10 +64,16 @@ class AdditionDataModule(LightningDataModule):
             self.val_dataloader = super().val_dataloader
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, data_seed=self.data_seed + 1)
+        return ResumableDataLoader(
+            TensorDataset(self.pairs), batch_size=self.batch_size, shuffle=True, data_seed=self.data_seed + 1
+        )
 
     def val_dataloader(self) -> DataLoader:
         # A generator of its own: a DataLoader iterator without one draws its base seed from the global
         # stream, which would shift the training run's sampling after every validation.
-        return DataLoader(TensorDataset(self.val_pairs), batch_size=max(self.batch_size, 32), shuffle=False,
-                          generator=torch.Generator().manual_seed(self.data_seed + 3))
+        return DataLoader(
+            TensorDataset(self.val_pairs),
+            batch_size=max(self.batch_size, 32),
+            shuffle=False,
+            generator=torch.Generator().manual_seed(self.data_seed + 3),
+        )

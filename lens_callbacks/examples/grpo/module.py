@@ -152,8 +152,17 @@ class GRPOModule(LightningModule):
         self.eos_id = self.tokenizer.convert_tokens_to_ids(EOS)
         self.unk_id = self.tokenizer.convert_tokens_to_ids(UNK)
         self.policy = tiny_gpt2(
-            vocab_size=len(self.tokenizer), n_positions=16, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-            dropout=dropout, eos_id=self.eos_id, pad_id=self.pad_id, seed=seed, dtype=dtype, init_std=float(init_std),
+            vocab_size=len(self.tokenizer),
+            n_positions=16,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            dropout=dropout,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            seed=seed,
+            dtype=dtype,
+            init_std=float(init_std),
         )
         self.group_size = group_size
         self.max_new_tokens = max_new_tokens
@@ -184,7 +193,9 @@ class GRPOModule(LightningModule):
             self.sample_seed = int(checkpoint["grpo_sample_seed"])
 
     @torch.no_grad()
-    def sample_rollouts(self, pairs: torch.Tensor, generator: Optional[torch.Generator] = None) -> tuple[RolloutBatch, list[Rollout]]:
+    def sample_rollouts(
+        self, pairs: torch.Tensor, generator: Optional[torch.Generator] = None
+    ) -> tuple[RolloutBatch, list[Rollout]]:
         """Sample ``group_size`` completions for each prompt ``(a, b)`` of ``pairs`` ``[P, 2]``.
 
         ``generator`` draws the tokens and the dropout seed; None: inside ``training_step`` the step's
@@ -209,7 +220,9 @@ class GRPOModule(LightningModule):
         try:
             for _ in range(self.max_new_tokens):
                 am = (ids != self.pad_id).long()  # [B, L] pads only follow [EOS]
-                logits = self.policy(input_ids=ids, attention_mask=am).logits[:, -1].float() / self.temperature  # [B, V]
+                logits = (
+                    self.policy(input_ids=ids, attention_mask=am).logits[:, -1].float() / self.temperature
+                )  # [B, V]
                 logits[:, self.pad_id] = float("-inf")
                 logits[:, self.unk_id] = float("-inf")
                 nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)  # [B]
@@ -258,7 +271,11 @@ class GRPOModule(LightningModule):
             rollout=torch.arange(B).to(device),
             prompt_len=lp,
             # Drawn from the step's stream so the run stays seeded; replayed by every credit_terms call.
-            dropout_seed=int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else None).item()),
+            dropout_seed=int(
+                torch.randint(
+                    0, 2**62, (1,), generator=generator, device=generator.device if generator is not None else None
+                ).item()
+            ),
             source=(pairs.sum(1) >= 10).long().repeat_interleave(G).to(device),
         )
         return batch, rollouts
@@ -336,7 +353,9 @@ class GRPOModule(LightningModule):
         """
         pairs = pairs.long().cpu()
         texts = [prompt_text(a, b) for a, b in pairs.tolist()]
-        ids = torch.tensor([self.tokenizer(t)["input_ids"] for t in texts], dtype=torch.long, device=self.device)  # [P, Lp]
+        ids = torch.tensor(
+            [self.tokenizer(t)["input_ids"] for t in texts], dtype=torch.long, device=self.device
+        )  # [P, Lp]
         lp = ids.shape[1]
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)  # [P]
         was_training = self.policy.training

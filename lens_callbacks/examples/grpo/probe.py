@@ -69,8 +69,10 @@ class GRPOProbeModule(GRPOModule):
             m = _ADDITION.match(user.text) if user is not None else None
             if m is None:
                 shown = repr(user.text[:40]) if user is not None else "no user turn"
-                raise ValueError(f"trajectory {k} (rollout {traj.rollout}): its first user turn must be an addition prompt "
-                                 f"'a+b=' (operands of at most three digits), got {shown}.")
+                raise ValueError(
+                    f"trajectory {k} (rollout {traj.rollout}): its first user turn must be an addition prompt "
+                    f"'a+b=' (operands of at most three digits), got {shown}."
+                )
             pairs.append((int(m.group(1)), int(m.group(2))))
         return torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
 
@@ -99,7 +101,9 @@ class GRPOProbeModule(GRPOModule):
             target[k, len(p) : len(p) + len(a)] = True
         ids, target = ids.to(self.device), target.to(self.device)
         logits = self.policy(input_ids=ids, attention_mask=(ids != self.pad_id).long()).logits  # [n, L, V]
-        logp = torch.log_softmax(logits[:, :-1].float() if logits.dtype in (torch.float16, torch.bfloat16) else logits[:, :-1], -1)
+        logp = torch.log_softmax(
+            logits[:, :-1].float() if logits.dtype in (torch.float16, torch.bfloat16) else logits[:, :-1], -1
+        )
         tok = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [n, L-1]
         mask = target[:, 1:].to(tok.dtype)  # [n, L-1]
         per_prompt = -(tok * mask).sum(1) / mask.sum(1)  # [n]

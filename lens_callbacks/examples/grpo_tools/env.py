@@ -19,7 +19,9 @@ MAX_NUMBER = 19
 EOT = "<eot>"
 PAD = "<pad>"
 TOOL_NAME = "calc"
-VOCAB: tuple[str, ...] = (PAD, EOT, TOOL_NAME, "+", "=", ":", "tools", "error") + tuple(str(i) for i in range(MAX_NUMBER + 1))
+VOCAB: tuple[str, ...] = (PAD, EOT, TOOL_NAME, "+", "=", ":", "tools", "error") + tuple(
+    str(i) for i in range(MAX_NUMBER + 1)
+)
 
 
 def build_tokenizer():
@@ -63,7 +65,9 @@ def reward(answer_text: str, target: int) -> float:
 
 
 @torch.no_grad()
-def sample_turn(policy, context: list[int], max_new_tokens: int, temperature: float, generator: torch.Generator, eot_id: int) -> list[int]:
+def sample_turn(
+    policy, context: list[int], max_new_tokens: int, temperature: float, generator: torch.Generator, eot_id: int
+) -> list[int]:
     """Sample one assistant turn (stops after ``<eot>`` or ``max_new_tokens``) from the full softmax."""
     out: list[int] = []
     ids = list(context)

@@ -67,7 +67,9 @@ def _seeded_stream(seed: Optional[int], device: torch.device) -> Iterator[None]:
     if seed is None:
         yield
         return
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     with torch.random.fork_rng(devices=devices):
         torch.default_generator.manual_seed(seed)
         if devices:
@@ -156,8 +158,16 @@ class GRPOToolsModule(LightningModule):
         self.save_hyperparameters()
         self.tokenizer = build_tokenizer()
         self.policy = tiny_gpt2(
-            vocab_size=len(VOCAB), n_positions=128, n_layer=n_layer, n_embd=n_embd, n_head=n_head, dropout=dropout,
-            eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, seed=seed, dtype=dtype,
+            vocab_size=len(VOCAB),
+            n_positions=128,
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            dropout=dropout,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+            seed=seed,
+            dtype=dtype,
         )
         self.last_rollout_batch: Optional[ToolRolloutBatch] = None
         self.last_trajectories: list[Trajectory] = []
@@ -192,13 +202,21 @@ class GRPOToolsModule(LightningModule):
             for _ in range(hp.warm_start_steps):
                 ab = torch.randint(0, 10, (WARM_START_BATCH, 2), generator=gen).tolist()
                 demos = [
-                    Trajectory(tuple(demonstration(self.tokenizer, x, y, system_prompt=hp.system_prompt, use_tool=hp.max_tool_calls > 0)))
+                    Trajectory(
+                        tuple(
+                            demonstration(
+                                self.tokenizer, x, y, system_prompt=hp.system_prompt, use_tool=hp.max_tool_calls > 0
+                            )
+                        )
+                    )
                     for x, y in ab
                 ]
                 batch, _ = batch_from_trajectories(self.tokenizer, demos, padding_side=hp.padding_side)
                 batch = batch.to(device)
                 ids = batch.input_ids  # [B, T]
-                logits = self.policy(input_ids=ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits  # [B, T, V]
+                logits = self.policy(
+                    input_ids=ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+                ).logits  # [B, T, V]
                 logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
                 trained = batch.trained[:, 1:].to(logp.dtype)  # [B, T-1]
                 loss = -(logp * trained).sum() / trained.sum()
@@ -262,7 +280,11 @@ class GRPOToolsModule(LightningModule):
             )
         batch, segments = batch_from_trajectories(self.tokenizer, trajectories, padding_side=self.hparams.padding_side)
         return ToolRolloutBatch(
-            batch, segments, group_advantages(batch.rewards, batch.group), tuple(trajectories), self.dropout_seed(steps.pop())
+            batch,
+            segments,
+            group_advantages(batch.rewards, batch.group),
+            tuple(trajectories),
+            self.dropout_seed(steps.pop()),
         )
 
     # -- the one interface ----------------------------------------------------------------------
@@ -278,7 +300,9 @@ class GRPOToolsModule(LightningModule):
             raise ValueError("`credit_terms` needs a rollout batch; none was given and no step has run yet.")
         b = rb.batch.to(self.device)
         with _seeded_stream(rb.dropout_seed, self.device):
-            logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+            logits = self.policy(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+            ).logits  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         logp = F.pad(logp, (1, 0))  # [B, T]; position 0 is never trained (it has no context)
         trained = b.trained  # [B, T]
@@ -329,14 +353,23 @@ class ToolsAdditionDataModule(LightningDataModule):
         data_seed: the list's seed (named apart from the module's ``seed`` so loggers keep both).
     """
 
-    def __init__(self, n_prompts: int = 64, prompts_per_step: int = 2, max_operand: int = 9, data_seed: int = 0) -> None:
+    def __init__(
+        self, n_prompts: int = 64, prompts_per_step: int = 2, max_operand: int = 9, data_seed: int = 0
+    ) -> None:
         super().__init__()
         if n_prompts < 1 or prompts_per_step < 1:
-            raise ValueError(f"`n_prompts` and `prompts_per_step` must be >= 1, got {n_prompts!r}, {prompts_per_step!r}.")
+            raise ValueError(
+                f"`n_prompts` and `prompts_per_step` must be >= 1, got {n_prompts!r}, {prompts_per_step!r}."
+            )
         if not 0 <= max_operand <= 9:
             raise ValueError(f"`max_operand` must be in 0..9 (sums stay in the vocabulary), got {max_operand!r}.")
         self.save_hyperparameters()
-        self.n_prompts, self.prompts_per_step, self.max_operand, self.data_seed = n_prompts, prompts_per_step, max_operand, data_seed
+        self.n_prompts, self.prompts_per_step, self.max_operand, self.data_seed = (
+            n_prompts,
+            prompts_per_step,
+            max_operand,
+            data_seed,
+        )
 
     def prompts(self) -> list[dict]:
         g = torch.Generator().manual_seed(self.data_seed)

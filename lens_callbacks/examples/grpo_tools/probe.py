@@ -35,7 +35,9 @@ class ToolsProbeModule(GRPOToolsModule):
         r"""``terms[k, t] = −log π(y_{k,t} | y_{k,<t}) · trained[k, t] / N_trained`` of the probe episodes."""
         rb = batch if isinstance(batch, ToolRolloutBatch) else self.make_rollout_batch(list(batch))
         b = rb.batch.to(self.device)
-        logits = self.policy(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits  # [B, T, V]
+        logits = self.policy(
+            input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids
+        ).logits  # [B, T, V]
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
         logp = F.pad(logp, (1, 0))  # [B, T]
         trained = b.trained  # [B, T]

@@ -24,7 +24,18 @@ from typing import Any, List, NamedTuple, Optional
 import torch
 from torch import nn
 
-__all__ = ["Rule", "Factors", "RULES", "register", "unregister", "find_rule", "rule_named", "rule_of", "rows_of", "take"]
+__all__ = [
+    "Rule",
+    "Factors",
+    "RULES",
+    "register",
+    "unregister",
+    "find_rule",
+    "rule_named",
+    "rule_of",
+    "rows_of",
+    "take",
+]
 
 
 class Factors(NamedTuple):
@@ -100,7 +111,9 @@ RULES: List[Rule] = []
 def register(rule: Rule, *, first: bool = True) -> Rule:
     """Add ``rule`` to the registry (``first``: before the shipped rules, so it wins on a module both match)."""
     if not isinstance(rule, Rule):
-        raise TypeError(f"`rule` must be an instance of lens_callbacks.credit.engines.rules.Rule, got {type(rule).__name__}.")
+        raise TypeError(
+            f"`rule` must be an instance of lens_callbacks.credit.engines.rules.Rule, got {type(rule).__name__}."
+        )
     if rule in RULES:
         return rule
     if first:

@@ -60,4 +60,8 @@ class Conv1DRule(LinearRule):
     out_left = False
 
     def matches(self, mod: nn.Module) -> bool:
-        return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None), torch.Tensor)
+        return (
+            type(mod).__name__ == "Conv1D"
+            and hasattr(mod, "nf")
+            and isinstance(getattr(mod, "weight", None), torch.Tensor)
+        )

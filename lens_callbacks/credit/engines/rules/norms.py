@@ -63,7 +63,10 @@ class RMSNormRule(_NormRule):
         name = type(mod).__name__
         w = getattr(mod, "weight", None)
         return (
-            name.endswith("RMSNorm") and "Gemma" not in name and isinstance(w, torch.Tensor) and w.dim() == 1
+            name.endswith("RMSNorm")
+            and "Gemma" not in name
+            and isinstance(w, torch.Tensor)
+            and w.dim() == 1
             and getattr(mod, "bias", None) is None
         )
 
