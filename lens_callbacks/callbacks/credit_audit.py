@@ -748,7 +748,8 @@ class CreditAuditCallback(Callback):
         """A step whose loss or full gradient is not finite has no credit to split: a refusal, not an undefined reading."""
         if isinstance(reading, Refusal):
             return reading
-        return non_finite(reading, step) or reading
+        refused = non_finite(reading, step)  # a Refusal is falsy (`if reading:` reads as "made"): test for None
+        return reading if refused is None else refused
 
     def _trainer_grad(self, pl_module: LightningModule, use_grad: bool = False) -> Optional[list[torch.Tensor]]:
         """``.grad`` as this batch's ``g_full`` (``full_grad="trainer"``, or ``use_grad``), or None: the audit takes its own."""
