@@ -17,8 +17,11 @@ aligned, as torch's), boolean masks (True = attend), additive float masks, ``sca
 Calls without tangents go to torch unchanged. Attention dropout is refused by name
 (:class:`~lens_callbacks.credit.engines.jvp.ForwardADUnsupportedError`): its mask cannot be replayed.
 
-Cost per call: ``4·B·H·L·S·E`` multiply-adds for the scores and their tangent, ``3·B·H·L·S·Ev`` for the
-outputs — about 2.3 times the primal attention's ``2·B·H·L·S·E`` — in ``⌈L/chunk⌉`` blocks.
+Cost per call: ``3·B·H·L·S·E`` multiply-adds for the scores and their tangent (``QKᵀ``, ``Q̇Kᵀ``, ``QK̇ᵀ``),
+``3·B·H·L·S·Ev`` for the outputs (``PV``, ``ṖV``, ``PV̇``) — 3 times the primal attention's ``2·B·H·L·S·E``
+(a causal mask is applied, not skipped) — in ``⌈L/chunk⌉`` blocks. Each block also takes about 16
+elementwise ops over its ``[chunk, S]`` scores (scaling, masking, the softmax and its tangent), so at long
+``S`` the rule is bound by memory traffic.
 
 Pure torch; never imports lightning.
 """
