@@ -81,6 +81,12 @@ class AnchorProjectionCallback(Callback):
         figure_every_n_fires: every that many projected fires, add a TensorBoard figure of the pooled
             coefficient trajectory ``c_i`` on the ticks with its OLS line and ``ĉ(t_tgt)`` (needs matplotlib
             and a logger with ``add_figure``; 0 = never).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import AnchorProjectionCallback
+        >>> anchor = AnchorProjectionCallback(mode="projected", cadence=20, delay_K=20)  # "off" (the default) changes nothing
+        >>> trainer = Trainer(callbacks=[anchor], max_steps=100, logger=False, enable_checkpointing=False)
     """
 
     def __init__(

@@ -72,6 +72,16 @@ class ConservationCheckCallback(Callback):
         log_figure: at the end of fit, log ``conservation/error_vs_floor`` to TensorBoard (error and floor
             per step on a log scale, refused steps marked) when matplotlib is importable.
         prefix: metric name prefix.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import ConservationCheckCallback, CreditAuditCallback
+        >>> check = ConservationCheckCallback(tolerance=1e-4)  # reads the audit's parts when it runs beside one
+        >>> trainer = Trainer(callbacks=[CreditAuditCallback(), check], max_steps=10, logger=False)
+        >>> ConservationCheckCallback(tolerance=-1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `tolerance` must be a non-negative float, got -1.0; e.g. 1e-4.
     """
 
     def __init__(

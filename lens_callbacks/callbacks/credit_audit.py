@@ -166,6 +166,16 @@ class CreditAuditCallback(Callback):
 
     Scalars go to ``trainer.loggers`` at the audited step itself (``trainer.global_step``), from rank 0;
     steps that ``every_n_steps`` skips get no value rather than a repeated one.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import CreditAuditCallback
+        >>> audit = CreditAuditCallback(partition="by_turn", capture="training_step", readings="projected")
+        >>> trainer = Trainer(callbacks=[audit], max_steps=100, logger=False, enable_checkpointing=False)
+        >>> CreditAuditCallback(capture="later")
+        Traceback (most recent call last):
+        ...
+        ValueError: `capture` must be one of ['separate', 'training_step'], got 'later'.
     """
 
     #: Packed rollouts are read position by position, exact where attention stays inside each rollout; every

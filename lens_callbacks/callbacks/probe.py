@@ -74,7 +74,8 @@ class ProbeCreditCallback(Callback):
         dtype: audit precision (``"float32"``, ``"float64"``, ``"native"``).
         engine: the disintegration engine (``"auto"``: one pass for row partitions).
         top_k: parts listed as helped and hurt in the table.
-        log_table_every_n_steps: steps between two text tables (0: none).
+        log_table_every_n_steps: at least this many steps between two text tables (0: only the last); the last
+            reading's table is always written at the end of fit, as ``CreditAuditCallback`` does.
         seed: seeds the random stream every probe evaluation runs under (forked; the run's is untouched).
         precision_context: evaluate under the trainer's autocast, as ``training_step`` runs.
         prefix: metric namespace.
@@ -83,6 +84,12 @@ class ProbeCreditCallback(Callback):
         last_reports: the latest reading per probe (a :class:`ProbeCreditReport` or a :class:`Refusal`).
         history: ``(step, probe, predicted, actual)`` of every reading made (kept across a resume).
         n_readings, n_refusals: counts (kept across a resume).
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import ProbeCreditCallback
+        >>> probe = ProbeCreditCallback(every_n_steps=20, partition="by_rollout")  # reads module.probe_batches()
+        >>> trainer = Trainer(callbacks=[probe], max_steps=100, logger=False, enable_checkpointing=False)
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class ProbeCreditCallback(Callback):
         ] = None
         self._refusals_logged: set[str] = set()
         self._last_table_step: Optional[int] = None
+        self._unwritten: dict[str, tuple[str, int]] = {}  # probe -> (table, step) of a reading not yet tabled
         self._global = False
 
     @property
@@ -431,6 +439,9 @@ class ProbeCreditCallback(Callback):
             values.update(report.to_dict(f"{self.prefix}{name}/"))
             if table:
                 log_text(trainer, f"{self.prefix}{name}/table", report.render(self.top_k), step)
+                self._unwritten.pop(name, None)
+            else:
+                self._unwritten[name] = (report.render(self.top_k), step)
         if table and values:
             self._last_table_step = step
         self.last_values = values
@@ -468,6 +479,12 @@ class ProbeCreditCallback(Callback):
             log_text(trainer, f"{self.prefix}refusal", refusal.render(), step)
 
     # ---- epoch means and state -----------------------------------------------------------------------
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The last reading's table, when its step wrote none (``log_table_every_n_steps`` skipped it, or 0)."""
+        for name, (text, step) in self._unwritten.items():
+            log_text(trainer, f"{self.prefix}{name}/table", text, step)
+        self._unwritten.clear()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         values: dict[str, float] = {}

@@ -75,6 +75,12 @@ class ProcessRewardCallback(Callback):
           callbacks:
             - class_path: lens_callbacks.ProcessRewardCallback
               init_args: {every_n_steps: 1}
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import ProcessRewardCallback
+        >>> process = ProcessRewardCallback(every_n_steps=10)
+        >>> trainer = Trainer(callbacks=[process], max_steps=100, logger=False, enable_checkpointing=False)
     """
 
     def __init__(

@@ -115,6 +115,12 @@ class RunRecordCallback(Callback):
     replays exactly) and the module's ``last_rollout_batch.dropout_seed`` when it has one (so a run with
     dropout does). Under DDP every rank's trajectories are gathered (a collective every
     rank reaches) and rank 0 writes them, rollouts and groups renumbered in rank order.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from lens_callbacks import RunRecordCallback
+        >>> record = RunRecordCallback("runs/mine/record", checkpoint_every=50)  # then: lens-callbacks audit runs/mine/record
+        >>> trainer = Trainer(callbacks=[record], max_steps=100, logger=False, enable_checkpointing=False)
     """
 
     def __init__(

@@ -985,6 +985,18 @@ class LensTRLCallback(TrainerCallback):
             accumulation the covered layers' captures of every micro-batch are kept to the step's end and read
             once after the last backward. Any other step takes the separate pass; ``ride_reason`` says why, and
             ``credit/ride_along`` logs 1 or 0.
+
+    Example:
+        >>> from trl import GRPOTrainer
+        >>> from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
+        >>> class AuditedGRPOTrainer(LensGRPOMixin, GRPOTrainer):  # the mixin binds the callback to the trainer
+        ...     pass
+        >>> audit = LensTRLCallback("by_rollout", every_n_steps=10, conservation=False)
+        >>> audit.every_n_steps
+        10
+
+    Then ``AuditedGRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=..., callbacks=[audit])``
+    (a complete, runnable script: ``lens_callbacks/examples/trl_grpo.py``).
     """
 
     def __init__(
@@ -1005,8 +1017,8 @@ class LensTRLCallback(TrainerCallback):
             raise ValueError(
                 f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step."
             )
-        if not (isinstance(tolerance, (int, float)) and tolerance > 0):
-            raise ValueError(f"`tolerance` must be a positive number, got {tolerance!r}; e.g. 1e-4.")
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+            raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}; e.g. 1e-4.")
         if max_parts is not None and (not isinstance(max_parts, int) or max_parts < 0):
             raise ValueError(f"`max_parts` must be a non-negative int or None, got {max_parts!r}.")
         for name, p in (("prefix", prefix), ("conservation_prefix", conservation_prefix)):

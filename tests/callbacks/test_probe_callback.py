@@ -260,3 +260,29 @@ def test_ddp_reading_is_of_the_global_step(tmp_path):
         assert row["loss_after"] == pytest.approx(float(after), rel=1e-13)
         assert row["update_match"] < 1e-10
         assert row["logged"]["probe/heldout/predicted"] == pytest.approx(math.fsum(want), rel=1e-10)
+
+
+class _Texts(_Memory):
+    """A logger whose experiment keeps every text it is handed, as TensorBoard's ``add_text`` would."""
+
+    def __init__(self):
+        super().__init__()
+        self.texts = []
+
+    @property
+    def experiment(self):
+        return self
+
+    def add_text(self, tag, text, global_step=None):
+        self.texts.append((tag, global_step))
+
+
+@pytest.mark.parametrize("every, want", [(0, [2]), (2, [0, 2]), (10, [0, 2])])
+def test_log_table_every_n_steps_zero_means_only_the_last_as_in_the_credit_audit(every, want):
+    # One meaning in every callback: 0 writes only the last reading's table, at the end of fit; the last
+    # reading's table is written at fit end whatever the cadence skipped.
+    cb = ProbeCreditCallback(dtype="float64", log_table_every_n_steps=every, split_by=[])
+    log = _Texts()
+    _fit([cb], steps=3, module_kw={**F64, "optimizer": "sgd", "lr": 0.5}, logger=log)
+    steps = sorted({s for tag, s in log.texts if tag == "probe/carry/table"})
+    assert steps == want, log.texts
