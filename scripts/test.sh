@@ -7,5 +7,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 # The versions the suite last passed with: a release of a dependency moves the readings docs/ quotes.
 .venv/bin/python -m pip install -q --disable-pip-version-check -c scripts/constraints.txt -e '.[dev,examples]'
+# Lint and format first (seconds): a style failure is reported before a 15-minute run.
+.venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 # -m "": every test, the slow end-to-end runs included (a plain `pytest` leaves them out).
 exec .venv/bin/python -m pytest -m "" "$@"
