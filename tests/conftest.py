@@ -17,6 +17,25 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+def _inductor_vector_isa_under_default_kernels() -> None:
+    """Under ``ATEN_CPU_CAPABILITY=default`` torch 2.13's inductor picks no vector ISA, yet some of its CPU
+    kernels still emit ``at::vec::Vectorized`` code, which then fails to compile (``'at::vec' has not been
+    declared``) — in plain torch, for any compiled model. The eager kernels stay the default ones (what the
+    variable selects); inductor's own generated code is given the widest ISA this CPU has, as it picks
+    without the variable. On a CPU with none, the compile tests fail as torch does."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "default":
+        return
+    import torch._inductor.config as inductor_config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    isas = valid_vec_isa_list()
+    if isas and inductor_config.cpp.simdlen is None:
+        inductor_config.cpp.simdlen = max(isa.bit_width() for isa in isas)
+
+
+_inductor_vector_isa_under_default_kernels()
+
+
 @pytest.fixture
 def run_cli():
     """Run ``python -m lens_callbacks ARGS`` from the repository root, as a user would.
