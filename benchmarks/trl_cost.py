@@ -4,8 +4,8 @@
 (fp32, CPU, 8 rollouts a step, every step audited by rollout, conservation on), at gradient
 accumulation 1 (one micro-batch of 8) and 2 (two of 4), full fine-tuning and a LoRA adapter (r = 4 on
 q/v). Three runs per setting, interleaved so the shared machine's load falls on all: plain, audited
-riding along TRL's backward where the adapter can (``ride_along=True``, the default), and audited by the
-separate pass (``ride_along=False``). Ratios of the medians of ``trainer.train()`` wall time; the
+riding along TRL's backward where the adapter can (``capture="training_step"``, the default), and audited by the
+separate pass (``capture="separate"``). Ratios of the medians of ``trainer.train()`` wall time; the
 reason a setting did not ride is printed.
 
 ``--shape qwen2 --completion 128``: the same runs on a Qwen2-shaped policy (vocabulary 151,936, tied
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
             from peft import LoraConfig
 
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        cb = LensTRLCallback(ride_along=mode == "ride") if mode != "plain" else None
+        cb = LensTRLCallback(capture="training_step" if mode == "ride" else "separate") if mode != "plain" else None
         trainer = (GRPOTrainer if cb is None else AuditedGRPO)(
             model=policy,
             reward_funcs=digit_reward,

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
+from .._compat import renamed
 from ..metrics.process import ProcessRewardMetric, readings_to_tensors
 from ..process.instrument import ProcessAudit, audit_groups
 from ..process.sources import groups_from_terms
@@ -67,7 +68,8 @@ class ProcessRewardCallback(Callback):
         log_text_every_n_steps: write the verdict text every n-th audit (0: never).
         log_figure_every_n_steps: every n-th audit, draw one group's process rewards (rollouts x
             positions) as a TensorBoard figure ``process/process_rewards`` (0: never; needs matplotlib).
-        log_prefix: metric name prefix.
+        prefix: metric name prefix.
+        log_prefix: the old name of ``prefix`` (deprecated; warns).
 
     YAML::
 
@@ -88,9 +90,11 @@ class ProcessRewardCallback(Callback):
         every_n_steps: int = 1,
         log_text_every_n_steps: int = 1,
         log_figure_every_n_steps: int = 0,
-        log_prefix: str = "process/",
+        prefix: str = "process/",
+        log_prefix: Optional[str] = None,
     ) -> None:
         super().__init__()
+        prefix = renamed("ProcessRewardCallback", "log_prefix", "prefix", log_prefix, prefix, "process/")
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(f"`every_n_steps` must be an int >= 1, got {every_n_steps!r}.")
         if (
@@ -112,7 +116,7 @@ class ProcessRewardCallback(Callback):
         self.every_n_steps = every_n_steps
         self.log_figure_every_n_steps = log_figure_every_n_steps
         self.log_text_every_n_steps = log_text_every_n_steps
-        self.log_prefix = log_prefix
+        self.prefix = prefix
         self.metric = ProcessRewardMetric()
         self.last_audit: Optional[ProcessAudit] = None
         self.last_audit_step = -1
@@ -154,7 +158,7 @@ class ProcessRewardCallback(Callback):
         values = self.metric.compute()  # synced over ranks: every rank reaches this line on the same batches
         self.metric.reset()
         pl_module.log_dict(
-            {f"{self.log_prefix}{k}": v.float() for k, v in values.items()},
+            {f"{self.prefix}{k}": v.float() for k, v in values.items()},
             on_step=True,
             on_epoch=False,
             sync_dist=False,

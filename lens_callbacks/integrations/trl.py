@@ -57,7 +57,6 @@ Supported versions: trl >= 1.16, < 1.17 with transformers >= 5.0 (tested: trl 1.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import warnings
@@ -102,7 +101,9 @@ _check_versions()
 
 from transformers import Trainer, TrainerCallback  # noqa: E402  (after the version check)
 
+from .._compat import renamed  # noqa: E402
 from ..credit import disintegrate, exact_optimizer_precondition, step_conservation  # noqa: E402
+from ..credit.engines import check_engine  # noqa: E402
 from ..credit.engines.ghost import RideAlong, batch_rows, report_accumulated  # noqa: E402
 from ..credit.guard import Suspects, guard  # noqa: E402
 from ..credit.inputs.partition import apply_partition, resolve_partition  # noqa: E402
@@ -326,7 +327,7 @@ class LensGRPOMixin:
         if step % cb.every_n_steps != 0 or self.lens_setup_refusal() is not None:
             return None, None
         if not cb.ride_along:
-            return None, "ride_along=False"
+            return None, "capture='separate'"
         if cb._ride_structural is not None:
             return None, cb._ride_structural  # found at an earlier step; the model's layers have not changed
         done = self._lens_ride_result
@@ -969,22 +970,25 @@ class LensTRLCallback(TrainerCallback):
         partition: ``"by_rollout"`` (default), ``"by_group"``, or any partition ``disintegrate`` takes.
         every_n_steps: audit every n-th optimizer step.
         dtype: the audit's dtype (``"float32"`` default, ``"float64"``, ``"native"``).
-        engine: passed to ``disintegrate`` when it accepts an ``engine`` argument; otherwise the reference
-            engine runs (and a value other than None/``"reference"`` is reported once in the log).
+        engine: ``"auto"`` (default: the one-pass engine for parts that are whole rows, the reference engine
+            otherwise), ``"ghost"``, ``"jvp"`` or ``"reference"``, as in ``CreditAuditCallback``.
         conservation: also run the step-conservation check (refused unless the optimizer is plain SGD).
         tolerance: conservation tolerance for ``conservation/violated``.
-        max_parts: log per-part shares for the first this-many parts (None: all; the Lightning callback's
-            ``max_logged_parts`` default is the same 16). The report keeps every part.
+        max_logged_parts: log per-part shares for the first this-many parts (None: all), as in
+            ``CreditAuditCallback``. The report keeps every part.
         prefix: credit metric prefix. conservation_prefix: conservation metric prefix.
-        ride_along: read the credit from TRL's own forward and backward (the one-pass engine's hooks on the
-            training step, :class:`~lens_callbacks.credit.engines.ghost.RideAlong`) where that is exact: one
-            process, no mixed precision, every trained parameter in a layer the hooks cover (a trained LM head,
-            which TRL's fused head reads outside the layer, is recorded by the fused-head capture, except on a
-            Triton device, where TRL scores only the labelled positions), and the adapter's terms sending
-            the same gradient into the forward as TRL's loss (checked every micro-batch). With gradient
-            accumulation the covered layers' captures of every micro-batch are kept to the step's end and read
-            once after the last backward. Any other step takes the separate pass; ``ride_reason`` says why, and
-            ``credit/ride_along`` logs 1 or 0.
+        capture: ``"training_step"`` (default): read the credit from TRL's own forward and backward (the
+            one-pass engine's hooks on the training step, :class:`~lens_callbacks.credit.engines.ghost.RideAlong`)
+            where that is exact: one process, no mixed precision, every trained parameter in a layer the hooks
+            cover (a trained LM head, which TRL's fused head reads outside the layer, is recorded by the
+            fused-head capture, except on a Triton device, where TRL scores only the labelled positions), and
+            the adapter's terms sending the same gradient into the forward as TRL's loss (checked every
+            micro-batch). With gradient accumulation the covered layers' captures of every micro-batch are kept
+            to the step's end and read once after the last backward. Any other step, and every step with
+            ``"separate"``, takes the separate pass; ``ride_reason`` says why, and ``credit/ride_along`` logs 1
+            or 0.
+        max_parts, ride_along: the old names of ``max_logged_parts`` and ``capture`` (``ride_along=False`` is
+            ``capture="separate"``); deprecated, they warn.
 
     Example:
         >>> from trl import GRPOTrainer
@@ -1005,22 +1009,34 @@ class LensTRLCallback(TrainerCallback):
         *,
         every_n_steps: int = 1,
         dtype: str = "float32",
-        engine: Optional[str] = None,
+        engine: Optional[str] = "auto",
         conservation: bool = True,
         tolerance: float = 1e-4,
-        max_parts: Optional[int] = 16,
+        max_logged_parts: Optional[int] = 16,
         prefix: str = "credit/",
         conservation_prefix: str = "conservation/",
-        ride_along: bool = True,
+        capture: str = "training_step",
+        max_parts: Optional[int] = None,
+        ride_along: Optional[bool] = None,
     ) -> None:
+        max_logged_parts = renamed("LensTRLCallback", "max_parts", "max_logged_parts", max_parts, max_logged_parts, 16)
+        if ride_along is not None:
+            ride = renamed("LensTRLCallback", "ride_along", "capture", ride_along, capture, "training_step")
+            capture = "training_step" if ride else "separate"
+        if capture not in ("separate", "training_step"):
+            raise ValueError(
+                f"`capture` must be 'training_step' (ride on TRL's step where exact) or 'separate', got {capture!r}."
+            )
+        engine = "auto" if engine is None else engine
+        check_engine(engine, "all")
         if not isinstance(every_n_steps, int) or isinstance(every_n_steps, bool) or every_n_steps < 1:
             raise ValueError(
                 f"`every_n_steps` must be a positive int, got {every_n_steps!r}; e.g. 1 audits every step."
             )
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
             raise ValueError(f"`tolerance` must be a non-negative float, got {tolerance!r}; e.g. 1e-4.")
-        if max_parts is not None and (not isinstance(max_parts, int) or max_parts < 0):
-            raise ValueError(f"`max_parts` must be a non-negative int or None, got {max_parts!r}.")
+        if max_logged_parts is not None and (not isinstance(max_logged_parts, int) or max_logged_parts < 0):
+            raise ValueError(f"`max_logged_parts` must be a non-negative int or None, got {max_logged_parts!r}.")
         for name, p in (("prefix", prefix), ("conservation_prefix", conservation_prefix)):
             if not isinstance(p, str):
                 raise ValueError(f"`{name}` must be a str, got {p!r}; e.g. 'credit/'.")
@@ -1030,10 +1046,11 @@ class LensTRLCallback(TrainerCallback):
         self.engine = engine
         self.conservation = bool(conservation)
         self.tolerance = float(tolerance)
-        self.max_parts = max_parts
+        self.max_logged_parts = max_logged_parts
         self.prefix = prefix
         self.conservation_prefix = conservation_prefix
-        self.ride_along = bool(ride_along)
+        self.capture = capture
+        self.ride_along = capture == "training_step"  # whether to try riding along
         #: Why the last audited step did not ride on TRL's backward (None: it did).
         self.ride_reason: Optional[str] = None
         self._ride_reasons_logged: set[str] = set()
@@ -1047,7 +1064,6 @@ class LensTRLCallback(TrainerCallback):
         self.conservation_history: list[tuple[int, Union[ConservationReading, Refusal]]] = []
         self._pending: Optional[_Pending] = None
         self._log: Optional[_StepLog] = None
-        self._engine_note_done = False
         self._said: set[str] = set()  # the causes already warned about: once each, not once per step
         #: The factor clipping multiplied ``.grad`` by at the last audited step (1.0: no clipping).
         self.last_clip_coef: Optional[float] = None
@@ -1094,7 +1110,7 @@ class LensTRLCallback(TrainerCallback):
                 )
             self._said.add(f"refused:{report.condition}")
         else:
-            values = report.to_dict(self.prefix, max_parts=self.max_parts)
+            values = report.to_dict(self.prefix, max_parts=self.max_logged_parts)
             # The per-step names CreditAuditCallback logs beside the report's own.
             values[f"{self.prefix}cancelled_fraction"] = report.cancelled_fraction
             values[f"{self.prefix}conservation_error_max"] = report.conservation_error
@@ -1258,15 +1274,7 @@ class LensTRLCallback(TrainerCallback):
             kwargs.update(project_onto=applied, keep_grads=True)
         else:
             kwargs.update(reference_grads=reference, keep_grads=self.conservation)
-        if self.engine is not None:
-            if "engine" in inspect.signature(disintegrate).parameters:
-                kwargs["engine"] = self.engine
-            elif self.engine != "reference" and not self._engine_note_done:
-                self._engine_note_done = True
-                log.warning(
-                    "LensTRLCallback: this version's disintegrate has only the reference engine; engine=%r ignored.",
-                    self.engine,
-                )
+        kwargs["engine"] = self.engine
         try:
             return disintegrate(model, micro, self.partition, **kwargs), applied
         except CreditTermsError as e:  # the re-derived terms break the contract: named by field, as the callbacks do

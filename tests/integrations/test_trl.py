@@ -77,7 +77,7 @@ def test_every_loss_type_matches_the_trainers_grad_and_its_step(policy_dir, tmp_
     # accumulation 2, num_iterations 2, beta 0.1, entropy_coef 0.01, max_grad_norm 0.5, LoRA, gradient
     # checkpointing (TRL's default), SGD: all in grpo_config's defaults or here.
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
-    cb = LensTRLCallback(ride_along=ride)
+    cb = LensTRLCallback(capture="training_step" if ride else "separate")
     trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type=loss_type, max_steps=4, **HARD, **extra)
     args = trainer.args
     assert (args.gradient_accumulation_steps, args.num_iterations, args.max_grad_norm) == (2, 2, 0.5)
@@ -141,7 +141,7 @@ class IgnoresClipping(AuditedGRPO):
 
 @pytest.mark.parametrize("wrong", ["luspo_normaliser", "no_accumulation_scaling", "clip_ignored"])
 def test_a_wrong_normaliser_is_caught_by_grad_match(policy_dir, tmp_path, wrong):
-    cb = LensTRLCallback(conservation=False, ride_along=False)
+    cb = LensTRLCallback(conservation=False, capture="separate")
     if wrong == "luspo_normaliser":
         # grpo takes each row's token mean; luspo's per-row sum is a wrong normaliser for it.
         cls = type("WrongNormaliser", (AuditedGRPO,), {"lens_loss_type": "luspo"})
@@ -161,7 +161,7 @@ def test_readings_reach_tensorboard_and_adam_is_refused_by_conservation(policy_d
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cb = LensTRLCallback(ride_along=False)  # the separate pass: grad_match reaches TensorBoard too
+    cb = LensTRLCallback(capture="separate")  # the separate pass: grad_match reaches TensorBoard too
     trainer = _train(
         policy_dir,
         tmp_path,
@@ -247,6 +247,19 @@ def test_callback_arguments_are_checked():
         LensTRLCallback(every_n_steps=0)
     with pytest.raises(ValueError, match="tolerance"):
         LensTRLCallback(tolerance=-1)
+    assert LensTRLCallback(tolerance=0).tolerance == 0.0  # as ConservationCheckCallback takes it
+    with pytest.raises(ValueError, match="capture"):
+        LensTRLCallback(capture="later")
+
+
+def test_old_option_names_warn_and_map_to_the_shared_ones():
+    with pytest.warns(FutureWarning, match="`ride_along` is deprecated.*use `capture`"):
+        assert LensTRLCallback(ride_along=False).capture == "separate"
+    with pytest.warns(FutureWarning, match="`max_parts` is deprecated.*use `max_logged_parts`"):
+        assert LensTRLCallback(max_parts=3).max_logged_parts == 3
+    with pytest.raises(ValueError, match="give only `capture`"):
+        LensTRLCallback(ride_along=True, capture="separate")
+    assert LensTRLCallback(engine=None).engine == "auto"
 
 
 def test_the_example_runs_offline_with_the_audit(tmp_path, capsys):
@@ -274,7 +287,7 @@ def test_bf16_audit_repeats_the_training_arithmetic_and_reads_at_the_bf16_floor(
 def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path, ride):
     # high-entropy token mask, off-policy sequence mask, two-sided delta clip, bias-corrected KL and
     # adaptive entropy control (its coefficient moves after each step's last micro-batch).
-    cb = LensTRLCallback(ride_along=ride)
+    cb = LensTRLCallback(capture="training_step" if ride else "separate")
     trainer = _train(
         policy_dir,
         tmp_path,
@@ -302,7 +315,7 @@ def test_the_less_common_loss_options_are_re_derived_too(policy_dir, tmp_path, r
 def test_groups_and_rewards_survive_the_shuffle_and_split(policy_dir, tmp_path, ride):
     # steps_per_generation = accumulation: each step trains one whole shuffled generation batch, so a group's
     # rows lie in both micro-batches (riding along, the step is read once after the second backward).
-    cb = LensTRLCallback(partition="by_group", ride_along=ride)
+    cb = LensTRLCallback(partition="by_group", capture="training_step" if ride else "separate")
     trainer = _train(policy_dir, tmp_path, callbacks=[cb], loss_type="grpo", max_steps=1, num_iterations=1, **HARD)
     ((_, report),) = cb.history
     assert isinstance(report, CreditReport)
@@ -361,12 +374,12 @@ def test_engine_is_passed_only_to_a_disintegrate_that_takes_it(policy_dir, tmp_p
 
     if "engine" not in inspect.signature(real).parameters:
         # a disintegrate without engines: the reference engine runs and the request is noted once
-        cb_old = LensTRLCallback(engine="ghost", conservation=False, ride_along=False)
+        cb_old = LensTRLCallback(engine="ghost", conservation=False, capture="separate")
         _train(policy_dir, tmp_path / "a", callbacks=[cb_old], max_steps=1, **HARD)
         assert isinstance(cb_old.history[0][1], CreditReport)
         assert any("engine='ghost' ignored" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(adapter, "disintegrate", with_engine)
-    cb_new = LensTRLCallback(engine="auto", conservation=False, ride_along=False)
+    cb_new = LensTRLCallback(engine="auto", conservation=False, capture="separate")
     _train(policy_dir, tmp_path / "b", callbacks=[cb_new], max_steps=1, **HARD)
     assert seen == ["auto"] and cb_new.history[0][1].grad_match <= 1e-6
 
@@ -429,7 +442,7 @@ def _ride_and_separate(policy_dir, tmp_path, separate=None, **kw):
     separate callback's other arguments): ``(callback, trainer)`` each."""
     runs = []
     for ride in (True, False):
-        cb = LensTRLCallback(ride_along=ride, **({} if ride else separate or {}))
+        cb = LensTRLCallback(capture="training_step" if ride else "separate", **({} if ride else separate or {}))
         torch.manual_seed(7)
         runs.append((cb, _train(policy_dir, tmp_path / str(ride), callbacks=[cb], **kw)))
     return runs
@@ -451,7 +464,7 @@ def test_riding_along_reads_what_the_separate_pass_reads(policy_dir, tmp_path, l
         **extra,
     )
     (rode, tr), (sep, _) = _ride_and_separate(policy_dir, tmp_path, **kw)
-    assert rode.ride_reason is None and sep.ride_reason == "ride_along=False"
+    assert rode.ride_reason is None and sep.ride_reason == "capture='separate'"
     assert len(rode.history) == 2 == len(sep.history)
     for (_, a), (_, b) in zip(rode.history, sep.history):
         assert isinstance(a, CreditReport) and isinstance(b, CreditReport)

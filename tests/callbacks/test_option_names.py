@@ -1,0 +1,21 @@
+"""One name for one idea: an option's old name still works for one release, with a FutureWarning."""
+
+import pytest
+
+from lens_callbacks import ProcessRewardCallback
+from lens_callbacks._compat import renamed
+
+
+def test_process_log_prefix_is_the_old_name_of_prefix():
+    assert ProcessRewardCallback().prefix == "process/"
+    assert ProcessRewardCallback(prefix="p/").prefix == "p/"
+    with pytest.warns(FutureWarning, match="`log_prefix` is deprecated.*use `prefix`"):
+        assert ProcessRewardCallback(log_prefix="old/").prefix == "old/"
+    with pytest.raises(ValueError, match="give only `prefix`"):
+        ProcessRewardCallback(log_prefix="a/", prefix="b/")
+
+
+def test_renamed_passes_the_new_value_through_untouched():
+    assert renamed("X", "old", "new", None, 5, 1) == 5
+    with pytest.warns(FutureWarning):
+        assert renamed("X", "old", "new", 7, 1, 1) == 7
