@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union
 
 from ..refusal import Refusal
+from . import sources
+from .groups import RolloutGroup
 from .trie import PrefixTrie
 
 __all__ = [
@@ -49,19 +51,6 @@ REMEDY = (
     "re-roll at prefixes the sampler never revisited (rung 1): resample continuations from the prefixes "
     "of these rollouts so that a prefix holds more than one sample, then read q(s) there"
 )
-
-
-@dataclass(frozen=True)
-class RolloutGroup:
-    """The rollouts of one prompt: completion token ids (trained positions) and outcome rewards."""
-
-    key: str
-    completions: tuple[tuple[int, ...], ...]
-    rewards: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "completions", tuple(tuple(int(t) for t in c) for c in self.completions))
-        object.__setattr__(self, "rewards", tuple(float(r) for r in self.rewards))
 
 
 @dataclass(frozen=True)
@@ -456,8 +445,6 @@ def audit_groups(groups: Any, *, source: str = "", progress: bool = False) -> Pr
         >>> a.n_killed, a.n_groups, a.mean_divergence_depth_range
         (1, 2, (1.0, 2.0))
     """
-    from . import sources  # here, not at the top: sources builds RolloutGroups from this module
-
     if isinstance(groups, (str, os.PathLike)):
         groups, found = sources.load_groups(groups)
         source = source or found

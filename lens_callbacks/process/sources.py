@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..credit.inputs.terms import validate_terms
-from .instrument import RolloutGroup
+from .groups import RolloutGroup
 
 __all__ = [
     "groups_from_terms",

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from ..inputs.partition import Partition
 from ..inputs.terms import CreditTerms
-from ..report import CreditReport
+
+if TYPE_CHECKING:  # annotations only: the report renders itself through this module, never the reverse
+    from ..report import CreditReport
 
 __all__ = ["PartContext", "TableRow", "CreditTable", "credit_table", "part_context", "module_decoder"]
 
@@ -331,6 +333,7 @@ def credit_table(
     global reading names parts ``r{rank}/...``), the table has the share columns only and says why.
 
     Example:
+        >>> from lens_callbacks.credit.report import CreditReport
         >>> r = CreditReport(("a", "b", "c"), (0.7, -0.1, 0.4), (0.5, 0.1, 0.4), (5.0, 1.0, 4.0), 1.0, 0.0,
         ...                  None, "float64", 3, 1.0, 0.0, "by_rollout")
         >>> t = credit_table(r, top_k=1, bottom_k=1)
