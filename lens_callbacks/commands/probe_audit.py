@@ -83,18 +83,18 @@ def probe_audit(
     cannot be rebuilt exactly or its optimizer is outside the known set.
     """
     from ..credit.inputs.partition import resolve_partition
-    from .audit import (
+    from .replay import (
         AUDIT_PARTITIONS,
-        _check_built_positions,
-        _make_optimizer,
-        _PartCountBound,
-        _replay_blocker,
-        _stateless,
+        PartCountBound,
+        check_built_positions,
         check_token_ids,
         load_module,
+        make_optimizer,
         rebuild_batch,
+        replay_blocker,
         replay_to,
         set_recorded_lrs,
+        stateless_optimizer,
     )
 
     record = run_dir if isinstance(run_dir, RunRecord) else RunRecord(run_dir, trust=trust)
@@ -128,10 +128,10 @@ def probe_audit(
     if isinstance(m, Refusal):
         return m
     if made:
-        opt = _make_optimizer(_Returns(made[-1]))
+        opt = make_optimizer(_Returns(made[-1]))
     else:  # step is a checkpoint: its weights are recorded, its optimizer state is not
-        opt = _make_optimizer(m)
-        if not _stateless(opt) and step != 0:
+        opt = make_optimizer(m)
+        if not stateless_optimizer(opt) and step != 0:
             return Refusal(
                 "optimizer_state",
                 f"step {step} is a policy checkpoint and the optimizer ({type(opt).__name__}) carries state the record "
@@ -139,13 +139,13 @@ def probe_audit(
                 numbers={"step": step},
                 remedy="audit a step that is not a checkpoint (its state is replayed from step 0)",
             )
-    blocker = _replay_blocker(record, opt)
+    blocker = replay_blocker(record, opt)
     if blocker is not None:
         return blocker
     set_recorded_lrs(record, step, opt)
     tr = record.manifest.get("trainer", {})
     batch = rebuild_batch(m, record, step)
-    part = _PartCountBound(part, str(step_path(record.run_dir, step)), record.limits)
+    part = PartCountBound(part, str(step_path(record.run_dir, step)), record.limits)
     make = getattr(m, "make_probe_batch", None)
     try:
         probe_batch = make(trajectories) if callable(make) else trajectories
@@ -155,7 +155,7 @@ def probe_audit(
             f"({type(err).__name__}: {one_line(str(err), 300)}); write probe turns in the form the module's "
             "docs name."
         ) from None
-    _check_built_positions(m, probe_batch, str(probe_file))
+    check_built_positions(m, probe_batch, str(probe_file))
     params = [p for p in m.parameters() if p.requires_grad]
     m.train()
     with torch.random.fork_rng():
@@ -197,7 +197,7 @@ def probe_audit(
 
 
 class _Returns:
-    """Hands a kept optimizer to :func:`_make_optimizer`, which unpacks what ``configure_optimizers`` returns."""
+    """Hands a kept optimizer to :func:`make_optimizer`, which unpacks what ``configure_optimizers`` returns."""
 
     def __init__(self, out: Any) -> None:
         self._out = out

@@ -81,7 +81,7 @@ def test_one_real_sgd_step_against_the_summed_parts(record):
     Read with the conservation check's core (``step_conservation``), and once more by a direct
     comparison that shares no code with it.
     """
-    from lens_callbacks.commands.audit import _make_optimizer
+    from lens_callbacks.commands.replay import make_optimizer as _make_optimizer
     from lens_callbacks.credit.readings.conservation import exact_optimizer_precondition, step_conservation
 
     step = 1

@@ -212,7 +212,7 @@ def test_a_huge_step_number_costs_the_steps_listed_not_its_value(heavy, record, 
 def test_missing_steps_are_counted_in_the_steps_listed():
     import time
 
-    from lens_callbacks.commands.audit import _missing_steps
+    from lens_callbacks.commands.replay import _missing_steps
 
     steps = list(range(0, 20_000, 2))
     n, first = _missing_steps(steps, 0, 20_000)
