@@ -320,7 +320,14 @@ class CreditAuditCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(partition=str(self.partition), every_n_steps=self.every_n_steps)
+        # Everything that makes two audits' state (epoch means, ledgers, counts) different readings.
+        return self._generate_state_key(
+            partition=str(self.partition),
+            every_n_steps=self.every_n_steps,
+            dtype=self.dtype,
+            prefix=self.prefix,
+            scope=self.scope,
+        )
 
     # ---- setup: misconfiguration is an error here, before any step runs --------------------------
 

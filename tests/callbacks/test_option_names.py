@@ -19,3 +19,17 @@ def test_renamed_passes_the_new_value_through_untouched():
     assert renamed("X", "old", "new", None, 5, 1) == 5
     with pytest.warns(FutureWarning):
         assert renamed("X", "old", "new", 7, 1, 1) == 7
+
+
+def test_two_credit_audits_that_read_differently_keep_apart_state():
+    from lens_callbacks import CreditAuditCallback
+
+    base = CreditAuditCallback()
+    for other in (
+        CreditAuditCallback(dtype="float64"),
+        CreditAuditCallback(prefix="credit64/"),
+        CreditAuditCallback(scope="rank"),
+        CreditAuditCallback(partition="by_group"),
+    ):
+        assert other.state_key != base.state_key
+    assert CreditAuditCallback().state_key == base.state_key  # the same audit resumes its own state
