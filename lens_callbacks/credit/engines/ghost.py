@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -884,25 +885,12 @@ def disintegrate_ghost(
             loss = terms.terms.sum()
             reduced = _run(
                 cap,
-                terms,
-                names,
                 leaves,
                 loss,
-                rp,
-                ids,
-                m,
-                B,
-                readings,
-                keep_grads,
-                memory_budget,
-                verify,
-                route,
-                onto=onto,
-                full_grad=given,
-                spans=spans,
-                positions=pdots,
+                PassLayout(terms, ids, rp, m, B, spans=spans, positions=pdots),
+                PassOptions(readings, keep_grads, memory_budget, verify, route, onto=onto, full_grad=given),
             )
-    g_full = reduced[0]
+    g_full = reduced.g_full
     full_sq = _sum_sq(g_full)
     grad_match = None
     if reference_grads is not None and given is None:
@@ -949,8 +937,46 @@ def read_position_split(
     return PositionSplit(pdots.names, tuple(d / den for d in dots), abs(math.fsum(dots) - expected) / den)
 
 
+class Reduced(NamedTuple):
+    """What one pass's reductions hand the report, by name."""
+
+    g_full: list[torch.Tensor]  # the full gradient, per leaf
+    totals: list[torch.Tensor]  # Σ_S g_S per leaf (empty unless the sum is kept)
+    dots: torch.Tensor  # [m] float64: <g_S, onto> (onto = g_full unless given)
+    gram: Optional[torch.Tensor]  # [m, m] float64 <g_S, g_S'>, or None without the interference matrix
+    diff_sq: float  # ‖Σ_S g_S − g_full‖², in float64
+    coverage: tuple[tuple[str, int], ...]  # (path, elements read by it), sorted
+    sq_parts: Optional[torch.Tensor]  # [m] float64 ‖g_S‖² when the Gram is not read, else None
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """The batch as one pass reads it: the terms, each position's part and each row's part."""
+
+    terms: CreditTerms
+    ids: torch.Tensor  # [B, T] part id per position (-1: in none)
+    rp: torch.Tensor  # [B] the part of each row
+    m: int  # parts
+    B: int  # rows
+    spans: Optional[PartRows] = None  # parts as spans of rows (packed rollouts), else None
+    positions: Optional[PositionDots] = None  # the position split's accumulator, when asked for
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """How one pass reads the parts (the options :func:`disintegrate_ghost` takes, as one value)."""
+
+    readings: str
+    keep_grads: bool
+    memory_budget: Optional[int]
+    verify_part: bool
+    route: str = "auto"
+    onto: Optional[Sequence[torch.Tensor]] = None
+    full_grad: Optional[Sequence[torch.Tensor]] = None
+
+
 def build_report(
-    reduced: tuple,
+    reduced: Reduced,
     names: Sequence[str],
     part_names: Sequence[str],
     readings: str,
@@ -971,7 +997,14 @@ def build_report(
 ) -> CreditReport:
     """A :class:`CreditReport` from what :func:`reduce_pieces` returned (``onto``: what the dots were taken with;
     ``full_sq``: ``‖g_full‖²`` when the caller has it already)."""
-    g_full, total_list, dots, gram, diff_sq, coverage, sq_parts = reduced
+    g_full, dots, gram, diff_sq, coverage = (
+        reduced.g_full,
+        reduced.dots,
+        reduced.gram,
+        reduced.diff_sq,
+        reduced.coverage,
+    )
+    total_list, sq_parts = reduced.totals, reduced.sq_parts
     m = len(part_names)
     full_sq = _sum_sq(g_full) if full_sq is None else full_sq
     full_norm = math.sqrt(full_sq)
@@ -1019,25 +1052,12 @@ def build_report(
 
 
 def _run(
-    cap: RowCapture,
-    terms: CreditTerms,
-    names: Sequence[str],
-    leaves: Sequence[torch.Tensor],
-    loss: torch.Tensor,
-    rp: torch.Tensor,
-    ids: torch.Tensor,
-    m: int,
-    B: int,
-    readings: str,
-    keep_grads: bool,
-    memory_budget: Optional[int],
-    verify_part: bool,
-    route: str = "auto",
-    onto: Optional[Sequence[torch.Tensor]] = None,
-    full_grad: Optional[Sequence[torch.Tensor]] = None,
-    spans: Optional[PartRows] = None,
-    positions: Optional[PositionDots] = None,
-):
+    cap: RowCapture, leaves: Sequence[torch.Tensor], loss: torch.Tensor, lay: PassLayout, opt: PassOptions
+) -> Reduced:
+    """One pass: the backward of ``loss`` with every covered parameter reduced inside it, then the fallback."""
+    terms, rp, ids, m, B, spans, positions = lay.terms, lay.rp, lay.ids, lay.m, lay.B, lay.spans, lay.positions
+    readings, keep_grads, memory_budget, verify_part = opt.readings, opt.keep_grads, opt.memory_budget, opt.verify_part
+    route, onto, full_grad = opt.route, opt.onto, opt.full_grad
     uses, _ = stack_spans(cap.uses, B)  # unstacked, their parameters take the fallback (coverage says so)
     if spans is not None:  # parts are spans of rows: each part's positions read as one row
         uses, B = part_rows(uses, spans), m
@@ -1375,7 +1395,9 @@ class _Reducer:
             )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        return g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
+        return Reduced(
+            g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
+        )
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
