@@ -104,7 +104,7 @@ def measure_split(kind: str, m: int, T: int, repeats: int, **override) -> dict:
     after = {
         (ghost._Reducer, "finish"): end,
         (ghost, "_sum_sq"): end,
-        (ghost, "_grad_match"): end,
+        (ghost, "grad_match_to"): end,
         (ghost, "build_report"): end,
     }
     saved = {key: getattr(*key) for key in (*real, *after)}

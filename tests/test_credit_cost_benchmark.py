@@ -315,7 +315,7 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
             ghost._Reducer.finish,
             ghost.diff_sq64,
             ghost._sum_sq,
-            ghost._grad_match,
+            ghost.grad_match_to,
             ghost.build_report,
             ghost_routes.torch,
             ghost_routes._cut,

@@ -24,24 +24,24 @@ from .engines.ghost import NotRowSeparable, RowInteraction, SpansInteract
 from .inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .inputs.terms import CreditTerms
 from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
-    _DTYPES,
+    DTYPE_NAMES,
     DTypeSpec,
-    _diff_norm,
-    _dot,
-    _grad,
-    _grad_match,
-    _gram,
-    _native_dtype,
-    _onto,
-    _partition_name,
-    _preserved_rng,
-    _reference,
-    _rng_devices,
-    _sqnorm,
-    _TermsCall,
+    TermsCall,
+    dots_onto,
     evaluate_terms,
+    flat_diff_norm,
+    flat_dot,
+    grad_match_to,
+    gram_of,
+    leaf_grads,
+    native_dtype,
+    partition_label,
     precision_watch,
+    preserved_rng,
+    reference_parts,
     resolve_dtype,
+    rng_devices,
+    sq_norm,
 )
 from .report import CreditGrads, CreditReport, PositionSplit, share_readings
 
@@ -192,22 +192,22 @@ def disintegrate(
             return _position_split_unread(fast, position_split)
     if full_grad is not None:
         raise ValueError(
-            f"`full_grad` needs the one-pass engine, which cannot read this partition ({_partition_name(partition)}): "
+            f"`full_grad` needs the one-pass engine, which cannot read this partition ({partition_label(partition)}): "
             "pass full_grad=None (g_full by the audit's own backward)."
         )
-    with _preserved_rng(module, preserve_rng):
+    with preserved_rng(module, preserve_rng):
         with forward_context() if forward_context is not None else contextlib.nullcontext():
             watch = precision_watch(module, dtype)
             terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=params, watch=watch)
             compute = watch.coarser_than(used)
-        onto = _onto(leaves, project_onto)
+        onto = dots_onto(leaves, project_onto)
         part = apply_partition(spec, terms)
         ids = part.ids.to(terms.terms.device)
 
         with torch.enable_grad():
             loss = terms.terms.sum()
             # g_full by its own backward: never derived from the parts, else the audit is vacuous.
-            g_full = _grad(loss, leaves, retain=True)
+            g_full = leaf_grads(loss, leaves, retain=True)
             running = [torch.zeros_like(g) for g in g_full]
             dots: list[float] = []
             sq: list[float] = []
@@ -215,25 +215,25 @@ def disintegrate(
             for i in range(part.n_parts):
                 mask = ids == i  # [B, T]
                 loss_i = terms.terms.masked_select(mask).sum()
-                g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
-                dots.append(_dot(g_i, g_full if onto is None else onto))
-                sq.append(_sqnorm(g_i))
+                g_i = leaf_grads(loss_i, leaves, retain=i < part.n_parts - 1)
+                dots.append(flat_dot(g_i, g_full if onto is None else onto))
+                sq.append(sq_norm(g_i))
                 for r, g in zip(running, g_i):
                     r.add_(g)
                 if keep_parts:
                     kept.append([g.detach().clone() for g in g_i])
                 del g_i
 
-    full_sq = _sqnorm(g_full)
+    full_sq = sq_norm(g_full)
     full_norm = math.sqrt(full_sq)
     part_norm = tuple(math.sqrt(s) for s in sq)
     norm_total = math.fsum(part_norm)
     reason, projected, conservation, cancellation = share_readings(
-        dots, full_sq, _diff_norm(running, g_full), norm_total, None if onto is None else _sqnorm(onto)
+        dots, full_sq, flat_diff_norm(running, g_full), norm_total, None if onto is None else sq_norm(onto)
     )
     norm_share = tuple(n / norm_total if norm_total > 0 else float("nan") for n in part_norm)
 
-    grad_match = _grad_match(module, names, reference_grads, g_full, full_norm)
+    grad_match = grad_match_to(module, names, reference_grads, g_full, full_norm)
 
     grads = None
     if keep_grads or keep_parts:
@@ -255,12 +255,12 @@ def disintegrate(
         n_trained=terms.n_trained,
         full_grad_norm=full_norm,
         loss=float(loss.detach()),
-        partition=_partition_name(partition),
+        partition=partition_label(partition),
         reason=reason,
         grads=grads,
         engine="reference",
         readings="all",
-        gram=_gram(kept) if keep_parts else None,
+        gram=gram_of(kept) if keep_parts else None,
         compute_dtype=compute,
         position_split=None
         if not position_split

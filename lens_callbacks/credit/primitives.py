@@ -19,11 +19,31 @@ from .inputs.partition import Partition
 from .inputs.terms import CreditTerms, validate_terms
 from .precision import PrecisionWatch, autocast_dtype
 
-__all__ = ["DTypeSpec", "resolve_dtype", "evaluate_terms", "audit_passes"]
+__all__ = [
+    "DTypeSpec",
+    "DTYPE_NAMES",
+    "resolve_dtype",
+    "evaluate_terms",
+    "audit_passes",
+    # the engines' shared pieces (public inside the package: every engine and reading imports them)
+    "TermsCall",
+    "dots_onto",
+    "flat_diff_norm",
+    "flat_dot",
+    "gram_of",
+    "grad_match_to",
+    "leaf_grads",
+    "native_dtype",
+    "partition_label",
+    "preserved_rng",
+    "reference_parts",
+    "rng_devices",
+    "sq_norm",
+]
 
 DTypeSpec = Union[str, torch.dtype, None]
 
-_DTYPES = {
+DTYPE_NAMES = {
     "float32": torch.float32,
     "fp32": torch.float32,
     "32": torch.float32,
@@ -45,14 +65,14 @@ def resolve_dtype(dtype: DTypeSpec) -> Optional[torch.dtype]:
         if not dtype.is_floating_point:
             raise ValueError(f"`dtype` must be a floating dtype, got {dtype!r}.")
         return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
-        return _DTYPES[dtype.lower()]
+    if isinstance(dtype, str) and dtype.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.lower()]
     raise ValueError(
         f"`dtype` must be one of 'float32', 'float64', 'bfloat16', 'float16', 'native' or a torch.dtype, got {dtype!r}."
     )
 
 
-class _TermsCall(nn.Module):
+class TermsCall(nn.Module):
     """Routes ``functional_call`` to ``credit_terms`` so the audit never touches the live parameters."""
 
     def __init__(self, inner: nn.Module, fn: Callable[[Any], CreditTerms]) -> None:
@@ -124,16 +144,16 @@ def compiled_parts(module: nn.Module) -> list[str]:
     return out
 
 
-def _rng_devices(module: nn.Module) -> list[int]:
+def rng_devices(module: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
 
 
 @contextlib.contextmanager
-def _preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
+def preserved_rng(module: nn.Module, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    with torch.random.fork_rng(devices=_rng_devices(module)):
+    with torch.random.fork_rng(devices=rng_devices(module)):
         yield
 
 
@@ -146,7 +166,7 @@ def detached_state(
     """Detached (cast to ``target`` when given) copies of the module's parameters and floating buffers.
 
     Returns ``(names, leaves, state)``: the trainable parameters' names and their fresh leaves, and the
-    state for :func:`torch.func.functional_call` on a :class:`_TermsCall` (keys ``"inner." + name``).
+    state for :func:`torch.func.functional_call` on a :class:`TermsCall` (keys ``"inner." + name``).
     ``params`` (name → tensor) stands in for the live value of the parameters it names.
     """
     names: list[str] = []
@@ -198,8 +218,8 @@ def evaluate_terms(
         if unknown:
             raise ValueError(f"`params` must name parameters of the module, got unknown names {unknown[:5]!r}.")
     names, leaves, state = detached_state(module, target, params)
-    used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
-    wrapper = _TermsCall(module, fn)
+    used = str(target if target is not None else native_dtype(module)).replace("torch.", "")
+    wrapper = TermsCall(module, fn)
     with torch.enable_grad(), audit_passes(), watch if watch is not None else contextlib.nullcontext():
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
     validate_terms(terms)  # the contract is checked here, not at construction inside the training step
@@ -218,40 +238,40 @@ def compute_dtype_now(module: nn.Module) -> Optional[str]:
 def precision_watch(module: nn.Module, dtype: DTypeSpec) -> PrecisionWatch:
     """A :class:`~lens_callbacks.credit.precision.PrecisionWatch` that knows the audit's own dtype (ops in it, or
     finer, are passed over at once)."""
-    return PrecisionWatch(resolve_dtype(dtype) or _native_dtype(module))
+    return PrecisionWatch(resolve_dtype(dtype) or native_dtype(module))
 
 
-def _native_dtype(module: nn.Module) -> torch.dtype:
+def native_dtype(module: nn.Module) -> torch.dtype:
     for p in module.parameters():
         if p.is_floating_point():
             return p.dtype
     return torch.get_default_dtype()
 
 
-def _grad(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> list[torch.Tensor]:
+def leaf_grads(loss: torch.Tensor, leaves: Sequence[torch.Tensor], retain: bool) -> list[torch.Tensor]:
     if not loss.requires_grad:
         return [torch.zeros_like(x) for x in leaves]
     gs = torch.autograd.grad(loss, leaves, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, gs)]
 
 
-def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+def flat_dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """``<a, b>`` over parameter lists, every product in float64 (block by block: no float64 copy of a parameter)."""
     xs = [dot64(x, y) for x, y in zip(a, b)]
     return float(torch.stack([x.cpu() for x in xs]).sum()) if xs else 0.0
 
 
-def _sqnorm(a: Sequence[torch.Tensor]) -> float:
-    return _dot(a, a)
+def sq_norm(a: Sequence[torch.Tensor]) -> float:
+    return flat_dot(a, a)
 
 
-def _diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+def flat_diff_norm(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """``‖a − b‖`` over parameter lists, the differences in the wider dtype, their squares summed in float64."""
     xs = [diff_sq64(x, y) for x, y in zip(a, b)]
     return math.sqrt(float(torch.stack([x.cpu() for x in xs]).sum())) if xs else 0.0
 
 
-def _partition_name(spec: Any) -> str:
+def partition_label(spec: Any) -> str:
     if isinstance(spec, str):
         return spec
     if isinstance(spec, Partition):
@@ -259,7 +279,7 @@ def _partition_name(spec: Any) -> str:
     return getattr(spec, "__name__", type(spec).__name__)
 
 
-def _onto(
+def dots_onto(
     leaves: Sequence[torch.Tensor], vec: Optional[Sequence[Optional[torch.Tensor]]], name: str = "project_onto"
 ) -> Optional[list[torch.Tensor]]:
     if vec is None:
@@ -283,12 +303,12 @@ def _onto(
     return out
 
 
-def _gram(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
+def gram_of(parts: Sequence[Sequence[torch.Tensor]]) -> tuple[tuple[float, ...], ...]:
     """``<g_S, g_S'>`` of kept parts, summed parameter by parameter in float64."""
-    return tuple(tuple(_dot(a, b) for b in parts) for a in parts)
+    return tuple(tuple(flat_dot(a, b) for b in parts) for a in parts)
 
 
-def _grad_match(
+def grad_match_to(
     module: nn.Module,
     names: Sequence[str],
     reference_grads: Any,
@@ -298,7 +318,7 @@ def _grad_match(
     """``||g_full − ref|| / ||g_full||`` against ``reference_grads`` (None when there is nothing to compare)."""
     if reference_grads is None:
         return None
-    ref = _reference(module, names, reference_grads)
+    ref = reference_parts(module, names, reference_grads)
     if ref is None:
         return None
     if not (full_norm > 0 and math.isfinite(full_norm)):
@@ -315,7 +335,7 @@ def _grad_match(
     return math.sqrt(float(torch.stack(sq).sum())) / full_norm if sq else 0.0
 
 
-def _reference(
+def reference_parts(
     module: nn.Module,
     names: Sequence[str],
     ref: Union[str, Mapping[str, torch.Tensor], Sequence[Optional[torch.Tensor]]],

@@ -492,7 +492,7 @@ class LensGRPOMixin:
         return report_accumulated(
             [r.rider for r in rides],
             first.partition_fn,
-            partition_name=_partition_name(first.cb.partition),
+            partition_name=partition_label(first.cb.partition),
             readings=first.readings,
             keep_grads=first.keep_grads,
         )
@@ -533,7 +533,7 @@ class LensGRPOMixin:
             return broken
         return ride.rider.report(
             ride.partition_fn,
-            partition_name=_partition_name(ride.cb.partition),
+            partition_name=partition_label(ride.cb.partition),
             readings=ride.readings,
             keep_grads=ride.keep_grads,
         )
@@ -835,7 +835,7 @@ class LensGRPOMixin:
         return terms, mask.bool(), completion_ids
 
 
-def _partition_name(spec: Any) -> str:
+def partition_label(spec: Any) -> str:
     return spec if isinstance(spec, str) else getattr(spec, "__name__", type(spec).__name__)
 
 

@@ -530,12 +530,12 @@ def test_skipping_the_compile_guard_fails_the_matrix_under_inductor(monkeypatch)
 def test_terms_scaled_in_the_audit_only_fail_the_matrix(monkeypatch):
     from lens_callbacks.credit import primitives
 
-    real = primitives._TermsCall.forward
+    real = primitives.TermsCall.forward
 
     def scaled(self, batch):
         t = real(self, batch)
         return replace(t, terms=t.terms * 1.01)
 
-    monkeypatch.setattr(primitives._TermsCall, "forward", scaled)
+    monkeypatch.setattr(primitives.TermsCall, "forward", scaled)
     found = check(replace(MODES[0], name="planted_scaled_terms", bitwise=False))
     assert any("full_grad_norm" in p for p in found), found

@@ -50,13 +50,13 @@ from torch import nn
 from ..inputs.partition import Partition, PartitionFn, apply_partition, position_parts, resolve_partition
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from ..primitives import (
-    _grad_match,
-    _onto,
-    _partition_name,
-    _preserved_rng,
     compute_dtype_now,
+    dots_onto,
     evaluate_terms,
+    grad_match_to,
+    partition_label,
     precision_watch,
+    preserved_rng,
 )
 from ..report import CreditGrads, CreditReport, PositionSplit, share_readings
 from . import READINGS
@@ -854,7 +854,7 @@ def disintegrate_ghost(
         )
     spec = resolve_partition(partition)
     cap = RowCapture(module)
-    with _preserved_rng(module, preserve_rng):
+    with preserved_rng(module, preserve_rng):
         cap.install()
         cap.active = True
         try:
@@ -864,8 +864,8 @@ def disintegrate_ghost(
                 compute = watch.coarser_than(used)
         finally:
             cap.remove()
-        onto = _onto(leaves, project_onto)
-        given = _onto(leaves, full_grad, "full_grad") if full_grad is not None else None
+        onto = dots_onto(leaves, project_onto)
+        given = dots_onto(leaves, full_grad, "full_grad") if full_grad is not None else None
         if given is not None:
             given = [g.to(x.dtype) for g, x in zip(given, leaves)]
         part = apply_partition(spec, terms)
@@ -874,7 +874,7 @@ def disintegrate_ghost(
         rp, spans = layout(part, B)
         if rp is None:
             raise NotRowSeparable(
-                f"`partition` ({_partition_name(partition)}) puts positions of one row in different parts; the "
+                f"`partition` ({partition_label(partition)}) puts positions of one row in different parts; the "
                 "one-pass engine needs parts that are unions of whole rows (or spans of rows, Partition.positions). "
                 "Use engine='reference' (or 'jvp')."
             )
@@ -894,7 +894,7 @@ def disintegrate_ghost(
     full_sq = _sum_sq(g_full)
     grad_match = None
     if reference_grads is not None and given is None:
-        grad_match = _grad_match(module, names, reference_grads, g_full, math.sqrt(full_sq))
+        grad_match = grad_match_to(module, names, reference_grads, g_full, math.sqrt(full_sq))
     return build_report(
         reduced,
         names,
@@ -904,7 +904,7 @@ def disintegrate_ghost(
         dtype=used,
         n_trained=terms.n_trained,
         loss=float(loss.detach()),
-        partition=_partition_name(partition),
+        partition=partition_label(partition),
         engine="ghost" if given is None else "ghost+grad",
         keep_grads=keep_grads,
         onto=onto,

@@ -34,21 +34,21 @@ from ..inputs.terms import CreditTerms, validate_terms
 from ..precision import PrecisionWatch
 from ..primitives import (
     DTypeSpec,
-    _diff_norm,
-    _dot,
-    _grad,
-    _grad_match,
-    _native_dtype,
-    _onto,
-    _partition_name,
-    _preserved_rng,
-    _rng_devices,
-    _sqnorm,
-    _TermsCall,
+    TermsCall,
     audit_passes,
+    dots_onto,
     evaluate_terms,
+    flat_diff_norm,
+    flat_dot,
+    grad_match_to,
+    leaf_grads,
+    native_dtype,
+    partition_label,
     precision_watch,
+    preserved_rng,
     resolve_dtype,
+    rng_devices,
+    sq_norm,
 )
 from ..report import CreditReport
 from .attention import AttentionDropoutError, ForwardAttention
@@ -63,14 +63,14 @@ class ForwardADUnsupportedError(RuntimeError):
 
 
 def _rng_snapshot(module: nn.Module) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
-    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in _rng_devices(module)]
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in rng_devices(module)]
 
 
 @contextlib.contextmanager
 def _replayed_rng(module: nn.Module, snapshot: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]) -> Iterator[None]:
     # The tangent pass must draw the dropout masks the backward's forward drew, and leave the stream as it found it.
     cpu, cuda = snapshot
-    with torch.random.fork_rng(devices=_rng_devices(module)):
+    with torch.random.fork_rng(devices=rng_devices(module)):
         torch.set_rng_state(cpu)
         for d, s in cuda:
             torch.cuda.set_rng_state(s, d)
@@ -155,7 +155,7 @@ def terms_jvp(
                 ForwardAttention(),
             ):
                 # forward AD needs no graph: activations are freed as the pass goes; sdpa takes its rule (attention.py)
-                terms = torch.func.functional_call(_TermsCall(module, fn), state, (batch,), strict=False)
+                terms = torch.func.functional_call(TermsCall(module, fn), state, (batch,), strict=False)
         except AttentionDropoutError as err:
             raise ForwardADUnsupportedError(str(err)) from err
         except (NotImplementedError, RuntimeError) as err:
@@ -292,7 +292,7 @@ def disintegrate_jvp(
     context = forward_context if forward_context is not None else contextlib.nullcontext
     target = resolve_dtype(dtype)
     names = [n for n, p in module.named_parameters() if p.requires_grad]
-    with _preserved_rng(module, preserve_rng):
+    with preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
         sq: list[float] = []
         running: Optional[list[torch.Tensor]] = None
@@ -308,7 +308,7 @@ def disintegrate_jvp(
                 loss = terms.terms.sum()
                 if full_grad is None:
                     # g_full by its own backward: the tangent pass then projects every part on it at once.
-                    g_full = _grad(loss, leaves, retain=exact_norms)
+                    g_full = leaf_grads(loss, leaves, retain=exact_norms)
                 else:
                     g_full = _given(leaves, full_grad)
                 if exact_norms:
@@ -316,8 +316,8 @@ def disintegrate_jvp(
                     running = [torch.zeros_like(g) for g in g_full]
                     for i in range(part.n_parts):
                         loss_i = terms.terms.masked_select(ids == i).sum()
-                        g_i = _grad(loss_i, leaves, retain=i < part.n_parts - 1)
-                        sq.append(_sqnorm(g_i))
+                        g_i = leaf_grads(loss_i, leaves, retain=i < part.n_parts - 1)
+                        sq.append(sq_norm(g_i))
                         for r, g in zip(running, g_i):
                             r.add_(g)
                         del g_i
@@ -326,9 +326,9 @@ def disintegrate_jvp(
         else:
             like = [p for p in module.parameters() if p.requires_grad]
             g_full = _given(like, full_grad, target)
-            used = str(target if target is not None else _native_dtype(module)).replace("torch.", "")
+            used = str(target if target is not None else native_dtype(module)).replace("torch.", "")
             compute, loss_value, n_trained = None, float("nan"), 0
-        onto = _onto(g_full, project_onto)
+        onto = dots_onto(g_full, project_onto)
         direction = g_full if onto is None else onto
         with _replayed_rng(module, start), context():
             watch = precision_watch(module, dtype)
@@ -347,10 +347,10 @@ def disintegrate_jvp(
             "before: it must be a deterministic function of the batch and the parameters."
         )
     dots = part_sums(tangent, part)
-    full_sq = _sqnorm(g_full)
+    full_sq = sq_norm(g_full)
     full_norm = math.sqrt(full_sq)
-    den = full_sq if onto is None else _sqnorm(onto)  # ‖v‖²: the shares' denominator
-    expected = full_sq if onto is None else _dot(g_full, onto)  # what Σ_S <g_S, v> must come to
+    den = full_sq if onto is None else sq_norm(onto)  # ‖v‖²: the shares' denominator
+    expected = full_sq if onto is None else flat_dot(g_full, onto)  # what Σ_S <g_S, v> must come to
     gap = abs(math.fsum(dots) - expected)
     norm = den if onto is None else math.sqrt(den) * full_norm
     nan = float("nan")
@@ -377,18 +377,18 @@ def disintegrate_jvp(
         assert running is not None
         if reason is None and full_norm > 0:
             cancellation = norm_total / full_norm
-            conservation = max(conservation, _diff_norm(running, g_full) / full_norm)
+            conservation = max(conservation, flat_diff_norm(running, g_full) / full_norm)
             scale = max(scale or 0.0, cancellation)
         else:
             cancellation = nan
             if math.isfinite(full_sq):
-                conservation = max(conservation, _diff_norm(running, g_full))
+                conservation = max(conservation, flat_diff_norm(running, g_full))
     else:
         part_norm = tuple(nan for _ in dots)
         norm_share = part_norm
         cancellation = nan
 
-    grad_match = None if full_grad is not None else _grad_match(module, names, reference_grads, g_full, full_norm)
+    grad_match = None if full_grad is not None else grad_match_to(module, names, reference_grads, g_full, full_norm)
 
     return CreditReport(
         part_names=part.names,
@@ -402,7 +402,7 @@ def disintegrate_jvp(
         n_trained=n_trained,
         full_grad_norm=full_norm,
         loss=loss_value,
-        partition=_partition_name(partition),
+        partition=partition_label(partition),
         reason=reason,
         engine="jvp" if full_grad is None else "jvp+grad",
         readings=readings,

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ...refusal import Refusal
-from ..engine import DTypeSpec, _native_dtype, _partition_name, _TermsCall, disintegrate, resolve_dtype
+from ..engine import DTypeSpec, TermsCall, disintegrate, native_dtype, partition_label, resolve_dtype
 from ..engines.reductions import dot64
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from ..inputs.terms import CreditTerms
@@ -273,14 +273,14 @@ def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[tor
 # ---- the probe objective and its gradient -------------------------------------------------------
 
 
-def _rng_devices(module: nn.Module) -> list[int]:
+def rng_devices(module: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
 
 
 @contextlib.contextmanager
 def _seeded(module: nn.Module, seed: Optional[int]) -> Iterator[None]:
     """Run under a forked random stream, seeded so that every evaluation of the probe draws alike."""
-    with torch.random.fork_rng(devices=_rng_devices(module)):
+    with torch.random.fork_rng(devices=rng_devices(module)):
         if seed is not None:
             torch.manual_seed(seed)
         yield
@@ -319,7 +319,7 @@ def probe_value_and_grad(
     _, leaves, state = detached_state(module, resolve_dtype(dtype), params, requires_grad=grad)
     with _seeded(module, seed), torch.set_grad_enabled(grad):
         with forward_context() if forward_context is not None else contextlib.nullcontext(), audit_passes():
-            out = torch.func.functional_call(_TermsCall(module, probe), state, (batch,), strict=False)
+            out = torch.func.functional_call(TermsCall(module, probe), state, (batch,), strict=False)
         loss = _scalar_of(out, "the probe objective")
         value = float(loss.detach())
         if not grad:
@@ -649,7 +649,7 @@ def probe_credit(
     for name, xs in (("probe_grad", probe_grad), ("update.coeff", update.coeff)):
         if len(xs) != len(trainable):
             raise ValueError(f"`{name}` must hold one entry per trainable parameter ({len(trainable)}), got {len(xs)}.")
-    target = resolve_dtype(dtype) or _native_dtype(module)
+    target = resolve_dtype(dtype) or native_dtype(module)
     for gp, p in zip(probe_grad, trainable):
         if tuple(gp.shape) != tuple(p.shape):
             raise ValueError(
@@ -661,7 +661,7 @@ def probe_credit(
     ]
     onto_sq = _sum64(dot64(v, v, exact=False) for v in onto)
     spec = resolve_partition(partition)
-    name = _partition_name(partition)
+    name = partition_label(partition)
     recorder = RecordingPartition(spec, name)
     applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
     # The step's own gradient is g_full when this batch's gradient is what the optimizer applies (one process,

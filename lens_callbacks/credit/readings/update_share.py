@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from ..engine import DTypeSpec, _dot, _grad, _partition_name, _preserved_rng, _sqnorm, evaluate_terms
+from ..engine import DTypeSpec, evaluate_terms, flat_dot, leaf_grads, partition_label, preserved_rng, sq_norm
 from ..engines.jvp import _replayed_rng, _rng_snapshot, part_sums, terms_jvp
 from ..inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from ..inputs.terms import CreditTerms
@@ -196,13 +196,13 @@ def update_shares(
     missing = [n for n in trainable if n not in after]
     if missing:
         raise ValueError(f"`theta_after` must hold every trainable parameter, got none for {missing[:5]!r}.")
-    with _preserved_rng(module, preserve_rng):
+    with preserved_rng(module, preserve_rng):
         start = _rng_snapshot(module)
         terms, names, leaves, used = evaluate_terms(module, batch, dtype, terms_fn, params=theta_before)
         part = apply_partition(spec, terms)
         n_trained = terms.n_trained
         with torch.enable_grad():
-            g = _grad(terms.terms.sum(), leaves, retain=False)
+            g = leaf_grads(terms.terms.sum(), leaves, retain=False)
         del terms, leaves
         # Δθ in float64 first: a difference of rounded parameters loses most of its digits in float32.
         delta = {
@@ -213,9 +213,9 @@ def update_shares(
             _, tangent = terms_jvp(module, batch, delta, dtype, terms_fn, params=theta_before)
     dots = part_sums(tangent, part)
     dvec = [delta[n] for n in names]
-    full = _dot(g, dvec)
-    gnorm = math.sqrt(_sqnorm(g))
-    unorm = math.sqrt(_sqnorm(dvec))
+    full = flat_dot(g, dvec)
+    gnorm = math.sqrt(sq_norm(g))
+    unorm = math.sqrt(sq_norm(dvec))
     gap = abs(math.fsum(dots) - full)
     nan = float("nan")
     reason: Optional[str] = None
@@ -242,6 +242,6 @@ def update_shares(
         conservation_error=conservation,
         dtype=used,
         n_trained=n_trained,
-        partition=_partition_name(partition),
+        partition=partition_label(partition),
         reason=reason,
     )
