@@ -108,6 +108,75 @@ def test_grouped_kv_heads_and_keys_longer_than_queries(chunk):
     assert float((o - F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)).abs().max()) <= TOL
 
 
+def _window(L, S, width):
+    """A sliding window: query i attends keys i - width < j <= i (whole blocks of keys drop out at both ends)."""
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return (j <= i) & (j > i - width)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_masks_that_leave_out_whole_key_ranges_and_per_head_masks_under_grouped_heads(chunk):
+    # per-head boolean mask [B, Hq, L, S] with grouped KV heads; a 2-D window; an additive per-head mask
+    prim, tan = inputs(Hq=6, Hkv=2, L=13, S=13)
+    g = torch.Generator().manual_seed(5)
+    per_head = (torch.rand(2, 6, 13, 13, generator=g) > 0.4) & _window(13, 13, 6)
+    per_head[..., 0] = True
+    additive = torch.randn(2, 6, 13, 13, generator=g, dtype=torch.float64).masked_fill(~per_head, float("-inf"))
+    for mask in (per_head, _window(13, 13, 4), additive):
+        o_ref, t_ref = reference_jvp(prim, tan, mask=mask, enable_gqa=True)
+        o, t = rule_jvp(prim, tan, chunk, attn_mask=mask, enable_gqa=True)
+        assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_an_additive_mask_with_its_own_tangent(chunk):
+    prim, tan = inputs(L=9, S=9)
+    g = torch.Generator().manual_seed(6)
+    mask, dmask = (torch.randn(2, 4, 9, 9, generator=g, dtype=torch.float64) for _ in range(2))
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, t) for p, t in zip(prim, tan)]
+        ref = fwAD.unpack_dual(eager(*duals, mask=fwAD.make_dual(mask, dmask)))
+        o_ref, t_ref = ref.primal.clone(), ref.tangent.clone()
+    o, t = attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], mask, dmask, chunk=chunk)
+    assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
+    # the mask's tangent alone
+    zeros = [torch.zeros_like(x) for x in prim]
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(p, z) for p, z in zip(prim, zeros)]
+        t_ref = fwAD.unpack_dual(eager(*duals, mask=fwAD.make_dual(mask, dmask))).tangent.clone()
+    _, t = attention_jvp(prim[0], None, prim[1], None, prim[2], None, mask, dmask, chunk=chunk)
+    assert float((t - t_ref).abs().max()) <= TOL
+
+
+class _MatmulWork(TorchDispatchMode):
+    """Multiply-adds of the matrix products run inside (bmm and mm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.macs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.baddbmm_.default):
+            a, b = args[-2], args[-1]
+            self.macs += a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_causal_block_reads_no_key_after_its_last_query():
+    # the causal rule skips the keys after each block's last query: about half the products of the full scores
+    prim, tan = inputs(B=1, Hq=2, Hkv=2, L=64, S=64, E=8, Ev=8)
+    work = {}
+    for causal in (False, True):
+        w = _MatmulWork()
+        with w:
+            attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], is_causal=causal, chunk=8)
+        work[causal] = w.macs
+    full = 1 * 2 * 64 * 64 * 8 * 6  # s·QKᵀ, s·Q̇Kᵀ, s·QK̇ᵀ, PV, PV̇, (P∘Ṡ)V over every key
+    assert work[False] == full
+    assert work[True] == full * sum(min(64, a + 8) for a in range(0, 64, 8)) // (8 * 64)  # keys [0, b) per block
+    assert work[True] < 0.6 * full
+
+
 def test_only_some_inputs_carry_a_tangent():
     (q, k, v), (dq, dk, dv) = inputs()
     for which in ("q", "k", "v"):

@@ -13,15 +13,19 @@ queries at a time:
 Every line is row-wise in the queries, so a block of ``chunk`` queries needs only its own ``[chunk, S]``
 slice of the scores: the peak is ``O(B·H·chunk·S)``, never ``[B, H, L, S]``. ``is_causal`` (top-left
 aligned, as torch's), boolean masks (True = attend), additive float masks, ``scale`` and grouped KV heads
-(``enable_gqa``) are covered; a row with nothing to attend to gives zeros, as torch's math kernel does.
-Calls without tangents go to torch unchanged. Attention dropout is refused by name
+(``enable_gqa``: the query heads of one KV head are read against it together, K and V never repeated) are
+covered; a row with nothing to attend to gives zeros, as torch's math kernel does. Calls without tangents
+go to torch unchanged. Attention dropout is refused by name
 (:class:`~lens_callbacks.credit.engines.jvp.ForwardADUnsupportedError`): its mask cannot be replayed.
 
-Cost per call: ``3·B·H·L·S·E`` multiply-adds for the scores and their tangent (``QKᵀ``, ``Q̇Kᵀ``, ``QK̇ᵀ``),
-``3·B·H·L·S·Ev`` for the outputs (``PV``, ``ṖV``, ``PV̇``) — 3 times the primal attention's ``2·B·H·L·S·E``
-(a causal mask is applied, not skipped) — in ``⌈L/chunk⌉`` blocks. Each block also takes about 16
-elementwise ops over its ``[chunk, S]`` scores (scaling, masking, the softmax and its tangent), so at long
-``S`` the rule is bound by memory traffic.
+Cost per call: a block reads only the keys ``[lo, hi)`` some query of it attends to (under ``is_causal``
+none after its last query, so about half the keys over the blocks; a boolean or ``-inf`` mask trims its
+leading and trailing keys too). Over those keys, ``3·B·H·L·S'·E`` multiply-adds for the scores and their
+tangent (``QKᵀ``, then ``Q̇Kᵀ + QK̇ᵀ`` accumulated into one buffer) and ``3·B·H·L·S'·Ev`` for the outputs
+(``PV``, ``PV̇`` and ``(P ∘ Ṡ)V``, with ``ṖV = (P ∘ Ṡ)V − rowsum(P ∘ Ṡ) O``): 3 times the primal
+attention's. Each block takes six passes over its scores (max, subtract, exp, sum, ``P ∘ Ṡ`` and its
+sum; the scale is folded into the queries and the softmax's normalisation into the ``[chunk, Ev]``
+outputs), so at long ``S`` the rule is bound by memory traffic.
 
 Pure torch; never imports lightning.
 """
@@ -49,12 +53,6 @@ class AttentionDropoutError(RuntimeError):
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     primal, tangent = fwAD.unpack_dual(x)
     return primal, tangent
-
-
-def _repeat_heads(x: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    if x is None or n == 1:
-        return x
-    return x.repeat_interleave(n, dim=-3)
 
 
 def attention_jvp(
@@ -87,62 +85,101 @@ def attention_jvp(
         True
     """
     Hq, Hkv = q.shape[-3], k.shape[-3]
-    if Hq != Hkv:
-        if not enable_gqa or Hq % Hkv:
-            raise ValueError(
-                f"query heads ({Hq}) and key/value heads ({Hkv}) differ: pass enable_gqa=True with Hq a multiple of Hkv."
-            )
-        r = Hq // Hkv
-        k, dk, v, dv = _repeat_heads(k, r), _repeat_heads(dk, r), _repeat_heads(v, r), _repeat_heads(dv, r)
-    L, S = q.shape[-2], k.shape[-2]
-    s = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    lead = q.shape[:-2]  # [..., H]
+    if Hq != Hkv and (not enable_gqa or Hq % Hkv):
+        raise ValueError(
+            f"query heads ({Hq}) and key/value heads ({Hkv}) differ: pass enable_gqa=True with Hq a multiple of Hkv."
+        )
+    r = Hq // Hkv  # query heads per KV head, grouped onto it: K and V are never repeated
+    L, S, E, Ev = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+    s = float(scale) if scale is not None else 1.0 / math.sqrt(E)
+    lead = tuple(q.shape[:-3])
+    n = math.prod(lead) * Hkv
     if chunk is None:
-        per_query = max(1, math.prod(lead) * S)
-        chunk = max(1, min(L, block_elements // per_query))
+        chunk = max(1, min(L, block_elements // max(1, n * r * S)))
     if mask is not None and mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        dmask = None
-    kT = k.transpose(-2, -1)  # [..., E, S]
-    dkT = dk.transpose(-2, -1) if dk is not None else None
+        dmask = None  # a boolean mask has no tangent
+
+    def grouped(x: torch.Tensor, d: int) -> torch.Tensor:  # [..., Hq, l, d] -> [n, r, l, d]
+        return x.reshape(n, r, x.shape[-2], d)
+
+    def flat(x: Optional[torch.Tensor], d: int) -> Optional[torch.Tensor]:  # [..., Hkv, S, d] -> [n, S, d]
+        return None if x is None else x.reshape(n, S, d)
+
+    q3, dq3 = grouped(q, E), (grouped(dq, E) if dq is not None else None)
+    k3, dk3, v3, dv3 = flat(k, E), flat(dk, E), flat(v, Ev), flat(dv, Ev)
     outs, tans = [], []
-    cols = torch.arange(S, device=q.device)
     for a in range(0, L, chunk):
         b = min(L, a + chunk)
-        qc = q[..., a:b, :]  # [..., c, E]
-        scores = torch.matmul(qc, kT) * s  # [..., c, S]
-        dscores = None
-        if dq is not None:
-            dscores = torch.matmul(dq[..., a:b, :], kT) * s
-        if dkT is not None:
-            t = torch.matmul(qc, dkT) * s
-            dscores = t if dscores is None else dscores + t
+        c = b - a
+        m = None
         if mask is not None:
             m = mask.expand(*mask.shape[:-2], L, S)[..., a:b, :] if mask.shape[-2] == 1 else mask[..., a:b, :]
-            scores = scores + m
-            if dmask is not None:
-                dm = dmask.expand(*dmask.shape[:-2], L, S)[..., a:b, :] if dmask.shape[-2] == 1 else dmask[..., a:b, :]
-                dscores = dm if dscores is None else dscores + dm
-        if is_causal:
-            keep = cols[None, :] <= torch.arange(a, b, device=q.device)[:, None]  # [c, S], top-left aligned
-            scores = scores.masked_fill(~keep, float("-inf"))
-        # a row with nothing to attend to reads zeros (torch's math kernel does the same)
+        # the keys some query of the block can attend to, [lo, hi): a causal block needs none after its last query
+        lo, hi = 0, (min(S, b) if is_causal else S)
+        live = None
+        if m is not None and m.dtype == torch.bool:
+            live = m[..., :hi].reshape(-1, hi).any(0)  # [hi]
+        elif m is not None and dmask is None:
+            live = (m[..., :hi] > float("-inf")).reshape(-1, hi).any(0)  # [hi]
+        if live is not None:
+            idx = live.nonzero()
+            lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
+        if hi <= lo:  # no query of the block attends to anything: zeros, as torch's math kernel gives
+            outs.append(q.new_zeros(*lead, Hq, c, Ev))
+            tans.append(q.new_zeros(*lead, Hq, c, Ev))
+            continue
+        w = hi - lo
+        view = (*lead, Hkv, r, c, w)  # the scores as [..., Hkv, r, c, S'], for masks that broadcast over heads
+        qc = (q3[:, :, a:b] * s).reshape(n, r * c, E)  # [n, r·c, E], the scale folded in
+        scores = torch.bmm(qc, k3[:, lo:hi].transpose(1, 2))  # [n, r·c, S']
+        dscores = None  # s·(Q̇Kᵀ + QK̇ᵀ), accumulated in place
+        if dq3 is not None:
+            dscores = torch.bmm((dq3[:, :, a:b] * s).reshape(n, r * c, E), k3[:, lo:hi].transpose(1, 2))
+        if dk3 is not None:
+            dkT = dk3[:, lo:hi].transpose(1, 2)
+            dscores = torch.bmm(qc, dkT) if dscores is None else dscores.baddbmm_(qc, dkT)
+        if m is not None:
+            mb = _grouped(m[..., lo:hi], Hkv, r)
+            if mb.dtype == torch.bool:
+                scores.view(view).masked_fill_(~mb, float("-inf"))
+            else:
+                scores.view(view).add_(mb)
+                if dmask is not None:
+                    dm = dmask.expand(*dmask.shape[:-2], L, S) if dmask.shape[-2] == 1 else dmask
+                    dmb = _grouped(dm[..., a:b, lo:hi], Hkv, r)
+                    if dscores is None:
+                        dscores = dmb.expand(view).reshape(n, r * c, w).clone()
+                    else:
+                        dscores.view(view).add_(dmb)
+        if is_causal and hi > a + 1:
+            # only the block's own diagonal square holds keys after a query (key j > query i, i in [a, b))
+            j0 = max(a + 1, lo)
+            after = torch.arange(j0, hi, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
+            scores.view(n, r, c, w)[..., j0 - lo :].masked_fill_(after, float("-inf"))
         top = scores.amax(dim=-1, keepdim=True)
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        e = torch.exp(scores - top)
+        e = scores.sub_(top).exp_()  # P unnormalised, in place of the scores
         z = e.sum(dim=-1, keepdim=True)
-        p = torch.where(z > 0, e / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(e))  # [..., c, S]
-        outs.append(torch.matmul(p, v))
-        tan = None
+        inv = torch.where(z > 0, 1.0 / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(z))  # [n, r·c, 1]
+        out = torch.bmm(e, v3[:, lo:hi]).mul_(inv)  # P V  [n, r·c, Ev]
+        tan = torch.bmm(e, dv3[:, lo:hi]).mul_(inv) if dv3 is not None else None  # P V̇
         if dscores is not None:
-            dscores = torch.where(p > 0, dscores, torch.zeros_like(dscores))  # masked entries: P = 0, Ṗ = 0
-            dp = p * (dscores - (p * dscores).sum(dim=-1, keepdim=True))
-            tan = torch.matmul(dp, v)
-        if dv is not None:
-            t = torch.matmul(p, dv)
-            tan = t if tan is None else tan + t
-        tans.append(tan if tan is not None else torch.zeros_like(outs[-1]))
+            if dmask is not None:
+                dscores = torch.where(e > 0, dscores, torch.zeros_like(dscores))  # masked entries: P = 0, Ṗ = 0
+            pd = dscores.mul_(e)  # P ∘ Ṡ, unnormalised
+            rr = pd.sum(dim=-1, keepdim=True).mul_(inv)  # rowsum(P ∘ Ṡ)
+            t = torch.bmm(pd, v3[:, lo:hi]).mul_(inv).sub_(rr * out)  # Ṗ V = (P ∘ Ṡ) V − rowsum(P ∘ Ṡ) O
+            tan = t if tan is None else tan.add_(t)
+        outs.append(out.reshape(*lead, Hq, c, Ev))
+        tans.append(tan.reshape(*lead, Hq, c, Ev) if tan is not None else torch.zeros_like(outs[-1]))
     return torch.cat(outs, dim=-2), torch.cat(tans, dim=-2)
+
+
+def _grouped(m: torch.Tensor, n_kv: int, r: int) -> torch.Tensor:
+    """A mask block ``[..., Hq or 1, c, S]`` laid out as the grouped scores ``[..., Hkv, r, c, S]`` (broadcasting)."""
+    if m.dim() >= 3 and m.shape[-3] != 1:
+        return m.unflatten(-3, (n_kv, r))
+    return m.unsqueeze(-3)
 
 
 _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever F's attribute points at
