@@ -12,6 +12,8 @@ module's forward to have a forward-mode derivative. ``scaled_dot_product_attenti
 :mod:`.attention` while the pass runs (torch's fused kernels have none), so transformers' default
 ``sdpa`` attention, ``nn.MultiheadAttention`` and eager attention are covered; another fused kernel
 (``flash_attention_2``, flex attention) is a :class:`ForwardADUnsupportedError` naming the fix.
+``linear`` and ``log_softmax`` take the memory-frugal rules of :mod:`.forward_rules`, so the pass peaks
+below the training step on a vocabulary-wide head.
 
 What this cannot do: it gives ``<g_S, g_full>`` and not ``‖g_S‖``. With ``readings="projected"``
 ``norm_share``, ``part_norm`` and ``cancellation`` are NaN (the shares themselves are defined, so the
@@ -51,7 +53,8 @@ from ..primitives import (
     sq_norm,
 )
 from ..report import CreditReport
-from .attention import AttentionDropoutError, ForwardAttention
+from .attention import AttentionDropoutError
+from .forward_rules import ForwardRules
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -152,9 +155,10 @@ def terms_jvp(
                 torch.no_grad(),
                 audit_passes(),
                 watch if watch is not None else contextlib.nullcontext(),
-                ForwardAttention(),
+                ForwardRules(),
             ):
-                # forward AD needs no graph: activations are freed as the pass goes; sdpa takes its rule (attention.py)
+                # forward AD needs no graph: activations are freed as the pass goes; sdpa, linear and
+                # log_softmax take their rules (attention.py, forward_rules.py)
                 terms = torch.func.functional_call(TermsCall(module, fn), state, (batch,), strict=False)
         except AttentionDropoutError as err:
             raise ForwardADUnsupportedError(str(err)) from err
