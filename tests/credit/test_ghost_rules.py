@@ -417,3 +417,41 @@ def test_ride_along_with_a_tied_embedding_is_bitwise_neutral_over_20_steps():
     for (n, p), (_, q) in zip(plain.named_parameters(), audited.named_parameters()):
         assert torch.equal(p, q), n
     assert all(len(mod._forward_hooks) == 0 for mod in audited.modules())
+
+
+# ---- rules match layers by type; names and shapes only as the documented fallback ------------------------
+
+
+def test_transformers_layers_are_matched_by_type_and_a_subclass_with_its_own_forward_is_not():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.pytorch_utils import Conv1D
+
+    from lens_callbacks.credit.engines.rules.norms import _known_rmsnorm
+
+    assert find_rule(Conv1D(8, 4)).name == "conv1d"
+    assert find_rule(LlamaRMSNorm(8)).name == "rmsnorm" and _known_rmsnorm(LlamaRMSNorm(8))
+
+    class Conv1DScaled(Conv1D):  # another layer: its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    Conv1DScaled.__name__ = "Conv1D"  # the old name match would have taken it
+    assert find_rule(Conv1DScaled(8, 4)) is None
+    assert transformers.pytorch_utils.Conv1D is Conv1D
+
+
+def test_the_name_fallback_covers_a_copy_of_a_layer_from_another_library():
+    class MyRMSNorm(nn.Module):  # weight * x / rms(x), named as the heuristic expects
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    class GemmaRMSNorm(MyRMSNorm):  # (1 + weight) * …: not this rule's arithmetic
+        pass
+
+    assert find_rule(MyRMSNorm(4)).name == "rmsnorm"
+    assert find_rule(GemmaRMSNorm(4)) is None

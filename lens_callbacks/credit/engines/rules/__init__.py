@@ -19,13 +19,15 @@ with one :class:`Rule` subclass. Modules no rule covers have their parameters re
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Protocol
 
 import torch
 from torch import nn
 
 __all__ = [
     "Rule",
+    "Use",
+    "Rows",
     "Factors",
     "RULES",
     "register",
@@ -47,6 +49,47 @@ class Factors(NamedTuple):
     index: bool
 
 
+class Use(Protocol):
+    """One call of a covered layer, as a rule reads it (the one-pass engine's hooks capture it).
+
+    ``a`` is the layer's first input, detached (``[B, ..., d_in]``); ``b`` the gradient at its output
+    (``[B, ..., d_out]``, None until the backward reaches it); ``weight`` and ``bias`` the layer's
+    parameters of those names (None where it has none). A rule may keep more on the use in
+    :meth:`Rule.on_forward` (``xhat``: a norm layer's normalised input).
+    """
+
+    module: nn.Module
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    xhat: Optional[torch.Tensor]
+    capture: Any
+
+    @property
+    def a(self) -> Optional[torch.Tensor]: ...
+
+    @property
+    def b(self) -> Optional[torch.Tensor]: ...
+
+    def normalised(self) -> torch.Tensor:
+        """A norm layer's ``x̂`` (kept by :meth:`Rule.on_forward`, else formed again from ``a``)."""
+        ...
+
+
+class Rows(Protocol):
+    """The rows one chunk of parts holds, as :meth:`Rule.pieces` reads them.
+
+    ``rp`` ``[B]``: each row's chunk-local part (−1: not in the chunk); ``sel`` ``[r]``: the rows in the
+    chunk; ``dst`` ``[r]``: their chunk-local part; ``c``: the parts in the chunk; ``in_order``: one row
+    per part, in order (``by_rollout``), so a row's product is its part's piece.
+    """
+
+    rp: torch.Tensor
+    sel: torch.Tensor
+    dst: torch.Tensor
+    c: int
+    in_order: bool
+
+
 def rows_of(t: torch.Tensor, B: int) -> torch.Tensor:
     """``t`` seen as ``[B, n, d]`` (every leading dimension after the batch flattened into positions)."""
     return t.reshape(B, -1, t.shape[-1])  # [B, n, d]
@@ -63,8 +106,9 @@ class Rule:
 
     Subclasses set :attr:`name` (the report's ``coverage`` key) and override :meth:`matches` and the
     readings their parameters need: :meth:`factors` for a 2-d weight that is ``Σ_t L_t ⊗ R_t`` per row,
-    :meth:`pieces` for anything else. A use (``u``) carries ``u.module``, ``u.weight``, ``u.bias``,
-    ``u.a`` (the layer's first input, detached) and ``u.b`` (the gradient at its output).
+    :meth:`pieces` for anything else. Each reads a :class:`Use` (the layer's input ``a``, the gradient at
+    its output ``b``, its ``weight`` and ``bias``); :meth:`pieces` also the chunk's :class:`Rows`.
+    A worked example (a fused QKV projection) is in docs/engines.md.
     """
 
     name: str = "rule"
@@ -78,25 +122,25 @@ class Rule:
     def matches(self, mod: nn.Module) -> bool:
         raise NotImplementedError
 
-    def on_forward(self, use: Any, mod: nn.Module, x: torch.Tensor, capture: Any) -> None:
+    def on_forward(self, use: Use, mod: nn.Module, x: torch.Tensor, capture: Any) -> None:
         """Keep on ``use`` what the forward must give beyond the input (a norm layer's ``x̂`` under
         autocast). ``capture.quiet(fn, *args)`` runs ``fn`` with the capture's hooks silent."""
 
-    def factors(self, use: Any, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
+    def factors(self, use: Use, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
         """``param``'s per-row piece as factors on rows ``sel``, or None when it is not ``Lᵀ R``."""
         return None
 
-    def has_factors(self, use: Any, param: torch.Tensor) -> bool:
+    def has_factors(self, use: Use, param: torch.Tensor) -> bool:
         """Whether :meth:`factors` reads ``param`` (decided without the captured tensors)."""
         return False
 
-    def pieces(self, use: Any, param: torch.Tensor, rows: Any) -> torch.Tensor:
+    def pieces(self, use: Use, param: torch.Tensor, rows: Rows) -> torch.Tensor:
         """Per-part pieces ``[c, *param.shape]`` of the chunk ``rows`` (``rows.sel``: ``[r]`` rows in the
         chunk, ``rows.dst``: their chunk-local part, ``rows.c``: parts, ``rows.in_order``: one row per
         part in order, ``rows.rp``: ``[B]``)."""
         raise NotImplementedError(f"rule {self.name!r} forms no per-part pieces of {tuple(param.shape)}")
 
-    def positions(self, use: Any) -> int:
+    def positions(self, use: Use) -> int:
         """Positions per row of the use's output gradient."""
         b = use.b
         return int(b.numel() // (b.shape[0] * b.shape[-1])) if b is not None and b.numel() else 0
@@ -145,7 +189,7 @@ def rule_named(name: str) -> Optional[Rule]:
     return None
 
 
-def rule_of(use: Any) -> Rule:
+def rule_of(use: Use) -> Rule:
     """A captured use's rule (``use.handler``, else the registered rule named ``use.rule``)."""
     rule = getattr(use, "handler", None)
     if rule is None:

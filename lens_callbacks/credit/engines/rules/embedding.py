@@ -10,12 +10,12 @@ fallback reads them).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
-from . import Factors, Rule, forward_is, take
+from . import Factors, Rule, Use, forward_is, take
 
 
 class EmbeddingRule(Rule):
@@ -26,10 +26,10 @@ class EmbeddingRule(Rule):
     def matches(self, mod: nn.Module) -> bool:
         return forward_is(mod, nn.Embedding) and mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse
 
-    def has_factors(self, use: Any, param: torch.Tensor) -> bool:
+    def has_factors(self, use: Use, param: torch.Tensor) -> bool:
         return param is use.weight
 
-    def factors(self, use: Any, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
+    def factors(self, use: Use, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
         if use.b is None or param is not use.weight:
             return None
         g = take(use.b, sel, B)  # [r, n, d]

@@ -7,12 +7,13 @@ per-row piece; the direct route forms ``[c, d_L, d_R]`` pieces by one batched pr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from typing import Optional
 
 import torch
 from torch import nn
 
-from . import Factors, Rule, forward_is, rows_of, take
+from . import Factors, Rows, Rule, Use, forward_is, rows_of, take
 
 
 class LinearRule(Rule):
@@ -23,21 +24,21 @@ class LinearRule(Rule):
     def matches(self, mod: nn.Module) -> bool:
         return forward_is(mod, nn.Linear)
 
-    def has_factors(self, use: Any, param: torch.Tensor) -> bool:
+    def has_factors(self, use: Use, param: torch.Tensor) -> bool:
         return param is use.weight and param.dim() == 2
 
-    def _lr(self, use: Any, sel: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lr(self, use: Use, sel: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = take(use.b, sel, B)  # [r, n, out]
         a = take(use.a, sel, B).to(g.dtype)  # [r, n, in]
         return (g, a) if self.out_left else (a, g)
 
-    def factors(self, use: Any, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
+    def factors(self, use: Use, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
         if use.b is None or not self.has_factors(use, param):
             return None
         L, R = self._lr(use, sel, B)
         return Factors(L, R, False)
 
-    def pieces(self, use: Any, param: torch.Tensor, rows: Any) -> torch.Tensor:
+    def pieces(self, use: Use, param: torch.Tensor, rows: Rows) -> torch.Tensor:
         B = rows.rp.shape[0]
         sel, dst, c = rows.sel, rows.dst, rows.c
         g = use.b
@@ -54,12 +55,20 @@ class LinearRule(Rule):
 
 
 class Conv1DRule(LinearRule):
-    """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with ``W`` ``[in, out]``."""
+    """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with ``W`` ``[in, out]``.
+
+    Matched by type (``transformers.pytorch_utils.Conv1D``, looked up among the loaded modules, never
+    imported). Fallback heuristic for a copy of the class elsewhere: named ``Conv1D``, with ``nf`` and a
+    ``weight``.
+    """
 
     name = "conv1d"
     out_left = False
 
     def matches(self, mod: nn.Module) -> bool:
+        cls = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+        if isinstance(cls, type) and isinstance(mod, cls):
+            return forward_is(mod, cls)
         return (
             type(mod).__name__ == "Conv1D"
             and hasattr(mod, "nf")

@@ -7,16 +7,17 @@ recomputation would not see). The pieces are ``d``-sized per row: formed directl
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import Rule, forward_is, rows_of
+from . import Rows, Rule, Use, forward_is, rows_of
 
 
 class _NormRule(Rule):
-    def on_forward(self, use: Any, mod: nn.Module, x: torch.Tensor, capture: Any) -> None:
+    def on_forward(self, use: Use, mod: nn.Module, x: torch.Tensor, capture: Any) -> None:
         use.capture = capture  # x̂ is recomputed from the input when the weight is read
         if torch.is_autocast_enabled(x.device.type):
             # x̂ under the forward's autocast (its dtype rules): taken now, not recomputed outside it
@@ -25,7 +26,7 @@ class _NormRule(Rule):
     def normalised(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def pieces(self, use: Any, param: torch.Tensor, rows: Any) -> torch.Tensor:
+    def pieces(self, use: Use, param: torch.Tensor, rows: Rows) -> torch.Tensor:
         B = rows.rp.shape[0]
         sel, dst, c = rows.sel, rows.dst, rows.c
         g = use.b
@@ -50,9 +51,32 @@ class LayerNormRule(_NormRule):
             return torch.nn.functional.layer_norm(x.detach(), mod.normalized_shape, None, None, mod.eps)
 
 
+#: transformers' RMSNorm classes known to compute ``weight * x / rms(x)``, by (module, class name): matched by
+#: type when that module is loaded (the class's own module always is, once such a layer exists).
+KNOWN_RMSNORMS = (
+    ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+    ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
+    ("transformers.models.t5.modeling_t5", "T5LayerNorm"),
+)
+
+
+def _known_rmsnorm(mod: nn.Module) -> bool:
+    for module_name, cls_name in KNOWN_RMSNORMS:
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if isinstance(cls, type) and forward_is(mod, cls):
+            return True
+    return False
+
+
 class RMSNormRule(_NormRule):
-    """torch's ``nn.RMSNorm``, and transformers' Llama/Qwen2/Mistral/T5 RMSNorm (``weight * normed(x)``;
-    Gemma's ``(1 + weight) * …`` is not this and is left to the fallback)."""
+    """torch's ``nn.RMSNorm`` and the transformers classes in :data:`KNOWN_RMSNORMS`, matched by type.
+
+    Fallback heuristic for other libraries' layers: a class whose name ends in ``RMSNorm`` (not Gemma's,
+    whose ``(1 + weight) * …`` is not this), with a 1-d ``weight`` and no ``bias``. A layer that matches
+    neither is read by the engine's exact fallback.
+    """
 
     name = "rmsnorm"
 
@@ -60,15 +84,12 @@ class RMSNormRule(_NormRule):
         rms = getattr(nn, "RMSNorm", None)
         if rms is not None and forward_is(mod, rms):
             return mod.weight is not None and len(mod.normalized_shape) == 1
-        name = type(mod).__name__
         w = getattr(mod, "weight", None)
-        return (
-            name.endswith("RMSNorm")
-            and "Gemma" not in name
-            and isinstance(w, torch.Tensor)
-            and w.dim() == 1
-            and getattr(mod, "bias", None) is None
-        )
+        shaped = isinstance(w, torch.Tensor) and w.dim() == 1 and getattr(mod, "bias", None) is None
+        if _known_rmsnorm(mod):
+            return shaped
+        name = type(mod).__name__
+        return shaped and name.endswith("RMSNorm") and "Gemma" not in name
 
     def normalised(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if type(mod) is getattr(nn, "RMSNorm", None):
