@@ -13,7 +13,7 @@ of medians to the plain training step (forward + backward + Adam step on the sam
 - ``disintegrate_jvp(readings="all")``: the same plus one backward per part (exact norms);
 - the reference ``disintegrate``: one forward, ``m + 1`` backward passes; and the same ``m`` backward
   passes batched by ``torch.autograd.grad(..., is_grads_batched=True)``;
-- ``update_shares`` (what ``CreditAuditCallback(update_shares=True)`` adds per audited step).
+- ``update_shares`` (what ``ExtraReadings(update_shares=True)`` adds per audited step).
 
 Real rows (``--real``): episodes of 40 turns on the Llama shape (vocabulary 32,000, width 512, 4 layers) at
 ``T = 1024`` (8 episodes) and ``T = 8192`` (1 episode), and the Qwen2 shape (tied 151,936 vocabulary, width
@@ -164,7 +164,7 @@ def measure(name: str, build: Callable[[], nn.Module], batch, segment_by: str, p
 
     before = {n: p.detach() + 1e-3 * direction[n] for n, p in module.named_parameters()}
 
-    def update_share():  # what CreditAuditCallback(update_shares=True) adds after an audited step
+    def update_share():  # what ExtraReadings(update_shares=True) adds after an audited step
         return update_shares(module, batch, partition, before)
 
     def clock(fn) -> float:

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first attribute access (PEP 562).
 _LAZY = {
     "CreditAuditCallback": "lens_callbacks.callbacks",
+    "ExtraReadings": "lens_callbacks.callbacks",
     "ConservationCheckCallback": "lens_callbacks.callbacks",
     "AnchorProjectionCallback": "lens_callbacks.callbacks",
     "ProcessRewardCallback": "lens_callbacks.callbacks",

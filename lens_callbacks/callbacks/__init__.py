@@ -8,6 +8,7 @@ from typing import Any
 # name -> submodule; imported on first access so one callback's extras never load another's.
 _CALLBACKS = {
     "CreditAuditCallback": "credit_audit",
+    "ExtraReadings": "credit_audit",
     "ConservationCheckCallback": "conservation",
     "ProcessRewardCallback": "process",
     "AnchorProjectionCallback": "anchor",

@@ -60,11 +60,103 @@ from lens_callbacks.refusal import Refusal
 from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
 
-__all__ = ["CreditAuditCallback"]
+__all__ = ["CreditAuditCallback", "ExtraReadings"]
 
 CAPTURES = ("separate", "training_step")
 
 LAST_REPORT_FILE = "credit_last.txt"
+
+#: The fields of :class:`ExtraReadings` by their deprecated names as ``CreditAuditCallback`` options.
+_OLD_EXTRAS = {
+    "extra_partitions": "partitions",
+    "log_positional_parts": "log_positional_parts",
+    "concentration_top_k": "concentration_top_k",
+    "noise_ema": "noise_ema",
+    "update_shares": "update_shares",
+    "position_split": "position_split",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraReadings:
+    """The readings beyond the primary shares that ``CreditAuditCallback(extras=...)`` takes from the same audit.
+
+    Args:
+        partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign", "by_source"]``): a
+            partition whose parts are unions of the primary parts (rows) gets its shares by summing, with no
+            backward pass; any other one costs one more disintegration.
+        log_positional_parts: log ``projected_share/<part>`` and ``norm_share/<part>`` for positional
+            partitions (``by_rollout``, ``by_group``), whose part names are batch positions that mean another
+            rollout at every step. Off by default; the per-part table stays in the text view.
+        concentration_top_k: ``credit/concentration/topk_share`` adds this many largest shares.
+        noise_ema: smoothing factor of ``credit/noise/*_ema`` (exponential moving average), in [0, 1).
+        update_shares: also split the update the optimizer applied on each audited step by part,
+            ``<g_S, θ_before − θ_after> / <g, θ_before − θ_after>`` at ``θ_before`` (one copy of the trainable
+            parameters per audited step, one backward and one forward-mode pass after the step); logged as
+            ``update_share/<part>``, ``update_share_sum``, ``update_grad_cosine``, ``update_conservation_error``.
+            See docs/readings.md.
+        position_split: also split each step by the positions its gradient was computed at — every position by
+            its segment (``CreditTerms.segment``), a turn's prompt, user and tool tokens included — beside the
+            loss-mask split, in the same one-pass reading (riding along too): logged as
+            ``position_split/projected_share/<segment>`` and tabled under the report. About one more product
+            the size of each layer's forward. See docs/multi_turn.md.
+
+    Example:
+        >>> ExtraReadings(partitions=["by_advantage_sign"], position_split=True).partitions
+        ('by_advantage_sign',)
+        >>> ExtraReadings(noise_ema=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `noise_ema` must be in [0, 1), got 1.0.
+    """
+
+    partitions: Sequence[str] = ()
+    log_positional_parts: bool = False
+    concentration_top_k: int = 3
+    noise_ema: float = 0.9
+    update_shares: bool = False
+    position_split: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.partitions, str) or not isinstance(self.partitions, (list, tuple)):
+            raise ValueError(f"`partitions` must be a list of partition names, got {self.partitions!r}.")
+        object.__setattr__(self, "partitions", tuple(self.partitions))
+        for name in ("log_positional_parts", "update_shares", "position_split"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        k = self.concentration_top_k
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"`concentration_top_k` must be an int >= 1, got {k!r}.")
+        ema = self.noise_ema
+        if isinstance(ema, bool) or not isinstance(ema, (int, float)) or not 0.0 <= ema < 1.0:
+            raise ValueError(f"`noise_ema` must be in [0, 1), got {ema!r}.")
+
+
+def _extras_from(extras: Optional[ExtraReadings], old: dict[str, Any]) -> ExtraReadings:
+    """``extras``, with the fields given under their deprecated option names (a FutureWarning) filled in."""
+    if extras is not None and not isinstance(extras, ExtraReadings):
+        raise ValueError(
+            f"`extras` must be an ExtraReadings (from lens_callbacks import ExtraReadings), got {type(extras).__name__}."
+        )
+    given = {k: v for k, v in old.items() if v is not None}
+    if not given:
+        return extras if extras is not None else ExtraReadings()
+    if extras is not None:
+        raise ValueError(
+            f"{sorted(given)} are the old names of fields of `extras`; give them in `extras` only, got both."
+        )
+    names = sorted(given)
+    warnings.warn(
+        f"CreditAuditCallback: the options {', '.join(f'`{k}`' for k in names)} are deprecated and will be removed in the next "
+        f"release; use extras=ExtraReadings({', '.join(f'{_OLD_EXTRAS[k]}=...' for k in names)}) (in YAML: "
+        "`extras: {" + ", ".join(f"{_OLD_EXTRAS[k]}: ..." for k in names) + "}`).",
+        FutureWarning,
+        stacklevel=3,
+    )
+    fields = {_OLD_EXTRAS[k]: v for k, v in given.items()}
+    if isinstance(fields.get("partitions"), list):
+        fields["partitions"] = tuple(fields["partitions"])
+    return ExtraReadings(**fields)
 
 
 class CreditAuditCallback(Callback):
@@ -97,21 +189,9 @@ class CreditAuditCallback(Callback):
             step (``benchmarks/figure_cost.py``).
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
-        extra_partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign",
-            "by_source"]``): a partition whose parts are unions of the primary parts (rows) gets its
-            shares by summing, with no backward pass; any other one costs one more disintegration.
-            ``partition`` may also be a list, whose first entry is the primary partition.
-        log_positional_parts: log ``projected_share/<part>`` and ``norm_share/<part>`` for positional
-            partitions (``by_rollout``, ``by_group``), whose part names are batch positions that mean
-            another rollout at every step. Off by default; the per-part table stays in the text view.
-        concentration_top_k: ``credit/concentration/topk_share`` adds this many largest shares.
-        noise_ema: smoothing factor of ``credit/noise/*_ema`` (exponential moving average).
-        update_shares: also split the update the optimizer applied on each audited step by part,
-            ``<g_S, θ_before − θ_after> / <g, θ_before − θ_after>`` at ``θ_before`` (one copy of the
-            trainable parameters per audited step, one backward and one forward-mode pass after the
-            step); logged as ``update_share/<part>``, ``update_share_sum``, ``update_grad_cosine``,
-            ``update_conservation_error``. Needs forward-mode derivatives (eager attention). See
-            docs/readings.md.
+        extras: the readings beyond the primary shares (extra partitions, concentration, noise scale, the
+            update's split, the position split), as an :class:`ExtraReadings`; None: its defaults. In YAML
+            ``extras: {partitions: [by_advantage_sign], position_split: true}``.
         scope: ``"global"`` (default): under DDP/FSDP the reading is of the global step, every rank's parts
             against the averaged ``.grad``; ``"rank"``: each rank's own batch against its own gradient.
         precision_context: evaluate ``credit_terms`` under ``trainer.precision_plugin.forward_context()``
@@ -142,11 +222,9 @@ class CreditAuditCallback(Callback):
             optimization, a merger, or a partition the one-pass engine cannot read, the audit takes its
             own ``g_full`` and a warning says so once.
 
-        position_split: also split each step by the positions its gradient was computed at — every position by
-            its segment (``CreditTerms.segment``), a turn's prompt, user and tool tokens included — beside the
-            loss-mask split, in the same one-pass reading (riding along too): logged as
-            ``position_split/projected_share/<segment>`` and tabled under the report. About one more product the
-            size of each layer's forward. See docs/multi_turn.md.
+        extra_partitions, log_positional_parts, concentration_top_k, noise_ema, update_shares, position_split:
+            deprecated names of the fields of ``extras`` (``extra_partitions`` is ``extras.partitions``); each
+            still works for one release, with a FutureWarning.
 
     Readings beyond the primary report (see docs/readings.md): ``credit/concentration/...`` of the
     primary partition, ``credit/noise/...`` (when its parts are whole rows), ``credit/<extra>/...``
@@ -195,11 +273,7 @@ class CreditAuditCallback(Callback):
         log_figure: bool = True,
         print_last_report: bool = False,
         prefix: str = "credit/",
-        extra_partitions: Optional[Sequence[str]] = None,
-        log_positional_parts: bool = False,
-        concentration_top_k: int = 3,
-        noise_ema: float = 0.9,
-        update_shares: bool = False,
+        extras: Optional[ExtraReadings] = None,
         scope: str = "global",
         precision_context: bool = True,
         engine: str = "auto",
@@ -207,7 +281,13 @@ class CreditAuditCallback(Callback):
         capture: str = "separate",
         full_grad: str = "own",
         log_figure_every_n_steps: int = 100,
-        position_split: bool = False,
+        *,
+        extra_partitions: Optional[Sequence[str]] = None,
+        log_positional_parts: Optional[bool] = None,
+        concentration_top_k: Optional[int] = None,
+        noise_ema: Optional[float] = None,
+        update_shares: Optional[bool] = None,
+        position_split: Optional[bool] = None,
     ) -> None:
         super().__init__()
         check_engine(engine, readings)  # raises, naming the valid engines and readings
@@ -219,7 +299,20 @@ class CreditAuditCallback(Callback):
             )
         if scope not in ("global", "rank"):
             raise ValueError(f"`scope` must be 'global' or 'rank', got {scope!r}.")
-        partition, extra_partitions = _split_partitions(partition, extra_partitions)
+        extras = _extras_from(
+            extras,
+            dict(
+                extra_partitions=extra_partitions,
+                log_positional_parts=log_positional_parts,
+                concentration_top_k=concentration_top_k,
+                noise_ema=noise_ema,
+                update_shares=update_shares,
+                position_split=position_split,
+            ),
+        )
+        partition, more = _split_partitions(partition, extras.partitions)
+        extras = dataclasses.replace(extras, partitions=tuple(more))
+        self.extras = extras
         if not (isinstance(partition, str) and "." in partition):
             resolve_partition(partition)  # an unknown name raises here, naming the valid ones
         # An import path is resolved in setup: the error still comes before any step runs.
@@ -252,19 +345,15 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
-        if not isinstance(update_shares, bool):
-            raise ValueError(f"`update_shares` must be True or False, got {update_shares!r}.")
-        self.update_shares = update_shares
+        self.update_shares = extras.update_shares
         self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
         self.scope = scope
         self.precision_context = bool(precision_context)
         self._global = False  # set in setup: a multi-rank run read as one global step
         self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
-        if not isinstance(position_split, bool):
-            raise ValueError(f"`position_split` must be True or False, got {position_split!r}.")
-        self.position_split = position_split
+        self.position_split = extras.position_split
         self.engine = engine
-        self.reading_set = readings  # which readings the engine makes ("all" | "shares" | "projected")
+        self.readings = readings  # which readings the engine makes ("all" | "shares" | "projected")
         self.capture = capture
         self.full_grad = full_grad
         self._full_grad_blocked: Optional[str] = None  # why .grad cannot be this batch's g_full (set in setup)
@@ -315,7 +404,7 @@ class CreditAuditCallback(Callback):
         self.last_epoch_step: Optional[int] = None  # the step the latest epoch readings were logged at
         self.last_values: dict[str, float] = {}
         self.last_epoch_values: dict[str, float] = {}
-        self._init_readings(extra_partitions, log_positional_parts, concentration_top_k, noise_ema)
+        self._init_readings(extras)
         self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
 
     @property
@@ -408,7 +497,7 @@ class CreditAuditCallback(Callback):
             self._ride.on_loss(
                 loss,
                 self._ride_partition(),
-                readings=self.reading_set,
+                readings=self.readings,
                 keep_grads=self.keep_grads,
                 position_split=self.position_split,
             )
@@ -499,7 +588,7 @@ class CreditAuditCallback(Callback):
                         earlier + [ride],
                         self._ride_partition(),
                         partition_name=name,
-                        readings=self.reading_set,
+                        readings=self.readings,
                         keep_grads=self.keep_grads,
                         position_split=self.position_split,
                     )
@@ -507,7 +596,7 @@ class CreditAuditCallback(Callback):
                     got = ride.report(
                         self._ride_partition(),
                         partition_name=name,
-                        readings=self.reading_set,
+                        readings=self.readings,
                         keep_grads=self.keep_grads,
                     )
             except Exception as err:  # a user-data failure must not end the training run
@@ -518,7 +607,7 @@ class CreditAuditCallback(Callback):
             if isinstance(got, CreditReport):
                 self.n_ride_along += 1
                 return got
-            if got.startswith(SPLITS_ROWS) and self.reading_set == "projected":
+            if got.startswith(SPLITS_ROWS) and self.readings == "projected":
                 # parts inside rows: the contract held, so `.grad` is this step's g_full; the tangent pass reads it
                 return self.audit(pl_module, self._batch, use_grad=True)
             why = got
@@ -627,12 +716,12 @@ class CreditAuditCallback(Callback):
             log_text(trainer, f"{self.prefix}update_share_refusal", refusal.render(), step)
             return
         values = report.to_dict(self.prefix, max_parts=self.max_logged_parts)
-        primary = self.readings.primary_name
+        primary = self.step_readings.primary_name
         if report.ok and primary not in POSITIONAL_PARTITIONS:
             # Stable part names only: a positional part is another rollout at every step.
             self.record_ledger("update", primary, dict(zip(report.part_names, report.update_share)), step)
             values.update(
-                {k: v for k, v in self.readings.ledger.to_dict(f"{self.prefix}ledger/").items() if "/update/" in k}
+                {k: v for k, v in self.step_readings.ledger.to_dict(f"{self.prefix}ledger/").items() if "/update/" in k}
             )
         self.last_values.update(values)
         log_scalars(trainer, values, step)
@@ -653,7 +742,7 @@ class CreditAuditCallback(Callback):
                     keep_grads=self.keep_grads,
                     forward_context=self._forward_context(pl_module),
                     engine=self.engine,
-                    readings=self.reading_set,
+                    readings=self.readings,
                     terms_fn=self._step_terms(pl_module),
                     verify_part="spans" if due else False,
                     position_split=self.position_split,
@@ -722,12 +811,12 @@ class CreditAuditCallback(Callback):
 
     def _say_within_cost(self, trainer: Trainer) -> None:
         """Parts inside rows with every reading take one backward pass per part: said once, at setup."""
-        if not self._within or self.reading_set == "projected" or self.engine not in ("auto", "reference"):
+        if not self._within or self.readings == "projected" or self.engine not in ("auto", "reference"):
             return
         self._once.warn(
             trainer,
             "within_cost",
-            f"partition={_name_of(self.partition)!r} with readings={self.reading_set!r}: the norm shares and the "
+            f"partition={_name_of(self.partition)!r} with readings={self.readings!r}: the norm shares and the "
             "cancellation of parts inside rows take the reference engine, one backward pass per part (m + 1 in all). "
             "readings='projected' reads the projected shares by one forward-mode pass (with capture='training_step', "
             "that pass alone, along the step's .grad).",
@@ -836,7 +925,7 @@ class CreditAuditCallback(Callback):
                     forward_context=self._forward_context(pl_module),
                     reference_grads=applied if self._reference is not None and not self._global else None,
                     engine=self.engine,
-                    readings=self.reading_set,
+                    readings=self.readings,
                     terms_fn=self._step_terms(pl_module),
                 )
         except Exception as err:  # a user-data failure must not end the training run
@@ -1065,7 +1154,7 @@ class CreditAuditCallback(Callback):
             "last_report_step": self.last_report_step,
             "last_table_step": self._last_table_step,
             "metric": {name: getattr(self.metric, name).detach().cpu().clone() for name in self.metric._defaults},
-            "readings": self.readings.state_dict(),
+            "readings": self.step_readings.state_dict(),
             "part_shares": self.part_shares.state_dict(),
             "epoch_of_state": self._epoch_of_state,
             "epoch_last_step": self._epoch_last_step,
@@ -1076,7 +1165,7 @@ class CreditAuditCallback(Callback):
         self.n_refusals = int(state_dict.get("n_refusals", 0))
         self.last_report_step = int(state_dict.get("last_report_step", -1))
         self._last_table_step = state_dict.get("last_table_step")
-        self.readings.load_state_dict(state_dict.get("readings", {}))
+        self.step_readings.load_state_dict(state_dict.get("readings", {}))
         self.part_shares.load_state_dict(state_dict.get("part_shares"))
         self._epoch_of_state = state_dict.get("epoch_of_state")
         self._epoch_last_step = int(state_dict.get("epoch_last_step", 0))
@@ -1087,27 +1176,30 @@ class CreditAuditCallback(Callback):
 
     # ---- readings a person acts on: extra partitions, concentration, noise scale, ledger -------------
 
-    def _init_readings(self, extra: Sequence[str], log_positional_parts: bool, top_k: int, noise_ema: float) -> None:
+    def _init_readings(self, extras: ExtraReadings) -> None:
+        extra = extras.partitions
         for spec in extra:
             if not (isinstance(spec, str) and "." in spec):
                 resolve_partition(spec)  # an unknown name raises here, naming the valid ones
         names = [spec if isinstance(spec, str) else getattr(spec, "__name__", "custom") for spec in extra]
         if len(set(names)) != len(names) or str(self.partition) in names:
             raise ValueError(
-                f"`extra_partitions` must name each partition once, apart from `partition`, got {names!r}."
+                f"`extras.partitions` must name each partition once, apart from `partition`, got {names!r}."
             )
-        if not 0.0 <= noise_ema < 1.0:
-            raise ValueError(f"`noise_ema` must be in [0, 1), got {noise_ema!r}.")
         self.extra_partitions = list(extra)
         self._extra_names = names
-        self.log_positional_parts = bool(log_positional_parts)
-        self.readings = StepReadings(
-            _name_of(self.partition), [(n, s) for n, s in zip(names, extra)], top_k, noise_ema, self.prefix
+        self.log_positional_parts = extras.log_positional_parts
+        self.step_readings = StepReadings(
+            _name_of(self.partition),
+            [(n, s) for n, s in zip(names, extra)],
+            extras.concentration_top_k,
+            extras.noise_ema,
+            self.prefix,
         )
         self._recorder: Optional[RecordingPartition] = None
 
     def _setup_readings(self) -> None:
-        self.readings.extra = [(n, resolve_partition(s)) for n, s in zip(self._extra_names, self.extra_partitions)]
+        self.step_readings.extra = [(n, resolve_partition(s)) for n, s in zip(self._extra_names, self.extra_partitions)]
         # The engine hands the partition the terms it evaluated: keep them for the extra readings.
         self._recorder = RecordingPartition(self._partition_fn, _name_of(self.partition))
         self._partition_fn = self._recorder
@@ -1135,12 +1227,12 @@ class CreditAuditCallback(Callback):
                 from ._distributed import strategy_collectives
 
                 whole, extra = global_extra_shares(
-                    report, partition, terms, self.readings.extra, strategy_collectives(trainer)
+                    report, partition, terms, self.step_readings.extra, strategy_collectives(trainer)
                 )
-                values.update(self.readings.read(report, None, None, step, None, whole=whole, extra_shares=extra))
+                values.update(self.step_readings.read(report, None, None, step, None, whole=whole, extra_shares=extra))
             else:
-                values.update(self.readings.read(report, partition, terms, step, run_engine))
-            for name, why in self.readings.last_errors.items():
+                values.update(self.step_readings.read(report, partition, terms, step, run_engine))
+            for name, why in self.step_readings.last_errors.items():
                 self._once.warn(
                     trainer,
                     f"extra:{name}",
@@ -1179,17 +1271,19 @@ class CreditAuditCallback(Callback):
 
     def record_ledger(self, book: str, partition: str, values: dict[str, float], step: int) -> bool:
         """Add a per-part reading to the run ledger (e.g. ``book="update"`` for applied-update shares)."""
-        return self.readings.add_to_ledger(book, partition, values, step)
+        return self.step_readings.add_to_ledger(book, partition, values, step)
 
     def _log_reading_views(self, trainer: Trainer, step: int, text: bool = True, figures: bool = True) -> None:
-        rendered = self.readings.render() if text else ""
+        rendered = self.step_readings.render() if text else ""
         if rendered:
             log_text(trainer, f"{self.prefix}readings", rendered, step)
         if not figures or not self.log_figure or trainer.global_rank != 0:
             return
-        log_figure(trainer, f"{self.prefix}concentration/lorenz", self.readings.lorenz_figure(), step)
-        for book, part in self.readings.ledger.books():
-            log_figure(trainer, f"{self.prefix}ledger/{book}/{part}", self.readings.ledger.figure(book, part), step)
+        log_figure(trainer, f"{self.prefix}concentration/lorenz", self.step_readings.lorenz_figure(), step)
+        for book, part in self.step_readings.ledger.books():
+            log_figure(
+                trainer, f"{self.prefix}ledger/{book}/{part}", self.step_readings.ledger.figure(book, part), step
+            )
 
 
 PACKED_REMEDY = (
@@ -1233,10 +1327,10 @@ def _name_of(spec: Any) -> str:
 
 
 def _split_partitions(partition: Any, extra: Optional[Sequence[str]]) -> tuple[Any, list]:
-    """``partition`` may be a list (primary first); ``extra_partitions`` adds to its tail."""
+    """``partition`` may be a list (primary first); ``extras.partitions`` adds to its tail."""
     extra_list = [] if extra is None else list(extra) if isinstance(extra, (list, tuple)) else None
     if extra_list is None:
-        raise ValueError(f"`extra_partitions` must be a list of partition names, got {extra!r}.")
+        raise ValueError(f"`extras.partitions` must be a list of partition names, got {extra!r}.")
     if isinstance(partition, (list, tuple)):
         if not partition:
             raise ValueError("`partition` must name at least one partition, got an empty list.")

@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore")
 import lightning.pytorch as pl  # noqa: E402
 
 from lens_callbacks.callbacks.conservation import ConservationCheckCallback  # noqa: E402
-from lens_callbacks.callbacks.credit_audit import CreditAuditCallback  # noqa: E402
+from lens_callbacks.callbacks.credit_audit import CreditAuditCallback, ExtraReadings  # noqa: E402
 from lens_callbacks.credit import CreditTerms  # noqa: E402
 
 VOCAB, D, T, B, STEPS, W = 11, 8, 5, 3, 2, 2
@@ -152,7 +152,7 @@ class Recorder(pl.Callback):
                 "world_size": trainer.world_size,
                 "strategy": type(trainer.strategy).__name__,
                 "warnings": [(w.category.__name__, str(w.message), w.filename) for w in self.caught],
-                "readings_text": self.audit.readings.render(),
+                "readings_text": self.audit.step_readings.render(),
             },
             os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"),
         )
@@ -232,7 +232,9 @@ def main(strategy_name: str, dtype_name: str, out_dir: str, what: str = "audit")
         ).fit(Policy(dtype, fsdp=fsdp, steps=ANCHOR_STEPS))
         return
     extras = EXTRAS if what == "extras" else None
-    audit = CreditAuditCallback(dtype=dtype_name, log_table_every_n_steps=0, log_figure=False, extra_partitions=extras)
+    audit = CreditAuditCallback(
+        dtype=dtype_name, log_table_every_n_steps=0, log_figure=False, extras=ExtraReadings(partitions=extras)
+    )
     check = ConservationCheckCallback(tolerance=1e-4, log_figure=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always" if extras else "ignore")

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import lightning.pytorch as pl
 
-from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.callbacks import CreditAuditCallback, ExtraReadings
 from lens_callbacks.credit import Partition, disintegrate
 from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 from tests.callbacks.test_credit_audit import SMALL, _fit
@@ -42,14 +42,16 @@ class _Check(pl.Callback):
         batch = pl_module.last_rollout_batch
         direct = {n: disintegrate(pl_module, batch, n, dtype="float64") for n in self.names}
         self.rows.append(
-            (dict(self.audit.last_values), self.audit.last_report, direct, dict(self.audit.readings.last_extra))
+            (dict(self.audit.last_values), self.audit.last_report, direct, dict(self.audit.step_readings.last_extra))
         )
 
 
 def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scalars():
     names = ["by_advantage_sign", "by_source", "by_reward"]
     audit = CreditAuditCallback(
-        partition=["by_rollout", "by_advantage_sign"], extra_partitions=["by_source", "by_reward"], dtype="float64"
+        partition=["by_rollout", "by_advantage_sign"],
+        extras=ExtraReadings(partitions=["by_source", "by_reward"]),
+        dtype="float64",
     )
     check = _Check(audit, names)
     _fit([audit, check], steps=6, seed=2, module_kw=F64)
@@ -81,11 +83,13 @@ def test_extra_partitions_equal_their_own_engine_reading_and_no_positional_scala
         assert values["credit/by_advantage_sign/projected_share/zero"] == 0.0  # zero advantage, zero terms
         assert "credit/noise/b_simple" in values and "credit/noise/grad_sq_ema" in values
     assert defined >= 2
-    assert "credit by by_advantage_sign" in audit.readings.render()
+    assert "credit by by_advantage_sign" in audit.step_readings.render()
 
 
 def test_a_partition_that_is_not_a_union_runs_the_engine():
-    audit = CreditAuditCallback(extra_partitions=["tests.callbacks.test_credit_readings.first_token"], dtype="float64")
+    audit = CreditAuditCallback(
+        extras=ExtraReadings(partitions=["tests.callbacks.test_credit_readings.first_token"]), dtype="float64"
+    )
     check = _Check(audit, [first_token])
     _fit([audit, check], steps=2, seed=2, module_kw=F64)
     for values, report, direct, extra in check.rows:
@@ -95,15 +99,15 @@ def test_a_partition_that_is_not_a_union_runs_the_engine():
 
 
 def test_positional_scalars_on_request_only():
-    audit = CreditAuditCallback(max_logged_parts=2, log_positional_parts=True)
+    audit = CreditAuditCallback(max_logged_parts=2, extras=ExtraReadings(log_positional_parts=True))
     _fit([audit], steps=1, seed=2)
     assert "credit/projected_share/rollout_0" in audit.last_values
-    with pytest.raises(ValueError, match="`extra_partitions` must name each partition once"):
-        CreditAuditCallback(extra_partitions=["by_rollout"])
+    with pytest.raises(ValueError, match="`extras.partitions` must name each partition once"):
+        CreditAuditCallback(extras=ExtraReadings(partitions=["by_rollout"]))
     with pytest.raises(ValueError, match="`partition` must be one of"):
-        CreditAuditCallback(extra_partitions=["by_nothing"])
+        CreditAuditCallback(extras=ExtraReadings(partitions=["by_nothing"]))
     with pytest.raises(ValueError, match="`noise_ema` must be in"):
-        CreditAuditCallback(noise_ema=1.0)
+        ExtraReadings(noise_ema=1.0)
 
 
 class _Values(pl.Callback):
@@ -117,12 +121,12 @@ class _Values(pl.Callback):
 def test_ledger_sums_the_per_step_readings_and_resumes_bitwise(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    kw = dict(extra_partitions=["by_advantage_sign", "by_source"], dtype="float64")
+    kw = dict(extras=ExtraReadings(partitions=["by_advantage_sign", "by_source"]), dtype="float64")
     straight = CreditAuditCallback(**kw)
     seen = _Values(straight)
     _fit([straight, seen], steps=4, seed=0, module_kw=F64)
     for part in ("by_advantage_sign", "by_source"):
-        tot = straight.readings.ledger.totals("gradient", part)
+        tot = straight.step_readings.ledger.totals("gradient", part)
         for name, value in tot.items():
             steps = [r[f"credit/{part}/projected_share/{name}"] for r in seen.rows]
             want = math.fsum(v for v in steps if math.isfinite(v))
@@ -159,18 +163,18 @@ def test_ledger_sums_the_per_step_readings_and_resumes_bitwise(tmp_path):
     # The restored ledger is the checkpoint's, continued over steps 2 and 3: the same float additions
     # in the same order give the same bits.
     for part in ("by_advantage_sign", "by_source"):
-        hist = resumed.readings.ledger.history("gradient", part)
-        assert hist[: len(first.readings.ledger.history("gradient", part))] == first.readings.ledger.history(
+        hist = resumed.step_readings.ledger.history("gradient", part)
+        assert hist[: len(first.step_readings.ledger.history("gradient", part))] == first.step_readings.ledger.history(
             "gradient", part
         )
-        for name, value in resumed.readings.ledger.totals("gradient", part).items():
-            want = first.readings.ledger.totals("gradient", part)[name]
+        for name, value in resumed.step_readings.ledger.totals("gradient", part).items():
+            want = first.step_readings.ledger.totals("gradient", part)[name]
             for row in after.rows:
                 v = row[f"credit/{part}/projected_share/{name}"]
                 if all(math.isfinite(x) for k, x in row.items() if k.startswith(f"credit/{part}/projected_share/")):
                     want = want + v
             assert value == want  # bit for bit
-    assert resumed.readings.noise_ema.n >= first.readings.noise_ema.n
+    assert resumed.step_readings.noise_ema.n >= first.step_readings.noise_ema.n
 
 
 def test_yaml_takes_a_list_of_partitions(tmp_path, monkeypatch):
@@ -182,7 +186,7 @@ def test_yaml_takes_a_list_of_partitions(tmp_path, monkeypatch):
     extra = tmp_path / "extra.yaml"
     extra.write_text(
         "trainer:\n  callbacks:\n    - class_path: lens_callbacks.callbacks.CreditAuditCallback\n"
-        "      init_args:\n        partition: [by_rollout, by_advantage_sign]\n        extra_partitions: [by_source]\n"
+        "      init_args:\n        partition: [by_rollout, by_advantage_sign]\n        extras: {partitions: [by_source]}\n"
     )
     monkeypatch.chdir(root)
     monkeypatch.setattr(sys, "argv", ["lens-callbacks"])

@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import Logger
 
-from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.callbacks import CreditAuditCallback, ExtraReadings
 from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 pytest.importorskip("matplotlib")
@@ -58,7 +58,7 @@ def _fit(steps: int, **audit_kw) -> _Experiment:
     pl.seed_everything(0, verbose=False)
     logger = _Capture()
     audit = CreditAuditCallback(
-        partition="by_rollout", extra_partitions=["by_advantage_sign"], dtype="float64", **audit_kw
+        partition="by_rollout", extras=ExtraReadings(partitions=["by_advantage_sign"]), dtype="float64", **audit_kw
     )
     pl.Trainer(
         max_steps=steps,

@@ -33,3 +33,30 @@ def test_two_credit_audits_that_read_differently_keep_apart_state():
     ):
         assert other.state_key != base.state_key
     assert CreditAuditCallback().state_key == base.state_key  # the same audit resumes its own state
+
+
+def test_the_readings_beyond_the_shares_are_one_option_and_their_old_names_still_work():
+    import warnings
+
+    from lens_callbacks import CreditAuditCallback, ExtraReadings
+
+    new = CreditAuditCallback(
+        extras=ExtraReadings(partitions=["by_advantage_sign"], noise_ema=0.5, update_shares=True, position_split=True)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the grouped option warns about nothing
+        CreditAuditCallback(extras=ExtraReadings(partitions=["by_source"]))
+    with pytest.warns(FutureWarning, match=r"`extra_partitions`, `noise_ema`.*extras=ExtraReadings\(partitions=\.\.\."):
+        old = CreditAuditCallback(
+            extra_partitions=["by_advantage_sign"], noise_ema=0.5, update_shares=True, position_split=True
+        )
+    assert old.extras == new.extras
+    for cb in (old, new):
+        assert cb.extra_partitions == ["by_advantage_sign"] and cb.update_shares and cb.position_split
+        assert cb.step_readings.noise_ema.beta == 0.5
+    with pytest.raises(ValueError, match="give them in `extras` only"):
+        CreditAuditCallback(extras=ExtraReadings(), update_shares=True)
+    with pytest.raises(ValueError, match="`extras` must be an ExtraReadings"):
+        CreditAuditCallback(extras={"update_shares": True})
+    # a list as `partition` still adds its tail to the extra partitions
+    assert CreditAuditCallback(partition=["by_rollout", "by_group"]).extras.partitions == ("by_group",)

@@ -1,4 +1,4 @@
-"""``CreditAuditCallback(update_shares=True)`` on the GRPO example with Adam.
+"""``CreditAuditCallback(extras=ExtraReadings(update_shares=True))`` on the GRPO example with Adam.
 
 Reference: per-rollout gradients at θ_before by a plain ``autograd.grad`` loop (taken at the hook,
 before the step), dotted with ``θ_before − θ_after`` read after it, in numpy float64.
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 
-from lens_callbacks.callbacks import CreditAuditCallback
+from lens_callbacks.callbacks import CreditAuditCallback, ExtraReadings
 from lens_callbacks.examples.grpo import AdditionDataModule, GRPOModule
 
 SMALL = dict(n_layer=1, n_embd=16, n_head=2, group_size=4, max_new_tokens=3)
@@ -100,7 +100,7 @@ class _Reference(pl.Callback):
 
 
 def test_update_shares_match_a_naive_loop_and_are_logged_with_adam():
-    audit = CreditAuditCallback(dtype="float64", update_shares=True, log_table_every_n_steps=0)
+    audit = CreditAuditCallback(dtype="float64", extras=ExtraReadings(update_shares=True), log_table_every_n_steps=0)
     ref = _Reference(audit)
     mem = _Memory()
     _fit([audit, ref], steps=3, module_kw={"dtype": "float64", "dropout": 0.1, "optimizer": "adam"}, logger=mem)
@@ -126,7 +126,7 @@ def test_training_is_bitwise_unchanged_with_update_shares_and_dropout_on():
     kw = {"dropout": 0.2, "optimizer": "adam", "dtype": "float64"}
     plain = _fit([], steps=4, seed=3, module_kw=kw)
     rng_plain = torch.get_rng_state()
-    audit = CreditAuditCallback(dtype="float64", update_shares=True, log_table_every_n_steps=0)
+    audit = CreditAuditCallback(dtype="float64", extras=ExtraReadings(update_shares=True), log_table_every_n_steps=0)
     audited = _fit([audit], steps=4, seed=3, module_kw=kw)
     rng_audited = torch.get_rng_state()
     a, b = _params(plain), _params(audited)
@@ -148,7 +148,9 @@ def test_off_by_default_and_skipped_steps_copy_nothing():
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             self.seen.append((trainer.global_step, audit2._update_before is not None))
 
-    audit2 = CreditAuditCallback(dtype="float64", every_n_steps=2, update_shares=True, log_table_every_n_steps=0)
+    audit2 = CreditAuditCallback(
+        dtype="float64", every_n_steps=2, extras=ExtraReadings(update_shares=True), log_table_every_n_steps=0
+    )
     spy = _Spy()
     _fit([audit2, spy], steps=3, module_kw={"dtype": "float64"})
     assert spy.seen == [(0, True), (1, False), (2, True)]
@@ -203,7 +205,7 @@ class _FusedAttention(pl.LightningModule):
 
 
 def test_a_module_without_forward_derivatives_gets_a_refusal_and_trains_on():
-    audit = CreditAuditCallback(update_shares=True, log_table_every_n_steps=0)
+    audit = CreditAuditCallback(extras=ExtraReadings(update_shares=True), log_table_every_n_steps=0)
     m = _FusedAttention()
     with pytest.warns(
         RuntimeWarning, match=r"update shares at step 0 declined: REFUSED \(update_share\): ForwardADUnsupportedError"
@@ -225,20 +227,20 @@ def test_a_module_without_forward_derivatives_gets_a_refusal_and_trains_on():
 
 def test_update_shares_must_be_a_bool():
     with pytest.raises(ValueError, match="`update_shares` must be True or False, got 'yes'"):
-        CreditAuditCallback(update_shares="yes")
+        ExtraReadings(update_shares="yes")
 
 
 def test_update_shares_of_a_stable_partition_join_the_run_ledger():
     """With a stable-name primary partition the ledger's ``update`` book is the sum of the logged update shares."""
     log = _Memory()
-    cb = CreditAuditCallback(partition="by_advantage_sign", update_shares=True, dtype="float64")
+    cb = CreditAuditCallback(partition="by_advantage_sign", extras=ExtraReadings(update_shares=True), dtype="float64")
     _fit([cb], steps=3, logger=log)
     per_step = {}
     for step, name, value in log.rows:
         if name.startswith("credit/update_share/"):
             per_step.setdefault(name.rsplit("/", 1)[1], {})[step] = value
     assert per_step, "no update share was logged"
-    totals = cb.readings.ledger.totals("update", "by_advantage_sign")
+    totals = cb.step_readings.ledger.totals("update", "by_advantage_sign")
     for part, steps in per_step.items():
         finite = [v for v in steps.values() if np.isfinite(v)]
         assert totals[part] == pytest.approx(sum(finite), abs=1e-12)
