@@ -71,7 +71,10 @@ ENTRIES = {
     "torch.log_softmax": lambda x, dim: torch.log_softmax(x, dim),
     "Tensor.log_softmax": lambda x, dim: x.log_softmax(dim),
     "F.log_softmax": lambda x, dim: F.log_softmax(x, dim=dim),
-    "F.log_softmax(dtype)": lambda x, dim: F.log_softmax(x, dim=dim, dtype=torch.float64),
+    "F.log_softmax(dtype)": lambda x, dim: F.log_softmax(x.float(), dim=dim, dtype=torch.float64),
+    "F.log_softmax(positional)": lambda x, dim: F.log_softmax(x.float(), dim, 3, torch.float64),
+    "torch.log_softmax(dtype positional)": lambda x, dim: torch.log_softmax(x.float(), dim, torch.float64),
+    "Tensor.log_softmax(dtype positional)": lambda x, dim: x.float().log_softmax(dim, torch.float64),
 }
 
 

@@ -59,15 +59,13 @@ def linear_jvp(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return fwAD.make_dual(y, t)
 
 
-def log_softmax_jvp(
-    input: torch.Tensor, dim: Optional[int] = None, _stacklevel: int = 3, dtype: Optional[torch.dtype] = None
-) -> Any:
+def log_softmax_jvp(input: torch.Tensor, dim: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> Any:
     """``log_softmax`` on a dual tensor: ``(y, ẋ − Σ_dim exp(y) ∘ ẋ)``, the sum one slice at a time.
 
-    Takes the arguments of ``torch.log_softmax``, ``Tensor.log_softmax`` and ``F.log_softmax``; returns
-    ``NotImplemented`` when the input carries no tangent or ``dim`` is implicit (torch's op then runs).
+    Takes the arguments of ``torch.log_softmax`` and ``Tensor.log_softmax``; returns ``NotImplemented`` when the
+    input carries no tangent or ``dim`` is not an int (implicit, or a dimension name): torch's op then runs.
     """
-    if dim is None:
+    if not isinstance(dim, int) or isinstance(dim, bool):
         return NotImplemented
     xp, dx = fwAD.unpack_dual(input)
     if dx is None:
@@ -77,6 +75,13 @@ def log_softmax_jvp(
     d = dim % y.dim() if y.dim() else 0
     r = _softmax_dot(y, dx, d)  # Σ_dim softmax ∘ ẋ, keepdim
     return fwAD.make_dual(y, dx - r)
+
+
+def _functional_log_softmax(
+    input: torch.Tensor, dim: Optional[int] = None, _stacklevel: int = 3, dtype: Optional[torch.dtype] = None
+) -> Any:
+    """``F.log_softmax``'s arguments (``_stacklevel`` before ``dtype``) for :func:`log_softmax_jvp`."""
+    return log_softmax_jvp(input, dim, dtype)
 
 
 def _softmax_dot(y: torch.Tensor, dx: torch.Tensor, dim: int) -> torch.Tensor:
@@ -99,7 +104,7 @@ RULES: dict[Any, Callable[..., Any]] = {
     torch._C._nn.linear: linear_jvp,
     torch.log_softmax: log_softmax_jvp,
     torch.Tensor.log_softmax: log_softmax_jvp,
-    F.log_softmax: log_softmax_jvp,
+    F.log_softmax: _functional_log_softmax,
 }
 
 
@@ -119,7 +124,7 @@ class ForwardRules(ForwardAttention):
         if rule is not None:
             out = rule(*args, **(kwargs or {}))
             if out is not NotImplemented:
-                name = rule.__name__.removesuffix("_jvp")
+                name = "log_softmax" if rule is _functional_log_softmax else rule.__name__.removesuffix("_jvp")
                 self.rule_calls[name] = self.rule_calls.get(name, 0) + 1
                 return out
             return func(*args, **(kwargs or {}))
