@@ -9,8 +9,9 @@ pass's peak below torch's formulas on a vocabulary-wide head.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
-import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,28 +112,16 @@ class _Head(nn.Module):
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
 
 
-def _peak_bytes(fn, tmp_path):
-    """Peak bytes allocated inside ``fn()`` and alive at once (the profiler's allocator events, matched by address)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "[memory]"]
-    live, cur, peak = {}, 0, 0
-    for e in sorted(events, key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0))):
-        size, addr = int(e["args"]["Bytes"]), int(e["args"]["Addr"])
-        if size > 0:
-            live[addr] = live.get(addr, 0) + size
-            cur += size
-        elif addr in live:
-            cur -= live.pop(addr)
-        peak = max(peak, cur)
-    return peak
+def _peak_bytes(fn):
+    """Peak bytes alive at once inside ``fn()``: the measurement behind docs/performance.md's memory columns."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "credit_cost.py"
+    spec = importlib.util.spec_from_file_location("credit_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.peak_alloc_bytes(fn)
 
 
-def test_the_rules_hold_the_head_below_torchs_peak(tmp_path, monkeypatch):
+def test_the_rules_hold_the_head_below_torchs_peak(monkeypatch):
     monkeypatch.setattr(
         forward_rules, "SLICE_ELEMENTS", 1 << 16
     )  # an eighth of these logits, as 64 MiB is of real ones
@@ -153,7 +142,7 @@ def test_the_rules_hold_the_head_below_torchs_peak(tmp_path, monkeypatch):
 
         return go
 
-    with_rules, without = _peak_bytes(run(True), tmp_path), _peak_bytes(run(False), tmp_path)
+    with_rules, without = _peak_bytes(run(True)), _peak_bytes(run(False))
     # torch's formulas hold a second and third logits-sized buffer beside the result; the rules do not
     assert with_rules <= without - 0.9 * logits, (with_rules / logits, without / logits)
     assert with_rules <= 4.1 * logits, with_rules / logits  # logits, their tangent, log-softmax and its tangent
