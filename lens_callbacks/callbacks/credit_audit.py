@@ -174,7 +174,8 @@ class CreditAuditCallback(Callback):
 
     Args:
         partition: ``"by_rollout"``, ``"by_group"``, ``"by_segment"`` or an import path
-            ``"package.module.function"`` (a ``CreditTerms -> Partition`` callable).
+            ``"package.module.function"`` (a ``CreditTerms -> Partition`` callable); or a list, whose first
+            entry is the primary partition and the rest extra partitions (``extras.partitions``).
         every_n_steps: audit the steps with ``global_step % every_n_steps == 0``.
         dtype: audit precision: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"native"``.
         log_table_every_n_steps: at least this many steps between two text tables (0: only the last).
@@ -710,7 +711,10 @@ class CreditAuditCallback(Callback):
                 "update_share",
                 f"{type(err).__name__}: {err}",
                 numbers={"step": step},
-                remedy="use eager (math) attention so credit_terms has forward-mode derivatives, or update_shares=False",
+                remedy=(
+                    "give credit_terms forward-mode derivatives (attn_implementation 'sdpa' or 'eager'; a fused kernel "
+                    "such as flash_attention_2 has none), or set extras.update_shares=False"
+                ),
             )
             self._once.refused(trainer, refusal, step, what="update shares")
             log_text(trainer, f"{self.prefix}update_share_refusal", refusal.render(), step)
