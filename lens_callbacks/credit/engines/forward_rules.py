@@ -48,9 +48,8 @@ def linear_jvp(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     y = F.linear(xp, wp, bp)
     t = F.linear(dx, wp) if dx is not None else None  # ẊWᵀ
     if dw is not None:
-        flat_x = xp.reshape(-1, xp.shape[-1]) if xp.dim() != 1 else None
-        if t is not None and flat_x is not None and t.is_contiguous() and t.dtype == xp.dtype == dw.dtype:
-            t.view(-1, t.shape[-1]).addmm_(flat_x, dw.t())  # + XẆᵀ, no third buffer
+        if t is not None and xp.dim() > 1 and t.is_contiguous() and t.dtype == xp.dtype == dw.dtype:
+            t.view(-1, t.shape[-1]).addmm_(xp.reshape(-1, xp.shape[-1]), dw.t())  # + XẆᵀ, no third buffer
         else:  # autocast (mixed dtypes) or a 1-D input: torch's sum
             u = F.linear(xp, dw)
             t = u if t is None else t + u
