@@ -82,7 +82,7 @@ class ExtraReadings:
     """The readings beyond the primary shares that ``CreditAuditCallback(extras=...)`` takes from the same audit.
 
     Args:
-        partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign", "by_source"]``): a
+        partitions: more partitions read from the same audit (e.g. ``["by_advantage_sign", "by_source"]``; None: none): a
             partition whose parts are unions of the primary parts (rows) gets its shares by summing, with no
             backward pass; any other one costs one more disintegration.
         log_positional_parts: log ``projected_share/<part>`` and ``norm_share/<part>`` for positional
@@ -110,7 +110,7 @@ class ExtraReadings:
         ValueError: `noise_ema` must be in [0, 1), got 1.0.
     """
 
-    partitions: Sequence[str] = ()
+    partitions: Optional[Sequence[str]] = ()
     log_positional_parts: bool = False
     concentration_top_k: int = 3
     noise_ema: float = 0.9
@@ -118,6 +118,8 @@ class ExtraReadings:
     position_split: bool = False
 
     def __post_init__(self) -> None:
+        if self.partitions is None:  # as YAML's `partitions: null` reads
+            object.__setattr__(self, "partitions", ())
         if isinstance(self.partitions, str) or not isinstance(self.partitions, (list, tuple)):
             raise ValueError(f"`partitions` must be a list of partition names, got {self.partitions!r}.")
         object.__setattr__(self, "partitions", tuple(self.partitions))
