@@ -17,23 +17,36 @@ ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
-def _inductor_vector_isa_under_default_kernels() -> None:
-    """Under ``ATEN_CPU_CAPABILITY=default`` torch 2.13's inductor picks no vector ISA, yet some of its CPU
-    kernels still emit ``at::vec::Vectorized`` code, which then fails to compile (``'at::vec' has not been
-    declared``) — in plain torch, for any compiled model. The eager kernels stay the default ones (what the
-    variable selects); inductor's own generated code is given the widest ISA this CPU has, as it picks
-    without the variable. On a CPU with none, the compile tests fail as torch does."""
-    if os.environ.get("ATEN_CPU_CAPABILITY") != "default":
+def _inductor_vector_isa_under_forced_kernels() -> None:
+    """Under ``ATEN_CPU_CAPABILITY`` torch 2.13's inductor picks its own CPU vector ISA wrongly, in plain torch:
+
+    - ``default``: it picks no vector ISA yet some kernels still emit ``at::vec::Vectorized`` code, which fails
+      to compile (``'at::vec' has not been declared``) for any compiled model;
+    - ``avx2`` on an AVX-512 machine: a compiled tiny Llama given position ids reads NaN from its first
+      forward (measured; with the ISA named explicitly, at 256 bits as at 512, the same model reads finite
+      values equal to eager's).
+
+    The eager kernels stay the ones the variable selects; inductor's generated code is given its ISA
+    explicitly: the variable's width (``avx2`` 256 bits, ``avx512`` 512), or under ``default`` the widest this
+    CPU has, as it picks without the variable. On a CPU with no vector ISA, the compile tests fail as torch does.
+    """
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if capability is None:
         return
     import torch._inductor.config as inductor_config
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    isas = valid_vec_isa_list()
-    if isas and inductor_config.cpp.simdlen is None:
-        inductor_config.cpp.simdlen = max(isa.bit_width() for isa in isas)
+    if inductor_config.cpp.simdlen is not None:
+        return
+    widths = [isa.bit_width() for isa in valid_vec_isa_list()]
+    named = {"avx2": 256, "avx512": 512}.get(capability)
+    if named is not None:
+        inductor_config.cpp.simdlen = named
+    elif widths:
+        inductor_config.cpp.simdlen = max(widths)
 
 
-_inductor_vector_isa_under_default_kernels()
+_inductor_vector_isa_under_forced_kernels()
 
 
 @pytest.fixture
