@@ -27,7 +27,7 @@ import dataclasses
 import math
 import os
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -134,11 +134,20 @@ class ExtraReadings:
             raise ValueError(f"`noise_ema` must be in [0, 1), got {ema!r}.")
 
 
-def _extras_from(extras: Optional[ExtraReadings], old: dict[str, Any]) -> ExtraReadings:
+def _extras_from(extras: Optional[Union[ExtraReadings, Mapping[str, Any]]], old: dict[str, Any]) -> ExtraReadings:
     """``extras``, with the fields given under their deprecated option names (a FutureWarning) filled in."""
+    if isinstance(extras, Mapping):  # a config read as plain data (a dict from YAML, Hydra, JSON)
+        unknown = sorted(set(extras) - {f.name for f in dataclasses.fields(ExtraReadings)})
+        if unknown:
+            raise ValueError(
+                f"`extras` must name fields of ExtraReadings {[f.name for f in dataclasses.fields(ExtraReadings)]}, "
+                f"got {unknown}."
+            )
+        extras = ExtraReadings(**extras)
     if extras is not None and not isinstance(extras, ExtraReadings):
         raise ValueError(
-            f"`extras` must be an ExtraReadings (from lens_callbacks import ExtraReadings), got {type(extras).__name__}."
+            f"`extras` must be an ExtraReadings (from lens_callbacks import ExtraReadings) or a dict of its fields, "
+            f"got {type(extras).__name__}."
         )
     given = {k: v for k, v in old.items() if v is not None}
     if not given:
@@ -193,7 +202,8 @@ class CreditAuditCallback(Callback):
         print_last_report: print the last table and the ``tensorboard --logdir`` line at the end of fit.
         prefix: metric namespace.
         extras: the readings beyond the primary shares (extra partitions, concentration, noise scale, the
-            update's split, the position split), as an :class:`ExtraReadings`; None: its defaults. In YAML
+            update's split, the position split), as an :class:`ExtraReadings` or a dict of its fields; None: its
+            defaults. In YAML
             ``extras: {partitions: [by_advantage_sign], position_split: true}``.
         scope: ``"global"`` (default): under DDP/FSDP the reading is of the global step, every rank's parts
             against the averaged ``.grad``; ``"rank"``: each rank's own batch against its own gradient.

@@ -56,7 +56,11 @@ def test_the_readings_beyond_the_shares_are_one_option_and_their_old_names_still
         assert cb.step_readings.noise_ema.beta == 0.5
     with pytest.raises(ValueError, match="give them in `extras` only"):
         CreditAuditCallback(extras=ExtraReadings(), update_shares=True)
-    with pytest.raises(ValueError, match="`extras` must be an ExtraReadings"):
-        CreditAuditCallback(extras={"update_shares": True})
+    # a dict of its fields (a config read as plain data) is taken as the dataclass; anything else is an error
+    assert CreditAuditCallback(extras={"update_shares": True}).extras == ExtraReadings(update_shares=True)
+    with pytest.raises(ValueError, match=r"`extras` must name fields of ExtraReadings .*got \['update_share'\]"):
+        CreditAuditCallback(extras={"update_share": True})
+    with pytest.raises(ValueError, match="`extras` must be an ExtraReadings .* or a dict of its fields, got list"):
+        CreditAuditCallback(extras=["by_source"])
     # a list as `partition` still adds its tail to the extra partitions
     assert CreditAuditCallback(partition=["by_rollout", "by_group"]).extras.partitions == ("by_group",)
