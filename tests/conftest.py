@@ -38,8 +38,8 @@ def _inductor_vector_isa_under_forced_kernels() -> None:
 
     if inductor_config.cpp.simdlen is not None:
         return
-    widths = [isa.bit_width() for isa in valid_vec_isa_list()]
     named = {"avx2": 256, "avx512": 512}.get(capability)
+    widths = [isa.bit_width() for isa in valid_vec_isa_list()] if named is None else []
     if named is not None:
         inductor_config.cpp.simdlen = named
     elif widths:

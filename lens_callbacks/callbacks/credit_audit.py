@@ -358,13 +358,11 @@ class CreditAuditCallback(Callback):
         self.log_figure = log_figure
         self.print_last_report = print_last_report
         self.prefix = prefix
-        self.update_shares = extras.update_shares
         self._update_before: Optional[tuple[int, dict[str, torch.Tensor]]] = None  # (step, θ_before)
         self.scope = scope
         self.precision_context = bool(precision_context)
         self._global = False  # set in setup: a multi-rank run read as one global step
         self._sharded = False  # read at each audited step: FSDP2 DTensor parameters, gathered for the audit
-        self.position_split = extras.position_split
         self.engine = engine
         self.readings = readings  # which readings the engine makes ("all" | "shares" | "projected")
         self.capture = capture
@@ -419,6 +417,26 @@ class CreditAuditCallback(Callback):
         self.last_epoch_values: dict[str, float] = {}
         self._init_readings(extras)
         self.last_epoch_shares: dict[str, float] = {}  # every part's epoch projected share, logged or not
+
+    @property
+    def update_shares(self) -> bool:
+        """``extras.update_shares``."""
+        return self.extras.update_shares
+
+    @property
+    def position_split(self) -> bool:
+        """``extras.position_split``."""
+        return self.extras.position_split
+
+    @property
+    def log_positional_parts(self) -> bool:
+        """``extras.log_positional_parts``."""
+        return self.extras.log_positional_parts
+
+    @property
+    def extra_partitions(self) -> list:
+        """``extras.partitions`` (a list's tail given as ``partition`` included)."""
+        return list(self.extras.partitions)
 
     @property
     def state_key(self) -> str:
@@ -1202,9 +1220,7 @@ class CreditAuditCallback(Callback):
             raise ValueError(
                 f"`extras.partitions` must name each partition once, apart from `partition`, got {names!r}."
             )
-        self.extra_partitions = list(extra)
         self._extra_names = names
-        self.log_positional_parts = extras.log_positional_parts
         self.step_readings = StepReadings(
             _name_of(self.partition),
             [(n, s) for n, s in zip(names, extra)],

@@ -94,9 +94,10 @@ def test_log_softmax_equals_torchs_forward_mode(entry, dim, monkeypatch):
 
 def test_ops_without_tangents_run_torchs_op():
     x, w = _randn(5, 4), _randn(6, 4)
+    linear, log_softmax = F.linear(x, w), torch.log_softmax(x, -1)  # torch's ops, outside the mode
     with ForwardRules() as mode:
-        assert torch.equal(F.linear(x, w), x @ w.T)
-        assert torch.equal(torch.log_softmax(x, -1), torch.log_softmax(x.clone(), -1))
+        assert torch.equal(F.linear(x, w), linear)
+        assert torch.equal(torch.log_softmax(x, -1), log_softmax)
     assert mode.rule_calls == {}
 
 

@@ -98,12 +98,12 @@ def _softmax_dot(y: torch.Tensor, dx: torch.Tensor, dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=split)
 
 
-#: torch function → forward-mode rule (each returns NotImplemented where it does not apply).
-RULES: dict[Any, Callable[..., Any]] = {
-    torch._C._nn.linear: linear_jvp,
-    torch.log_softmax: log_softmax_jvp,
-    torch.Tensor.log_softmax: log_softmax_jvp,
-    F.log_softmax: _functional_log_softmax,
+#: torch function → (op name, forward-mode rule); each rule returns NotImplemented where it does not apply.
+RULES: dict[Any, tuple[str, Callable[..., Any]]] = {
+    torch._C._nn.linear: ("linear", linear_jvp),
+    torch.log_softmax: ("log_softmax", log_softmax_jvp),
+    torch.Tensor.log_softmax: ("log_softmax", log_softmax_jvp),
+    F.log_softmax: ("log_softmax", _functional_log_softmax),
 }
 
 
@@ -119,11 +119,11 @@ class ForwardRules(ForwardAttention):
         self.rule_calls: dict[str, int] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        rule = RULES.get(func)
-        if rule is not None:
+        entry = RULES.get(func)
+        if entry is not None:
+            name, rule = entry
             out = rule(*args, **(kwargs or {}))
             if out is not NotImplemented:
-                name = "log_softmax" if rule is _functional_log_softmax else rule.__name__.removesuffix("_jvp")
                 self.rule_calls[name] = self.rule_calls.get(name, 0) + 1
                 return out
             return func(*args, **(kwargs or {}))
