@@ -58,7 +58,6 @@ KNOWN_RMSNORMS = (
     ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
     ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
     ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
-    ("transformers.models.t5.modeling_t5", "T5LayerNorm"),
 )
 
 
