@@ -167,3 +167,73 @@ def test_the_callback_checks_packed_readings_and_refuses_crossed_attention_by_na
         assert bad.last_refusal is not None and bad.last_refusal.condition == "packed_attention", bad.last_refusal
         assert "block-diagonal" in bad.last_refusal.remedy
         assert bad.n_refusals == 3  # after a failed check every packed reading is checked: none is shown
+
+
+LENGTHS = ((4, 8), (5, 5))  # per row: rollouts of unequal lengths, the second row padded by 2
+
+
+class Uneven(nn.Module):
+    """Rows packing rollouts of unequal lengths, the shorter row padded (its padding in no rollout)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def credit_terms(self, batch=None) -> CreditTerms:
+        T = 12
+        ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(2))
+        pos = torch.zeros(2, T, dtype=torch.long)
+        valid = torch.zeros(2, T, dtype=torch.bool)
+        for r, lens in enumerate(LENGTHS):
+            pos[r, : sum(lens)] = torch.cat([torch.arange(n) for n in lens])
+            valid[r, : sum(lens)] = True
+        # no attention mask: transformers splits the row where the position ids restart (each padding
+        # position, at 0, is a sequence of its own)
+        logits = self.net(input_ids=ids, position_ids=pos, use_cache=False).logits
+        lp = nn.functional.pad(torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+        rollout = packed_rollouts(pos, valid)  # [2, 12]
+        trained = valid & (pos > 0)
+        adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3], dtype=torch.float64)
+        terms = torch.where(trained, -adv[rollout.clamp(min=0)] * lp / trained.sum(), torch.zeros_like(lp))
+        return CreditTerms(terms, trained, rollout, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("readings", ["all", "shares", "projected"])
+def test_uneven_packed_rollouts_equal_the_reference_engine(readings, rmsnorm_float64):
+    module = Uneven(_net())
+    ref = disintegrate(module, None, "by_rollout", dtype="float64", engine="reference")
+    got = disintegrate(module, None, "by_rollout", dtype="float64", engine="ghost", readings=readings, verify_part="spans")
+    assert got.spans and got.spans_verified and got.part_names == ref.part_names
+    assert max(abs(a - b) for a, b in zip(ref.projected_share, got.projected_share)) <= TOL
+    if readings != "projected":
+        assert max(abs(a - b) for a, b in zip(ref.norm_share, got.norm_share)) <= TOL
+    assert got.conservation_error <= 1e-13
+
+
+@pytest.mark.parametrize(
+    "positions, view",
+    [
+        ([[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]], True),  # one length, one after another: a view of the rows
+        ([[-1, 0, 0, 0, 1, 1], [1, 2, 2, 2, 3, 3]], False),  # a part across two rows, unequal lengths
+        ([[0, 0, 1, 1, 1, 1], [2, 2, 2, -1, -1, -1]], False),  # padding
+        ([[1, 1, 1, 0, 0, 0], [2, 2, 2, 3, 3, 3]], False),  # one length, out of order
+    ],
+)
+def test_part_rows_lay_out_each_part_as_a_naive_loop_does(positions, view):
+    from lens_callbacks.credit.engines.ghost import PartRows
+
+    pos = torch.tensor(positions)
+    m = int(pos.max()) + 1
+    x = torch.randn(2, 6, 3, dtype=torch.float64)
+    rows = PartRows(pos, m)
+    got = rows.gather(x)
+    k = max(int((pos == i).sum()) for i in range(m))
+    want = torch.zeros(m, k, 3, dtype=torch.float64)
+    for i in range(m):
+        at = [(r, t) for r in range(2) for t in range(6) if pos[r, t] == i]  # row order, then position
+        for j, (r, t) in enumerate(at):
+            want[i, j] = x[r, t]
+    assert torch.equal(got, want)
+    assert (got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) is view
+    flags = torch.rand(2, 6) > 0.5
+    assert torch.equal(rows.gather(flags), torch.stack([torch.cat([flags[pos == i], torch.zeros(k - int((pos == i).sum()), dtype=torch.bool)]) for i in range(m)]))

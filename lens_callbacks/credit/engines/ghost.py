@@ -505,17 +505,31 @@ class PartRows:
         self.index[part, slot] = order
         self.valid[part, slot] = True
         self.positions = counts  # [m] positions per part
+        self.padded = not bool(self.valid.all())
+        # Parts of one length that follow each other in the rows' order (rollouts packed at a fixed
+        # length): the regrouped layout is a view of the rows, and no copy is made.
+        self.start: Optional[int] = None
+        if m and not self.padded:
+            s = int(self.index[0, 0])
+            if torch.equal(self.index.reshape(-1), torch.arange(s, s + m * self.k, device=pos.device)):
+                self.start = s
 
     def eligible(self, x: Optional[torch.Tensor]) -> bool:
         """Whether ``x`` leads with the batch's ``[B, T]`` (a layer called on every position of every row)."""
         return x is not None and x.dim() >= 2 and tuple(x.shape[:2]) == self.shape
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T, ...]`` as ``[m, k, ...]``: each part's positions in a row, zeros past its end."""
+        """``x`` ``[B, T, ...]`` as ``[m, k, ...]``: each part's positions in a row, zeros past its end.
+
+        A view of ``x`` when the parts are consecutive runs of one length (:attr:`start`), else one copy
+        (its padding zeroed in place)."""
         flat = x.reshape(self.shape[0] * self.shape[1], *x.shape[2:])
+        if self.start is not None:
+            return flat[self.start : self.start + self.m * self.k].view(self.m, self.k, *x.shape[2:])
         out = flat[self.index]  # [m, k, ...]
-        mask = self.valid.reshape(self.m, self.k, *([1] * (out.dim() - 2)))
-        return out.masked_fill(~mask, 0) if out.dtype != torch.bool else out & mask
+        if self.padded:
+            out[~self.valid] = 0 if out.dtype != torch.bool else False
+        return out
 
 
 class _PartRowUse:
