@@ -54,7 +54,7 @@ from ..primitives import (
 )
 from ..report import CreditReport
 from .attention import AttentionDropoutError
-from .forward_rules import ForwardRules
+from .forward_rules import DeferredWrite, ForwardRules
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -155,12 +155,14 @@ def terms_jvp(
                 torch.no_grad(),
                 audit_passes(),
                 watch if watch is not None else contextlib.nullcontext(),
-                ForwardRules(),
+                ForwardRules() as rules,
             ):
                 # forward AD needs no graph: activations are freed as the pass goes; sdpa, linear and
                 # log_softmax take their rules (attention.py, forward_rules.py)
                 terms = torch.func.functional_call(TermsCall(module, fn), state, (batch,), strict=False)
-        except AttentionDropoutError as err:
+                if isinstance(getattr(terms, "terms", None), torch.Tensor):
+                    terms.terms = rules.resolve(terms.terms)  # a log-softmax returned as the terms: its whole tangent
+        except (AttentionDropoutError, DeferredWrite) as err:
             raise ForwardADUnsupportedError(str(err)) from err
         except (NotImplementedError, RuntimeError) as err:
             text = str(err)
