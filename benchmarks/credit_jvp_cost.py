@@ -22,11 +22,13 @@ Real rows (``--real``): episodes of 40 turns on the Llama shape (vocabulary 32,0
 on the step (the tangent pass alone along the step's ``.grad``, reported as the extra over a step), the
 separate pass (its own forward and backward, then the tangent pass), each one's peak memory over the plain
 step's, ``Σ shares − 1`` and ``conservation_error``. Then packed rollouts (4 rollouts of ``T/4`` per row,
-position ids restarting, ``by_rollout`` read as spans, ``readings="shares"``), riding along and separate.
+position ids restarting, ``by_rollout`` read as spans, ``readings="shares"``), riding along and separate;
+with ``--kinds ... uneven``, rows packing 4 rollouts of unequal lengths (3/16, 5/16, 1/4 and 3/16 of ``T``) and
+``T/16`` of padding, which the engine regroups by one copy instead of a view.
 
 Usage: ``python benchmarks/credit_jvp_cost.py [--turns 40] [--rows 4] [--repeats 5] [--embd 32]`` (toys);
 ``python benchmarks/credit_jvp_cost.py --real [--real-rows llama:8:1024 llama:1:8192 qwen2:8:1024]
-[--repeats 3]``. Real rows are appended to ``benchmarks/results/credit_jvp_cost-<date>.txt``.
+[--repeats 3] [--kinds turns packed uneven]``. Real rows are appended to ``benchmarks/results/credit_jvp_cost-<date>.txt``.
 """
 
 from __future__ import annotations
@@ -267,16 +269,28 @@ def real_model(kind: str, T: int) -> nn.Module:
 
 class TurnBatch(nn.Module):
     """``B`` episodes of ``turns`` turns over ``T`` random tokens (user, then assistant/tool alternating), or
-    (``packed``) ``B`` rows of 4 rollouts each, position ids restarting."""
+    (``packed``) ``B`` rows of 4 rollouts each, position ids restarting (``packed="uneven"``: of unequal
+    lengths, each row ending in ``T/16`` positions of padding that belong to no rollout)."""
 
-    def __init__(self, lm: nn.Module, B: int, T: int, turns: int = 40, packed: bool = False, seed: int = 1) -> None:
+    def __init__(
+        self, lm: nn.Module, B: int, T: int, turns: int = 40, packed: "bool | str" = False, seed: int = 1
+    ) -> None:
         super().__init__()
         self.lm = lm
         g = torch.Generator().manual_seed(seed)
         V = lm.config.vocab_size
         self.ids = torch.randint(0, V, (B, T), generator=g)  # [B, T]
         pos = torch.arange(T)[None].expand(B, T)
-        if packed:
+        if packed == "uneven":
+            lens = [3 * T // 16, 5 * T // 16, T // 4, 3 * T // 16]
+            valid = torch.arange(T) < sum(lens)  # [T]: the rest is padding, each position at 0
+            row = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)])
+            self.pos = row[None].expand(B, T)
+            self.rollout = packed_rollouts(self.pos, valid[None].expand(B, T))  # [B, T], -1 on the padding
+            self.trained = (self.pos >= 8) & valid
+            self.adv = torch.randn(4 * B, generator=g)[self.rollout.clamp(min=0)]  # [B, T]
+            self.segment, self.names = None, None
+        elif packed:
             self.pos = pos % (T // 4)
             self.rollout = packed_rollouts(self.pos)  # [B, T]
             self.trained = self.pos >= 8  # each rollout's first 8 tokens are its prompt
@@ -313,7 +327,7 @@ def _peak(fn: Callable[[], object]) -> int:
     return peak_alloc_bytes(fn)
 
 
-def measure_real(kind: str, B: int, T: int, repeats: int, packed: bool = False, memory: bool = True) -> dict:
+def measure_real(kind: str, B: int, T: int, repeats: int, packed: "bool | str" = False, memory: bool = True) -> dict:
     from lens_callbacks.credit.engines.ghost import RideAlong
 
     module = TurnBatch(real_model(kind, T).train(), B, T, packed=packed)
@@ -401,7 +415,9 @@ def real_table(rows: list[dict]) -> str:
         "|---|---|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for r in rows:
-        kind = f"{r['policy']}, packed 4 per row" if r["packed"] else f"{r['policy']}, 40-turn episodes"
+        kind = f"{r['policy']}, 40-turn episodes"
+        if r["packed"]:
+            kind = f"{r['policy']}, packed 4 per row" + (", unequal lengths" if r["packed"] == "uneven" else "")
         mem = "not measured"
         if r.get("mem_step"):
             ps = r["param_bytes"]
@@ -419,8 +435,8 @@ def main_real(args) -> list[dict]:
     rows = []
     for spec in args.real_rows:
         kind, B, T = spec.split(":")
-        for packed in (False, True):
-            if packed and not args.packed:
+        for kind_, packed in (("turns", False), ("packed", True), ("uneven", "uneven")):
+            if kind_ not in args.kinds:
                 continue
             try:
                 rows.append(measure_real(kind, int(B), int(T), args.repeats, packed=packed, memory=args.memory))
@@ -447,7 +463,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--real", action="store_true", help="the real-shape rows (40-turn episodes, packed rollouts)")
     ap.add_argument("--real-rows", nargs="+", default=list(REAL_ROWS), metavar="POLICY:ROWS:T")
     ap.add_argument(
-        "--packed", action=argparse.BooleanOptionalAction, default=True, help="real rows: packed rollouts too"
+        "--kinds",
+        nargs="+",
+        choices=["turns", "packed", "uneven"],
+        default=["turns", "packed"],
+        help="real rows: 40-turn episodes, packed rollouts of one length, packed rollouts of unequal lengths",
     )
     ap.add_argument(
         "--memory", action=argparse.BooleanOptionalAction, default=True, help="real rows: peak memory per mode"

@@ -202,7 +202,9 @@ class Uneven(nn.Module):
 def test_uneven_packed_rollouts_equal_the_reference_engine(readings, rmsnorm_float64):
     module = Uneven(_net())
     ref = disintegrate(module, None, "by_rollout", dtype="float64", engine="reference")
-    got = disintegrate(module, None, "by_rollout", dtype="float64", engine="ghost", readings=readings, verify_part="spans")
+    got = disintegrate(
+        module, None, "by_rollout", dtype="float64", engine="ghost", readings=readings, verify_part="spans"
+    )
     assert got.spans and got.spans_verified and got.part_names == ref.part_names
     assert max(abs(a - b) for a, b in zip(ref.projected_share, got.projected_share)) <= TOL
     if readings != "projected":
@@ -236,4 +238,9 @@ def test_part_rows_lay_out_each_part_as_a_naive_loop_does(positions, view):
     assert torch.equal(got, want)
     assert (got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) is view
     flags = torch.rand(2, 6) > 0.5
-    assert torch.equal(rows.gather(flags), torch.stack([torch.cat([flags[pos == i], torch.zeros(k - int((pos == i).sum()), dtype=torch.bool)]) for i in range(m)]))
+    assert torch.equal(
+        rows.gather(flags),
+        torch.stack(
+            [torch.cat([flags[pos == i], torch.zeros(k - int((pos == i).sum()), dtype=torch.bool)]) for i in range(m)]
+        ),
+    )

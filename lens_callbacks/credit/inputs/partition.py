@@ -241,15 +241,20 @@ def packed_rollouts(position_ids: torch.Tensor, valid: Optional[torch.Tensor] = 
     Example:
         >>> packed_rollouts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]])).tolist()
         [[0, 0, 0, 1, 1], [2, 2, 3, 3, 3]]
+        >>> packed_rollouts(torch.tensor([[0, 1, 0, 0], [0, 1, 2, 0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])).tolist()
+        [[0, 0, -1, -1], [1, 1, 1, -1]]
     """
     pos = position_ids.long()
     if pos.dim() != 2:
         raise ValueError(f"`position_ids` must be [B, T], got a tensor of shape {list(pos.shape)}.")
     start = torch.ones_like(pos, dtype=torch.bool)
     start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if valid is not None:
+        valid = valid.to(pos.device).bool()
+        start &= valid  # padding starts no rollout: the ids stay 0, 1, 2, … over the rollouts that hold tokens
     ids = start.reshape(-1).cumsum(0).reshape(pos.shape) - 1  # [B, T]
     if valid is not None:
-        ids = torch.where(valid.to(ids.device), ids, -1)
+        ids = torch.where(valid, ids, -1)
     return ids
 
 
