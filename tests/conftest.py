@@ -38,12 +38,11 @@ def _inductor_vector_isa_under_forced_kernels() -> None:
 
     if inductor_config.cpp.simdlen is not None:
         return
-    named = {"avx2": 256, "avx512": 512}.get(capability)
-    widths = [isa.bit_width() for isa in valid_vec_isa_list()] if named is None else []
-    if named is not None:
-        inductor_config.cpp.simdlen = named
-    elif widths:
-        inductor_config.cpp.simdlen = max(widths)
+    width = {"avx2": 256, "avx512": 512}.get(capability)
+    if width is None:  # default: the widest this CPU has
+        width = max((isa.bit_width() for isa in valid_vec_isa_list()), default=None)
+    if width is not None:
+        inductor_config.cpp.simdlen = width
 
 
 _inductor_vector_isa_under_forced_kernels()

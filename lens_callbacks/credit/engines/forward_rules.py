@@ -74,10 +74,10 @@ def log_softmax_jvp(input: torch.Tensor, dim: Optional[int] = None, dtype: Optio
     xp, dx = fwAD.unpack_dual(input)
     if dx is None:
         return NotImplemented
-    y = torch.log_softmax(xp, dim, dtype=dtype)
+    y = torch.empty(xp.shape, dtype=dtype if dtype is not None else xp.dtype, device=xp.device)
     dx = dx.to(y.dtype)
     d = dim % y.dim() if y.dim() else 0
-    r = _softmax_dot(y, dx, d)  # Σ_dim softmax ∘ ẋ, keepdim
+    r = _log_softmax_into(xp, d, dtype, y, dx)  # y = log_softmax(x); r = Σ_dim softmax ∘ ẋ, keepdim
     return fwAD.make_dual(y, dx - r)
 
 
@@ -86,21 +86,6 @@ def _functional_log_softmax(
 ) -> Any:
     """``F.log_softmax``'s arguments (``_stacklevel`` before ``dtype``) for :func:`log_softmax_jvp`."""
     return log_softmax_jvp(input, dim, dtype)
-
-
-def _softmax_dot(y: torch.Tensor, dx: torch.Tensor, dim: int) -> torch.Tensor:
-    """``Σ_dim exp(y) ∘ dx`` (keepdim), in slices of about ``SLICE_ELEMENTS`` along the largest other dimension."""
-    others = [i for i in range(y.dim()) if i != dim]
-    if not others:
-        return y.exp().mul_(dx).sum(dim, keepdim=True)
-    split = max(others, key=lambda i: y.shape[i])
-    n = y.shape[split]
-    per = max(1, SLICE_ELEMENTS // max(1, y.numel() // max(1, n)))
-    parts = [
-        y.narrow(split, a, min(per, n - a)).exp().mul_(dx.narrow(split, a, min(per, n - a))).sum(dim, keepdim=True)
-        for a in range(0, n, per)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=split)
 
 
 def _log_softmax_into(
