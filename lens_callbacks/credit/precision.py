@@ -151,10 +151,16 @@ def autocast_dtype(device: Union[str, torch.device, None]) -> Optional[torch.dty
     return None
 
 
+#: Whether autograd nodes expose the metadata of their op's outputs (``Node._input_metadata``), so that
+#: :meth:`PrecisionWatch.see_graph` can read a forward's dtypes off its graph.
+GRAPH_DTYPES = hasattr(torch.autograd.graph.Node, "_input_metadata")
+
+
 class PrecisionWatch(TorchFunctionMode):
     """Records the coarsest floating dtype of the differentiable values a forward computes.
 
-    Entered around an audit's forward: an op whose output carries the gradient (``requires_grad``, or a
+    Entered around an audit's forward (or, for a reverse-mode forward, read off its graph afterwards with
+    :meth:`see_graph`): an op whose output carries the gradient (``requires_grad``, or a
     forward-mode tangent) in a coarser dtype than the audit's — autocast's bfloat16 matmuls, or a float32
     normalisation inside a float64 model (transformers' RMSNorm) — sets the precision the reading can have.
     Values off the gradient path (masks, rotary tables) do not count. It changes nothing it sees.
@@ -194,6 +200,32 @@ class PrecisionWatch(TorchFunctionMode):
         else:
             self._see(out)
         return out
+
+    def see_graph(self, root: torch.Tensor) -> None:
+        """Records the dtypes of the differentiable values ``root`` was computed from, read off its autograd
+        graph (the outputs of every node, one visit per node) instead of op by op during the forward: the
+        values on the gradient path are the same, and the forward pays nothing per op. Where this torch's
+        nodes do not expose their outputs' metadata (:data:`GRAPH_DTYPES` is False) the watch must be
+        entered around the forward instead.
+
+        Example:
+            >>> w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+            >>> watch = PrecisionWatch("float64")
+            >>> watch.see_graph((w.float() * 2).double().sum())
+            >>> watch.coarser_than("float64")
+            'float32'
+        """
+        stack = [root.grad_fn] if root.grad_fn is not None else []
+        seen: set = set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for meta in node._input_metadata:  # the dtype of each output of the op this node differentiates
+                if meta.dtype not in self._fine and meta.dtype in UNIT_ROUNDOFF:
+                    self._raise_to(meta.dtype)
+            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def coarser_than(self, dtype: Union[str, torch.dtype, None]) -> Optional[str]:
         """The coarsest dtype seen when it is coarser than ``dtype`` (its name), else None."""

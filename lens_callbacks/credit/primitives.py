@@ -17,7 +17,7 @@ from torch import nn
 from .engines.reductions import diff_sq64, dot64, sq64
 from .inputs.partition import Partition
 from .inputs.terms import CreditTerms, validate_terms
-from .precision import PrecisionWatch, autocast_dtype
+from .precision import GRAPH_DTYPES, PrecisionWatch, autocast_dtype
 
 __all__ = [
     "DTypeSpec",
@@ -220,9 +220,12 @@ def evaluate_terms(
     names, leaves, state = detached_state(module, target, params)
     used = str(target if target is not None else native_dtype(module)).replace("torch.", "")
     wrapper = TermsCall(module, fn)
-    with torch.enable_grad(), audit_passes(), watch if watch is not None else contextlib.nullcontext():
+    by_graph = watch is not None and GRAPH_DTYPES  # read off the graph afterwards: nothing per op of the forward
+    with torch.enable_grad(), audit_passes(), watch if watch is not None and not by_graph else contextlib.nullcontext():
         terms = torch.func.functional_call(wrapper, state, (batch,), strict=False)
     validate_terms(terms)  # the contract is checked here, not at construction inside the training step
+    if by_graph:
+        watch.see_graph(terms.terms)
     return terms, names, leaves, used
 
 

@@ -62,6 +62,9 @@ _SMALL_BLOCK = 1 << 18  # a small weight's pieces are formed whole, whatever its
 #: Every part's pieces of an embedding together at most this many elements: read densely (the direct route).
 SMALL_PIECES = 1 << 20
 _MIN_ROWS = 128  # weight rows per block below which the per-part products lose their rate
+# Products (rows × positions × weight elements) below which the dead ends are not looked for: finding them
+# costs a few dozen small kernels, more than the products over a toy head's prompt positions they would save.
+_CUT_MIN = 1 << 28
 
 
 def _positions(u) -> int:
@@ -385,7 +388,9 @@ def direct_param(
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
     W = g_full if target is None else target
-    cut = [_cut(f) for f in facs]  # positions without a term (a head's prompt) are not multiplied
+    # positions without a term (a head's prompt) are not multiplied, where that saves more than it costs
+    products = r * max(f.R.shape[1] for f in facs) * param.numel()
+    cut = [_cut(f) if products >= _CUT_MIN else (f, None) for f in facs]
     facs = [f for f, _ in cut]
     if gram is None and _by_part(g_full.device, param.numel()):
         return _direct_by_part(facs, g_full, W, dst, m, dots, sq, keep_total, [rows for _, rows in cut])

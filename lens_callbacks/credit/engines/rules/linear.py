@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import Factors, Rows, Rule, Use, forward_is, rows_of, take
+from . import Factors, Rows, Rule, Use, forward_is, take
 
 
 class LinearRule(Rule):
@@ -48,9 +48,11 @@ class LinearRule(Rule):
             if rows.in_order:  # one row per part, in order (by_rollout): the per-row product is the piece
                 return prod
             return torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device).index_add_(0, dst, prod)
+        if sel.numel() and rows.in_order:
+            return take(g, sel, B).sum(1)  # [r, out]: one row per part, in order
         out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
         if sel.numel():
-            out.index_add_(0, dst, rows_of(g, B)[sel].sum(1))  # [r, out]
+            out.index_add_(0, dst, take(g, sel, B).sum(1))  # [r, out]
         return out
 
 

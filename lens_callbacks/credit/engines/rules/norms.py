@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import Rows, Rule, Use, forward_is, rows_of
+from . import Rows, Rule, Use, forward_is, take
 
 
 class _NormRule(Rule):
@@ -30,14 +30,16 @@ class _NormRule(Rule):
         B = rows.rp.shape[0]
         sel, dst, c = rows.sel, rows.dst, rows.c
         g = use.b
-        out = torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
         if sel.numel() == 0:
-            return out
-        G = rows_of(g, B)[sel]  # [r, n, d]
+            return torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device)
+        G = take(g, sel, B)  # [r, n, d]
         if param is use.weight:
-            X = rows_of(use.normalised(), B)[sel].to(g.dtype)  # [r, n, d]
-            return out.index_add_(0, dst, (G * X).sum(1))  # [r, d]
-        return out.index_add_(0, dst, G.sum(1))  # [r, d]
+            per_row = (G * take(use.normalised(), sel, B).to(g.dtype)).sum(1)  # [r, d]
+        else:
+            per_row = G.sum(1)  # [r, d]
+        if rows.in_order:  # one row per part, in order: a row's piece is its part's
+            return per_row
+        return torch.zeros((c,) + tuple(param.shape), dtype=g.dtype, device=g.device).index_add_(0, dst, per_row)
 
 
 class LayerNormRule(_NormRule):
