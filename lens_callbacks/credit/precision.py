@@ -34,6 +34,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
+from .graph import graph_nodes
+
 __all__ = [
     "UNIT_ROUNDOFF",
     "FLOOR_UNITS",
@@ -215,17 +217,10 @@ class PrecisionWatch(TorchFunctionMode):
             >>> watch.coarser_than("float64")
             'float32'
         """
-        stack = [root.grad_fn] if root.grad_fn is not None else []
-        seen: set = set()
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
+        for node in graph_nodes(root):
             for meta in node._input_metadata:  # the dtype of each output of the op this node differentiates
-                if meta.dtype not in self._fine and meta.dtype in UNIT_ROUNDOFF:
+                if meta.dtype not in self._fine:
                     self._raise_to(meta.dtype)
-            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
 
     def coarser_than(self, dtype: Union[str, torch.dtype, None]) -> Optional[str]:
         """The coarsest dtype seen when it is coarser than ``dtype`` (its name), else None."""

@@ -90,9 +90,14 @@ class _Policy(nn.Module):
         )
 
 
+@pytest.mark.parametrize("by_graph", [True, False])
 @pytest.mark.parametrize("engine", ["ghost", "reference"])
 @pytest.mark.parametrize("norm32", [False, True])
-def test_an_engine_reports_the_dtype_its_forward_computed_in(engine, norm32):
+def test_an_engine_reports_the_dtype_its_forward_computed_in(engine, norm32, by_graph, monkeypatch):
+    # by_graph=False: a torch whose nodes hide their outputs' metadata, where the watch is entered instead
+    from lens_callbacks.credit import primitives
+
+    monkeypatch.setattr(primitives, "GRAPH_DTYPES", by_graph and GRAPH_DTYPES)
     module = _Policy(norm32).double()
     g = torch.Generator().manual_seed(2)
     batch = (torch.randint(0, 11, (3, 7), generator=g), torch.randn(3, generator=g, dtype=torch.float64))

@@ -1,4 +1,4 @@
-"""The docstring examples of the reading and precision modules run and print the exact values they show."""
+"""The docstring examples of the reading, precision and graph modules run and print the exact values they show."""
 
 import doctest
 import importlib
@@ -13,6 +13,7 @@ MODULES = [
     "lens_callbacks.credit.inputs.partition",
     "lens_callbacks.credit.readings.table",
     "lens_callbacks.credit.precision",
+    "lens_callbacks.credit.graph",
 ]
 
 

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optio
 import torch
 from torch import nn
 
+from ..graph import graph_nodes
 from ..inputs.partition import Partition, PartitionFn, apply_partition, position_parts, resolve_partition
 from ..inputs.terms import CreditTerms, cat_terms, validate_terms
 from ..primitives import (
@@ -622,39 +623,18 @@ def _leaf_edges(root: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[int,
     """Number of graph edges into each leaf's AccumulateGrad node, reachable from ``root``."""
     want = {id(x) for x in leaves}
     count: dict[int, int] = {}
-    seen: set[int] = set()
-    stack = [root.grad_fn] if root.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in graph_nodes(root):
         for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
             var = getattr(nxt, "variable", None)
-            if var is not None:
-                if id(var) in want:
-                    count[id(var)] = count.get(id(var), 0) + 1
-                continue
-            stack.append(nxt)
+            if var is not None and id(var) in want:
+                count[id(var)] = count.get(id(var), 0) + 1
     return count
 
 
 def reentrant_checkpoints(root: torch.Tensor) -> bool:
     """Whether the graph of ``root`` holds a reentrant activation checkpoint (``use_reentrant=True``): its
     layers ran without grad in the forward and run again inside the backward, out of the hooks' sight."""
-    seen: set[int] = set()
-    stack = [root.grad_fn] if root.grad_fn is not None else []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
+    return any(type(node).__name__ == "CheckpointFunctionBackward" for node in graph_nodes(root))
 
 
 REENTRANT_WORDS = (
