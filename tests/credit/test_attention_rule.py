@@ -200,6 +200,47 @@ def test_a_row_with_nothing_to_attend_to_reads_zeros_as_torch_does():
     assert float((o - F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).abs().max()) <= TOL
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_rows_with_nothing_to_attend_to_under_every_kind_of_mask_read_zeros(chunk):
+    # dead rows from a per-head boolean mask under grouped KV heads, from -inf in an additive mask, and
+    # from a boolean mask and the causal mask together (neither alone leaves the row empty); the live
+    # rows against eager forward AD, the dead rows zero in value and tangent; a 2-D mask too
+    prim, tan = inputs(Hq=6, Hkv=2, L=9, S=9)
+    g = torch.Generator().manual_seed(7)
+    per_head = torch.rand(2, 6, 9, 9, generator=g) > 0.3
+    per_head[..., 0] = True
+    per_head[0, 4, 5] = False  # batch 0, query head 4 (KV head 1), query 5: nothing
+    per_head[1, 0, 2] = False
+    additive = torch.randn(2, 6, 9, 9, generator=g, dtype=torch.float64).masked_fill(~per_head, float("-inf"))
+    late = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+    late[:, :, 3, :6] = False  # query 3 may attend keys 6.. only, all after it under the causal mask
+    for mask, causal in ((per_head, False), (additive, False), (late, True), (late[0, 0], True)):
+        dead = ~(mask if mask.dtype == torch.bool else mask > float("-inf"))
+        if causal:
+            dead = dead | ~torch.ones(9, 9, dtype=torch.bool).tril()
+        dead = dead.all(-1).expand(2, 6, 9)  # [B, Hq, L]
+        assert 0 < int(dead.sum()) < dead.numel()
+        o_ref, t_ref = reference_jvp(prim, tan, mask=mask, is_causal=causal, enable_gqa=True)
+        o, t = attention_jvp(
+            *(x for pair in zip(prim, tan) for x in pair), mask, is_causal=causal, enable_gqa=True, chunk=chunk
+        )
+        live = ~dead
+        assert float((o[live] - o_ref[live]).abs().max()) <= TOL and float((t[live] - t_ref[live]).abs().max()) <= TOL
+        assert torch.equal(o[dead], torch.zeros_like(o[dead])) and torch.equal(t[dead], torch.zeros_like(t[dead]))
+
+
+def test_a_nan_in_the_inputs_stays_nan():
+    # zeros are given for rows the mask leaves empty, never for rows that are NaN for another reason
+    prim, tan = inputs(L=6, S=6)
+    q = prim[0].clone()
+    q[0, 1, 2, 0] = float("nan")
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    mask[:, :, 4] = False
+    o, t = attention_jvp(q, tan[0], prim[1], tan[1], prim[2], tan[2], mask, chunk=2)
+    assert bool(o[0, 1, 2].isnan().all()) and bool(t[0, 1, 2].isnan().all())
+    assert torch.equal(o[:, :, 4], torch.zeros_like(o[:, :, 4]))
+
+
 class _Largest(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -23,9 +23,12 @@ none after its last query, so about half the keys over the blocks; a boolean or 
 leading and trailing keys too). Over those keys, ``3·B·H·L·S'·E`` multiply-adds for the scores and their
 tangent (``QKᵀ``, then ``Q̇Kᵀ + QK̇ᵀ`` accumulated into one buffer) and ``3·B·H·L·S'·Ev`` for the outputs
 (``PV``, ``PV̇`` and ``(P ∘ Ṡ)V``, with ``ṖV = (P ∘ Ṡ)V − rowsum(P ∘ Ṡ) O``): 3 times the primal
-attention's. Each block takes six passes over its scores (max, subtract, exp, sum, ``P ∘ Ṡ`` and its
-sum; the scale is folded into the queries and the softmax's normalisation into the ``[chunk, Ev]``
-outputs), so at long ``S`` the rule is bound by memory traffic.
+attention's. Besides the products that write and read them, each block takes three passes over its
+scores (torch's softmax in place, each row read and written once while in cache; ``P ∘ Ṡ``; its sum),
+with the scale folded into the queries. The products take most of a call (84 % at ``S`` = 8192
+on one CPU thread, where their blocks of queries are thinner than a fused kernel's tiles). A query the
+mask leaves nothing to attend to is found from the mask, never from the scores, so a NaN from the inputs
+stays NaN.
 
 Pure torch; never imports lightning.
 """
@@ -156,23 +159,38 @@ def attention_jvp(
             j0 = max(a + 1, lo)
             after = torch.arange(j0, hi, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
             scores.view(n, r, c, w)[..., j0 - lo :].masked_fill_(after, float("-inf"))
-        top = scores.amax(dim=-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        e = scores.sub_(top).exp_()  # P unnormalised, in place of the scores
-        z = e.sum(dim=-1, keepdim=True)
-        inv = torch.where(z > 0, 1.0 / torch.where(z > 0, z, torch.ones_like(z)), torch.zeros_like(z))  # [n, r·c, 1]
-        out = torch.bmm(e, v3[:, lo:hi]).mul_(inv)  # P V  [n, r·c, Ev]
-        tan = torch.bmm(e, dv3[:, lo:hi]).mul_(inv) if dv3 is not None else None  # P V̇
+        # P, normalised in place of the scores by torch's softmax (each row read and written once, in cache)
+        e = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        if m is not None:  # a query with no key left to attend to: zeros, as torch's math kernel gives
+            dead = _dead_rows(m[..., lo:hi], Hkv, r, a, lo, is_causal)
+            if dead is not None:
+                e.view(view)[dead.expand(view[:-1])] = 0
+        out = torch.bmm(e, v3[:, lo:hi])  # P V  [n, r·c, Ev]
+        tan = torch.bmm(e, dv3[:, lo:hi]) if dv3 is not None else None  # P V̇
         if dscores is not None:
             if dmask is not None:
                 dscores = torch.where(e > 0, dscores, torch.zeros_like(dscores))  # masked entries: P = 0, Ṗ = 0
-            pd = dscores.mul_(e)  # P ∘ Ṡ, unnormalised
-            rr = pd.sum(dim=-1, keepdim=True).mul_(inv)  # rowsum(P ∘ Ṡ)
-            t = torch.bmm(pd, v3[:, lo:hi]).mul_(inv).sub_(rr * out)  # Ṗ V = (P ∘ Ṡ) V − rowsum(P ∘ Ṡ) O
+            pd = dscores.mul_(e)  # P ∘ Ṡ
+            rr = pd.sum(dim=-1, keepdim=True)  # rowsum(P ∘ Ṡ)
+            t = torch.bmm(pd, v3[:, lo:hi]).sub_(rr * out)  # Ṗ V = (P ∘ Ṡ) V − rowsum(P ∘ Ṡ) O
             tan = t if tan is None else tan.add_(t)
         outs.append(out.reshape(*lead, Hq, c, Ev))
         tans.append(tan.reshape(*lead, Hq, c, Ev) if tan is not None else torch.zeros_like(outs[-1]))
     return torch.cat(outs, dim=-2), torch.cat(tans, dim=-2)
+
+
+def _dead_rows(m: torch.Tensor, n_kv: int, r: int, a: int, lo: int, is_causal: bool) -> Optional[torch.Tensor]:
+    """The queries of a block ``[a, a + c)`` with no key of ``m`` (``[..., c, S']``, keys from ``lo``) left to
+    attend to, as a boolean ``[..., Hkv or 1, r or 1, c]`` laid out as the grouped scores; None when there are none.
+
+    Read off the mask itself (never the scores): a row of scores that is NaN for another reason stays NaN."""
+    live = m if m.dtype == torch.bool else m > float("-inf")
+    if is_causal:  # key lo + j is after query a + i
+        c, w = m.shape[-2], m.shape[-1]
+        after = torch.arange(lo, lo + w, device=m.device)[None, :] > torch.arange(a, a + c, device=m.device)[:, None]
+        live = live & ~after
+    dead = ~live.any(-1)
+    return _grouped(dead.unsqueeze(-1), n_kv, r).squeeze(-1) if bool(dead.any()) else None
 
 
 def _grouped(m: torch.Tensor, n_kv: int, r: int) -> torch.Tensor:
