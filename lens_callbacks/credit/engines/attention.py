@@ -157,8 +157,7 @@ def attention_jvp(
         if is_causal and hi > a + 1:
             # only the block's own diagonal square holds keys after a query (key j > query i, i in [a, b))
             j0 = max(a + 1, lo)
-            after = torch.arange(j0, hi, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
-            scores.view(n, r, c, w)[..., j0 - lo :].masked_fill_(after, float("-inf"))
+            scores.view(n, r, c, w)[..., j0 - lo :].masked_fill_(_after(a, c, j0, hi - j0, q.device), float("-inf"))
         # P, normalised in place of the scores by torch's softmax (each row read and written once, in cache)
         e = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         if m is not None:  # a query with no key left to attend to: zeros, as torch's math kernel gives
@@ -179,16 +178,19 @@ def attention_jvp(
     return torch.cat(outs, dim=-2), torch.cat(tans, dim=-2)
 
 
+def _after(a: int, c: int, lo: int, w: int, device: torch.device) -> torch.Tensor:
+    """``[c, w]``: whether key ``lo + j`` comes after query ``a + i`` (what the causal mask leaves out)."""
+    return torch.arange(lo, lo + w, device=device)[None, :] > torch.arange(a, a + c, device=device)[:, None]
+
+
 def _dead_rows(m: torch.Tensor, n_kv: int, r: int, a: int, lo: int, is_causal: bool) -> Optional[torch.Tensor]:
     """The queries of a block ``[a, a + c)`` with no key of ``m`` (``[..., c, S']``, keys from ``lo``) left to
     attend to, as a boolean ``[..., Hkv or 1, r or 1, c]`` laid out as the grouped scores; None when there are none.
 
     Read off the mask itself (never the scores): a row of scores that is NaN for another reason stays NaN."""
     live = m if m.dtype == torch.bool else m > float("-inf")
-    if is_causal:  # key lo + j is after query a + i
-        c, w = m.shape[-2], m.shape[-1]
-        after = torch.arange(lo, lo + w, device=m.device)[None, :] > torch.arange(a, a + c, device=m.device)[:, None]
-        live = live & ~after
+    if is_causal:
+        live = live & ~_after(a, m.shape[-2], lo, m.shape[-1], m.device)
     dead = ~live.any(-1)
     return _grouped(dead.unsqueeze(-1), n_kv, r).squeeze(-1) if bool(dead.any()) else None
 
