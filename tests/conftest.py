@@ -1,4 +1,4 @@
-"""Suite-wide settings and the console-script runner the end-to-end tests share."""
+"""Suite-wide settings, the console-script runner the end-to-end tests share and the benchmark scripts' loader."""
 
 from __future__ import annotations
 
@@ -72,3 +72,23 @@ def run_cli():
         return r
 
     return run
+
+
+@pytest.fixture
+def bench_script():
+    """Load ``benchmarks/<name>.py`` as a module (once per session: ``sys.modules`` keeps it, as its
+    dataclasses need; ``benchmarks/`` joins ``sys.path`` for the scripts that import each other)."""
+    import importlib.util
+
+    def load(name: str):
+        if name in sys.modules:
+            return sys.modules[name]
+        if str(ROOT / "benchmarks") not in sys.path:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    return load

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("attention_rule_cost", ROOT / "benchmarks" / "attention_rule_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
-def test_benchmark_runs_small_and_its_value_matches_torch(tmp_path):
-    bench = _bench()
+def test_benchmark_runs_small_and_its_value_matches_torch(tmp_path, bench_script):
+    bench = bench_script("attention_rule_cost")
     out = tmp_path / "attention.txt"
     assert bench.main(["--tokens", "128", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--out", str(out)]) == 0
     text = out.read_text()

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("credit_cost", ROOT / "benchmarks" / "credit_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_peak_probe_sees_a_known_peak_and_ignores_older_frees():
-    bench = _bench()
+def test_peak_probe_sees_a_known_peak_and_ignores_older_frees(bench_script):
+    bench = bench_script("credit_cost")
     old = [torch.empty(500_000) for _ in range(4)]  # allocated before: freeing them must not offset the peak
 
     def fn():
@@ -35,9 +24,9 @@ def test_peak_probe_sees_a_known_peak_and_ignores_older_frees():
     assert 5_000_000 <= peak < 5_000_000 + 64 * 1024
 
 
-def test_measure_and_section_writer(tmp_path):
+def test_measure_and_section_writer(tmp_path, bench_script):
     pytest.importorskip("transformers")
-    bench = _bench()
+    bench = bench_script("credit_cost")
     torch.set_num_threads(1)
     row = bench.measure(8, repeats=1, engines=("reference", "ghost", "ride"))
     assert row["m"] == 8 and row["B"] == 8 and row["audited_over_plain_train"] > 1.0
@@ -54,23 +43,10 @@ def test_measure_and_section_writer(tmp_path):
 TINY = dict(vocab=4096, hidden=64, layers=1, intermediate=96, heads=4, kv_heads=2)
 
 
-def _module(name):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-def test_route_counts_parameter_count_is_the_built_models(kind):
+def test_route_counts_parameter_count_is_the_built_models(kind, bench_script):
     pytest.importorskip("transformers")
-    bench, counts = _bench(), _module("route_counts")
+    bench, counts = bench_script("credit_cost"), bench_script("route_counts")
     model = bench.make_real_model(kind, 32, **TINY)
     shape = {**bench.REAL_SHAPES[kind], **TINY}
     assert counts.n_params(shape) == sum(p.numel() for p in model.parameters())
@@ -83,9 +59,9 @@ def test_route_counts_parameter_count_is_the_built_models(kind):
         counts.route_counts(shape, 8, 128, readings="projected")
 
 
-def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_path):
+def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_path, bench_script):
     pytest.importorskip("transformers")
-    bench = _bench()
+    bench = bench_script("credit_cost")
     torch.set_num_threads(1)
     row = bench.measure_real(
         "qwen2",
@@ -127,9 +103,9 @@ def test_real_shape_row_runs_at_a_tiny_vocabulary_and_writes_its_own_block(tmp_p
         bench.make_real_model("llama", 32, width=3)
 
 
-def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu():
+def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu(bench_script):
     pytest.importorskip("transformers")
-    gpu = _module("credit_cost_gpu")
+    gpu = bench_script("credit_cost_gpu")
     args = gpu.parse_args([])
     assert (args.vocab, args.hidden, args.layers, args.intermediate, args.parts, args.tokens, args.dtype) == (
         151936,
@@ -173,10 +149,10 @@ def test_gpu_script_parses_and_builds_at_a_tiny_shape_on_cpu():
         gpu.parse_args(["--hidden", "30", "--heads", "4"])
 
 
-def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
+def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys, bench_script):
     # a row's full run (vmap skipped for memory), then a run of the peers alone (`--modes step vmap`): the
     # rendered row takes vmap's ratio from the second run and says which run timed it
-    bench = _bench()
+    bench = bench_script("credit_cost")
     full = {
         "kind": "llama",
         "m": 8,
@@ -221,9 +197,9 @@ def test_rows_from_merges_a_later_modes_run_into_the_row(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("compare", ["paths", "cut"])
-def test_direct_route_ab_runs_both_ways_and_puts_the_route_back(compare):
+def test_direct_route_ab_runs_both_ways_and_puts_the_route_back(compare, bench_script):
     pytest.importorskip("transformers")
-    ab = _module("direct_route_ab")
+    ab = bench_script("direct_route_ab")
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
     before = (ghost.direct_param, ghost_routes._by_part, ghost_routes._cut)
@@ -236,20 +212,20 @@ def test_direct_route_ab_runs_both_ways_and_puts_the_route_back(compare):
         assert p["over_step"] > 0 and 0 < p["largest_s"] <= p["direct_s"]
 
 
-def test_direct_route_ab_refuses_an_unknown_comparison_and_a_prompt_out_of_range():
-    ab = _module("direct_route_ab")
+def test_direct_route_ab_refuses_an_unknown_comparison_and_a_prompt_out_of_range(bench_script):
+    ab = bench_script("direct_route_ab")
     with pytest.raises(ValueError, match="`compare` must be one of"):
         ab.measure_ab("llama", 8, 16, 1, compare="speed")
     with pytest.raises(ValueError, match=r"`prompt` must be a share of the row in \[0, 1\), got 1.5"):
         ab.measure_ab("llama", 8, 16, 1, prompt=1.5)
 
 
-def test_apart_readings_equal_the_timed_process_ones_and_merge_into_its_row(tmp_path, capsys):
+def test_apart_readings_equal_the_timed_process_ones_and_merge_into_its_row(tmp_path, capsys, bench_script):
     # `--apart` makes each memory or drift reading in a child process of its own (for rows whose profiled
     # passes do not fit in one process): the child's peak is the one the timed process reads, and
     # --rows-from puts it into the timed row's cells
     pytest.importorskip("transformers")
-    bench = _bench()
+    bench = bench_script("credit_cost")
     torch.set_num_threads(1)
     row = bench.measure_real("qwen2", 3, 24, 1, modes=("step", "sep_shares"), memory=True, drift=False, **TINY)
     shape = [f"--shape={k}={v}" for k, v in TINY.items()]
@@ -274,10 +250,10 @@ def test_apart_readings_equal_the_timed_process_ones_and_merge_into_its_row(tmp_
     assert "qwen2, m = 3, T = 24: mem_trainer (`--apart`) failed — exit status -9: Killed." in out
 
 
-def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
+def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys, bench_script):
     import subprocess
 
-    bench = _bench()
+    bench = bench_script("credit_cost")
     calls = []
 
     def run(cmd, **kw):
@@ -300,13 +276,13 @@ def test_apart_records_a_child_that_fails_and_goes_on(monkeypatch, capsys):
         bench.measure_reading("llama", 2, 8, "mem_nothing")
 
 
-def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back(capsys, monkeypatch):
+def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_back(capsys, monkeypatch, bench_script):
     # pass_split.py wraps each parameter's reduction, the direct route's per-row products, the dead-end
     # scans, the conservation differences, the reads of each piece and what follows the backward with
     # timers (wall and user CPU time): the middle four are parts of the reductions, the reductions and the
     # end parts of the pass, and the engine is the same after the run as before it
     pytest.importorskip("transformers")
-    split = _module("pass_split")
+    split = bench_script("pass_split")
     from lens_callbacks.credit.engines import ghost, ghost_routes
 
     monkeypatch.setattr(
@@ -369,10 +345,10 @@ def test_pass_split_times_the_reductions_inside_the_pass_and_puts_the_engine_bac
     assert exc.value.code == 2 and "`repeats` must be at least 1, got 0." in capsys.readouterr().err
 
 
-def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers(capsys):
+def test_fused_reads_times_the_engines_reads_against_one_fused_kernel_with_the_same_numbers(capsys, bench_script):
     # fused_reads.py times ghost_routes.read_piece (the direct route's reads of one part's block) against
     # the same reductions compiled into one kernel; "eager" compiles without a C++ compiler
-    fused = _module("fused_reads")
+    fused = bench_script("fused_reads")
     torch.set_num_threads(1)
     r = fused.measure(64, 48, blocks=10, calls=20, backend="eager")
     assert r["eager_s"] > 0 and r["fused_s"] > 0

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def test_benchmark_runs_small_and_agrees_with_the_reference():
+def test_benchmark_runs_small_and_agrees_with_the_reference(bench_script):
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("credit_jvp_cost", ROOT / "benchmarks" / "credit_jvp_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("credit_jvp_cost")
     rows = bench.main(["--turns", "4", "--rows", "2", "--repeats", "1", "--policy", "gpt2"])
     assert [r["partition"] for r in rows] == ["by_turn (turn)", "by_segment (turn_index)"]
     by_turn = rows[0]

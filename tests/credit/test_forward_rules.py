@@ -9,9 +9,7 @@ pass's peak below torch's formulas on a vocabulary-wide head.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,16 +110,9 @@ class _Head(nn.Module):
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1]
 
 
-def _peak_bytes(fn):
-    """Peak bytes alive at once inside ``fn()``: the measurement behind docs/performance.md's memory columns."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "credit_cost.py"
-    spec = importlib.util.spec_from_file_location("credit_cost", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.peak_alloc_bytes(fn)
-
-
-def test_the_rules_hold_the_head_below_torchs_peak(monkeypatch):
+def test_the_rules_hold_the_head_below_torchs_peak(monkeypatch, bench_script):
+    # peak bytes alive at once inside a call: the measurement behind docs/performance.md's memory columns
+    peak = bench_script("credit_cost").peak_alloc_bytes
     monkeypatch.setattr(
         forward_rules, "SLICE_ELEMENTS", 1 << 16
     )  # an eighth of these logits, as 64 MiB is of real ones
@@ -142,7 +133,7 @@ def test_the_rules_hold_the_head_below_torchs_peak(monkeypatch):
 
         return go
 
-    with_rules, without = _peak_bytes(run(True)), _peak_bytes(run(False))
+    with_rules, without = peak(run(True)), peak(run(False))
     # torch's formulas hold a second and third logits-sized buffer beside the result, and the log-softmax's
     # tangent; the rules hold the logits, their tangent and the log-softmax, whose tangent is read at the
     # taken tokens only (the gather), plus one slice at a time
