@@ -65,10 +65,11 @@ def measure(tokens: int, heads: int, head_dim: int, repeats: int, device: str, d
     qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
 
     def fused_fb() -> Any:
+        qg.grad = kg.grad = vg.grad = None  # as a training step's zero_grad: no accumulation timed
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dq)
 
-    times: dict[str, list[float]] = {"rule": [], "fused_forward": [], "fused_forward_backward": []}
     calls = {"rule": rule, "fused_forward": fused, "fused_forward_backward": fused_fb}
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():
         fn()  # warm
     for _ in range(repeats):
