@@ -244,3 +244,48 @@ def test_part_rows_lay_out_each_part_as_a_naive_loop_does(positions, view):
             [torch.cat([flags[pos == i], torch.zeros(k - int((pos == i).sum()), dtype=torch.bool)]) for i in range(m)]
         ),
     )
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("readings", ["shares", "projected"])
+def test_uneven_rollouts_are_read_in_place_by_the_direct_route(readings, tie, monkeypatch, rmsnorm_float64):
+    """Rollouts of unequal lengths, each one run of the rows' positions: the direct route (one part's piece at a
+    time, dead ends cut) reads every Linear weight and the tied head from the runs themselves — no regrouped
+    copy of an LM head's output gradient is ever formed — and equals the reference engine."""
+    from lens_callbacks.credit.engines import ghost, ghost_routes
+
+    monkeypatch.setattr(ghost_routes, "_PART_MIN", 0)  # a toy's weights read as a real shape's are
+    monkeypatch.setattr(ghost_routes, "_CUT_MIN", 0)  # and their dead ends looked for
+    monkeypatch.setattr(ghost, "_WHOLE", 0)  # every weight by the blocked routes
+    gathered = []
+    plain = ghost.PartRows.gather
+    monkeypatch.setattr(ghost.PartRows, "gather", lambda self, x: gathered.append(x.shape[-1]) or plain(self, x))
+    module = Uneven(_net(tie=tie))
+    ref = disintegrate(module, None, "by_rollout", dtype="float64", engine="reference")
+    got = disintegrate_ghost(module, None, by_rollout, dtype="float64", readings=readings, route="direct")
+    assert got.spans and V not in gathered  # the head's output gradient [.., V] stayed in its rows
+    assert max(abs(a - b) for a, b in zip(ref.projected_share, got.projected_share)) <= TOL
+    if readings != "projected":
+        assert max(abs(a - b) for a, b in zip(ref.norm_share, got.norm_share)) <= TOL
+    assert got.conservation_error <= 1e-13 and "fallback" not in dict(got.coverage)
+
+
+@pytest.mark.parametrize(
+    "positions, runs",
+    [
+        ([[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]], None),  # one length, in order: a view, no runs needed
+        ([[0, 0, 1, 1, 1, 1], [2, 2, 2, -1, -1, -1]], [(0, 2), (2, 4), (6, 3)]),  # unequal, padded
+        ([[1, 1, 1, 0, 0, 2], [2, 2, 3, 3, 3, 3]], [(3, 2), (0, 3), (5, 3), (8, 4)]),  # out of order, across rows
+        ([[0, 1, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]], None),  # part 0 is two runs
+    ],
+)
+def test_part_rows_find_each_part_as_one_run(positions, runs):
+    from lens_callbacks.credit.engines.ghost import PartRows
+
+    pos = torch.tensor(positions)
+    rows = PartRows(pos, int(pos.max()) + 1)
+    assert rows.runs == runs
+    if runs is not None:  # each run holds its part's positions, in order
+        flat = pos.reshape(-1)
+        for i, (a, n) in enumerate(runs):
+            assert flat[a : a + n].tolist() == [i] * n and int((flat == i).sum()) == n

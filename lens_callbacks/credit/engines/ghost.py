@@ -514,6 +514,16 @@ class PartRows:
             s = int(self.index[0, 0])
             if torch.equal(self.index.reshape(-1), torch.arange(s, s + m * self.k, device=pos.device)):
                 self.start = s
+        # Parts that are each one run of consecutive positions, of unequal lengths (rollouts packed as they
+        # come, a row's padding in none): ``(first, length)`` per part into the B·T positions. The direct
+        # route reads a Linear weight's products from these runs of the rows themselves, with no regrouped
+        # copy (:func:`..ghost_routes.use_factors`).
+        self.runs: Optional[list[tuple[int, int]]] = None
+        if m and self.start is None:
+            first = self.index[:, 0]  # [m]
+            steps = torch.arange(self.k, device=pos.device)  # [k]
+            if bool(((self.index == first[:, None] + steps) | ~self.valid).all()):
+                self.runs = list(zip(first.tolist(), counts.tolist()))
 
     def eligible(self, x: Optional[torch.Tensor]) -> bool:
         """Whether ``x`` leads with the batch's ``[B, T]`` (a layer called on every position of every row)."""
@@ -547,6 +557,27 @@ class _PartRowUse:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._use, name)
+
+    @property
+    def raw(self) -> _Use:
+        """The use on the batch's own rows (nothing regrouped)."""
+        return self._use
+
+    @property
+    def runs(self) -> Optional[list[tuple[int, int]]]:
+        """Each part's one run of positions into the batch's rows, flattened (:attr:`PartRows.runs`), or None."""
+        return self._rows.runs
+
+    @property
+    def lead(self) -> int:
+        """Rows of the regrouped layout (one per part), known without regrouping anything."""
+        return self._rows.m
+
+    @property
+    def part_positions(self) -> int:
+        """Positions per regrouped row of the output gradient (:meth:`Rule.positions`), without regrouping it."""
+        n = self.handler.positions(self._use)  # per batch row
+        return n // self._rows.shape[1] * self._rows.k
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("a", "b", "xhat") and value is None:
@@ -1103,7 +1134,8 @@ def plan_uses(
                 continue
             i = index[id(t)]
             seen.setdefault(i, []).append(u)
-            if not getattr(u, "rows_ok", True) or u.a.shape[0] != B:
+            lead = u.lead if isinstance(u, _PartRowUse) else u.a.shape[0]  # (a regrouped input is not formed)
+            if not getattr(u, "rows_ok", True) or lead != B:
                 bad.add(i)  # the layer saw no per-row leading dimension: rows cannot be told apart
     out = {}
     for i, us in seen.items():

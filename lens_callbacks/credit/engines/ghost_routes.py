@@ -68,8 +68,14 @@ _CUT_MIN = 1 << 28
 
 
 def _positions(u) -> int:
-    """Positions per row of a use's output gradient."""
-    return rule_of(u).positions(u)
+    """Positions per row of a use's output gradient (a use seen by parts says it without regrouping)."""
+    n = getattr(u, "part_positions", None)
+    return rule_of(u).positions(u) if n is None else n
+
+
+def _grad_held(u) -> bool:
+    """Whether the backward reached ``u``'s output (read off the batch's own rows: nothing regrouped)."""
+    return getattr(u, "raw", u).b is not None
 
 
 def factored(u, param: torch.Tensor) -> bool:
@@ -112,7 +118,7 @@ def route_costs(
     """
     dL, dR = param.shape
     P = dL * dR
-    live = [u for u in uses if u.b is not None]
+    live = [u for u in uses if _grad_held(u)]
     dense = [_positions(u) for u in live if not _index_use(u, param)]
     index = [_positions(u) for u in live if _index_use(u, param)]
     prod = float(sum(rows * n * P for n in dense))  # the per-row products of the dense uses
@@ -150,11 +156,31 @@ def choose_route(
     return "ghost" if ghost < direct else "direct"
 
 
-def use_factors(u, param: torch.Tensor, sel: torch.Tensor, B: int) -> Optional[Factors]:
-    """One use's factors on the selected rows (the piece is ``Lᵀ R``)."""
+def use_factors(u, param: torch.Tensor, sel: torch.Tensor, B: int, runs: bool = False) -> Optional[Factors]:
+    """One use's factors on the selected rows (the piece is ``Lᵀ R``). With ``runs``, a use whose parts are
+    runs of the batch's positions (packed rollouts of unequal lengths) gives them in place, flat, with
+    :attr:`Factors.runs` (see :func:`_run_factors`)."""
+    if runs and getattr(u, "runs", None) is not None:
+        f = _run_factors(u.raw, u.runs, param, sel)
+        if f is not None or not _grad_held(u):
+            return f
     if u.b is None:
         return None
     return rule_of(u).factors(u, param, sel, B)
+
+
+def _run_factors(raw, runs: Sequence[tuple[int, int]], param: torch.Tensor, sel: torch.Tensor) -> Optional[Factors]:
+    """``raw``'s factors on every row of the batch, flattened to ``[B·T, ...]`` positions, with the runs of
+    the parts ``sel``; None when its positions are not the batch's ``B·T`` (the regrouped copy reads it)."""
+    if raw.b is None or raw.a is None:
+        return None
+    B = int(raw.a.shape[0])
+    f = rule_of(raw).factors(raw, param, torch.arange(B, device=raw.a.device), B)  # [B, n, ...]
+    N = B * int(raw.a.shape[1])  # the positions the runs count in
+    if f is None or f.R.shape[0] * f.R.shape[1] != N:
+        return None
+    L = f.L.reshape(N) if f.index else f.L.reshape(N, f.L.shape[-1])
+    return Factors(L, f.R.reshape(N, f.R.shape[-1]), f.index, tuple(runs[k] for k in sel.tolist()))
 
 
 def _live(sides: Sequence[torch.Tensor], rows: Optional[torch.Tensor], p: int, q: int) -> torch.Tensor:
@@ -168,29 +194,52 @@ def _live(sides: Sequence[torch.Tensor], rows: Optional[torch.Tensor], p: int, q
     return live
 
 
-def _dead_run(sides: Sequence[torch.Tensor], r: int, n: int, from_end: bool) -> torch.Tensor:
+def _dead_run(
+    sides: Sequence[torch.Tensor], r: int, n: int, from_end: bool, runs: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``[r]``: how many positions at the start (``from_end``: at the end) of each row are dead, read inward
     in chunks of 1, 2, 4, … positions and only for the rows not yet past their dead run, so a row is read
-    at most to twice its run and a live end costs one position."""
+    at most to twice its run and a live end costs one position. With ``runs`` (``[r, 2]``: each row's first
+    position and length in the flat ``sides``, ``n`` the longest), row ``k`` is its own run."""
     dev = sides[0].device
-    run = torch.full((r,), n, dtype=torch.long, device=dev)  # [r]
+    run = torch.full((r,), n, dtype=torch.long, device=dev) if runs is None else runs[:, 1].clone()  # [r]
     every = torch.arange(r, device=dev)  # [r]
     todo: Optional[torch.Tensor] = None  # every row
     done, c = 0, 1
     while done < n:
         k = min(n, done + c)
-        p, q = (n - k, n - done) if from_end else (done, k)
-        live = _live(sides, todo, p, q)  # [u, q-p]
-        if from_end:
-            live = live.flip(1)
-        hit = live.any(1)  # [u]
         idx = every if todo is None else todo
+        if runs is None:
+            p, q = (n - k, n - done) if from_end else (done, k)
+            live = _live(sides, todo, p, q)  # [u, q-p]
+            if from_end:
+                live = live.flip(1)
+        else:
+            live = _live_runs(sides, runs[idx], done, k, from_end)  # [u, k-done]
+        hit = live.any(1)  # [u]
         run[idx[hit]] = done + live[hit].int().argmax(1)  # the first live position, counted inward
         todo = idx[~hit]
+        if runs is not None:
+            todo = todo[runs[todo, 1] > k]  # a run no longer than this is dead throughout: its length
         if todo.numel() == 0:
             break
         done, c = k, 2 * c
     return run
+
+
+def _live_runs(sides: Sequence[torch.Tensor], runs: torch.Tensor, p: int, q: int, from_end: bool) -> torch.Tensor:
+    """``[u, q-p]``: whether the ``p``-th to ``q``-th positions counted inward from each run's start (its end
+    with ``from_end``) are nonzero on every side, False past the run's length (``runs`` ``[u, 2]``)."""
+    j = torch.arange(p, q, device=runs.device)  # [q-p]
+    first, length = runs[:, :1], runs[:, 1:]  # [u, 1]
+    inside = j < length  # [u, q-p]
+    at = first + (length - 1 - j if from_end else j).clamp(min=0)  # [u, q-p] flat positions
+    at = torch.where(inside, at, first)  # past the run: any position of it, masked below
+    live = inside
+    for t in sides:
+        x = t[at]  # [u, q-p, d]
+        live = live & (x.amax(-1).ne(0) | x.amin(-1).ne(0))  # a NaN is live
+    return live
 
 
 def _spans(f: Factors) -> Optional[torch.Tensor]:
@@ -201,24 +250,34 @@ def _spans(f: Factors) -> Optional[torch.Tensor]:
     head (and every layer's last position, whose next token is not scored): their terms are exact zeros,
     and cutting them off the ends of a row drops that share of the products (at the head an eighth at
     T = 128 with an eighth of each row prompt; half with prompts as long as the answers) and nothing else.
-    A NaN or an infinity counts as live. Only the dead ends are read (:func:`_dead_run`), not the factors."""
+    A NaN or an infinity counts as live. Only the dead ends are read (:func:`_dead_run`), not the factors.
+    With :attr:`Factors.runs`, positions count from each run's first."""
     sides = [f.R] if f.index else [f.L, f.R]
-    r, n = f.R.shape[0], f.R.shape[1]
+    if f.runs is not None:
+        runs = torch.tensor(f.runs, dtype=torch.long, device=f.R.device).reshape(-1, 2)  # [r, 2]
+        r, n = runs.shape[0], int(runs[:, 1].max()) if len(f.runs) else 0
+        ends = runs[:, 1]
+    else:
+        runs, (r, n) = None, (f.R.shape[0], f.R.shape[1])
+        ends = torch.full((r,), n, dtype=torch.long, device=f.R.device)
     if r == 0 or n == 0:
         return None
-    head = _dead_run(sides, r, n, from_end=False)  # [r]
-    tail = _dead_run(sides, r, n, from_end=True)  # [r]
+    head = _dead_run(sides, r, n, from_end=False, runs=runs)  # [r]
+    tail = _dead_run(sides, r, n, from_end=True, runs=runs)  # [r]
     if not bool((head > 0).any() or (tail > 0).any()):
         return None
-    return torch.stack([head, n - tail], 1)  # a row with none live: head = n, n - tail = 0
+    return torch.stack([head, ends - tail], 1)  # a row with none live: head = its length, its end - tail = 0
 
 
 def _cut(f: Factors) -> tuple[Factors, Optional[list]]:
     """``f`` on the positions between the first and the last live one of any row (views, no copy), and each
-    row's own ``(first, past-last)`` within that span (None when nothing was cut). See :func:`_spans`."""
+    row's own ``(first, past-last)`` within that span (None when nothing was cut). See :func:`_spans`.
+    Factors with :attr:`Factors.runs` are returned whole, the spans counted within each run."""
     sp = _spans(f)
     if sp is None:
         return f, None
+    if f.runs is not None:
+        return f, [(x, max(x, y)) for x, y in sp.tolist()]
     a = int(sp[:, 0].min())
     b = max(a, int(sp[:, 1].max()))
     rows = [(x - a, max(0, y - a)) for x, y in sp.tolist()]  # a row with none: first ≥ past-last
@@ -350,13 +409,18 @@ def _sorted_tokens(
     """A token-id use's tokens sorted by id (with ``m``: by part, then id), for adding a block of weight
     rows at a time: ``(ids [r·n], values [r·n, d_R] in dtype, parts [r·n], edges)``, where ``edges[j]`` is
     the first token of block ``j`` (with ``m``: of part ``i``'s block ``j`` at ``i·len(starts) + j``)."""
-    ids = f.L.reshape(-1)  # [r·n]
-    part = dst.repeat_interleave(f.L.shape[1])  # [r·n]
+    if f.runs is None:
+        ids, vals = f.L.reshape(-1), f.R.reshape(-1, f.R.shape[-1])  # [r·n], [r·n, d_R]
+        part = dst.repeat_interleave(f.L.shape[1])  # [r·n]
+    else:  # the runs' positions only
+        at = torch.cat([torch.arange(a, a + n, device=f.L.device) for a, n in f.runs])  # [Σ n]
+        ids, vals = f.L[at], f.R[at]
+        part = dst.repeat_interleave(torch.tensor([n for _, n in f.runs], device=dst.device))  # [Σ n]
     key = ids if m is None else part * dL + ids
     order = torch.argsort(key, stable=True)
     bounds = starts + [dL] if m is None else [i * dL + s for i in range(m) for s in starts] + [m * dL]
     edges = torch.searchsorted(key[order], torch.tensor(bounds, device=ids.device)).tolist()
-    return ids[order], f.R.reshape(-1, f.R.shape[-1])[order].to(dtype), part[order], edges
+    return ids[order], vals[order].to(dtype), part[order], edges
 
 
 def direct_param(
@@ -383,16 +447,17 @@ def direct_param(
     Gram, whatever ``m``. Same arguments and return as :func:`ghost_param` (``m``: the number of parts).
     """
     param = uses[0].weight if param is None else param
-    facs = [f for f in (use_factors(u, param, sel, B) for u in uses) if f is not None]
+    by_part = gram is None and _by_part(g_full.device, param.numel())
+    facs = [f for f in (use_factors(u, param, sel, B, runs=by_part) for u in uses) if f is not None]
     r = int(sel.numel())
     if r == 0 or not facs:
         return (torch.zeros_like(g_full) if keep_total else None), sq64(g_full)
     W = g_full if target is None else target
     # positions without a term (a head's prompt) are not multiplied, where that saves more than it costs
-    products = r * max(f.R.shape[1] for f in facs) * param.numel()
+    products = r * max(_row_positions(f) for f in facs) * param.numel()
     cut = [_cut(f) if products >= _CUT_MIN else (f, None) for f in facs]
     facs = [f for f, _ in cut]
-    if gram is None and _by_part(g_full.device, param.numel()):
+    if by_part:
         return _direct_by_part(facs, g_full, W, dst, m, dots, sq, keep_total, [rows for _, rows in cut])
     dL, dR = param.shape
     dtype = facs[0].R.dtype
@@ -464,6 +529,16 @@ _PART_BLOCK = 1 << 18
 _PART_MIN = 1 << 16
 
 
+def _row_lengths(f: Factors) -> list[int]:
+    """Positions of each of ``f``'s rows."""
+    return [n for _, n in f.runs] if f.runs is not None else [int(f.R.shape[1])] * int(f.R.shape[0])
+
+
+def _row_positions(f: Factors) -> int:
+    """Positions of ``f``'s longest row."""
+    return max(_row_lengths(f), default=0)
+
+
 def _by_part(device: torch.device, numel: int) -> bool:
     """Whether the direct route reads one part's piece of a block at a time (:func:`_direct_by_part`) for a
     weight of ``numel`` elements: on a CPU, where a core's own cache holds one part's piece but not every
@@ -530,7 +605,9 @@ def _direct_by_part(
     starts = list(range(0, dL, vb))
     right = [f.R.to(pdt) for f in dense]  # converted once, not once per block and part
     spans = [None] * len(facs) if spans is None else spans
-    live = [sp or [(0, f.R.shape[1])] * f.R.shape[0] for f, sp in zip(facs, spans) if not f.index]  # per row
+    # per dense use and row: its (first, past-last) live positions, and where its positions begin in L and R
+    live = [sp or [(0, n) for n in _row_lengths(f)] for f, sp in zip(facs, spans) if not f.index]
+    begins = [None if f.runs is None else [a for a, _ in f.runs] for f in dense]
     rows_of_part = [[] for _ in range(m)]  # the selected rows of each part, in order
     for k, i in enumerate(dst.tolist()):
         rows_of_part[i].append(k)
@@ -553,12 +630,15 @@ def _direct_by_part(
         for i in range(m):
             P = buf[: (hi - lo) * dR].view(hi - lo, dR)  # [hi-lo, d_R]
             wrote = False
-            for f, R, sp in zip(dense, right, live):
+            for f, R, sp, at in zip(dense, right, live, begins):
                 for k in rows_of_part[i]:
                     a, b = sp[k]
                     if b <= a:  # no live position in this row
                         continue
-                    lt, rt = f.L[k, a:b, lo:hi].T.to(pdt), R[k, a:b]  # [hi-lo, b-a], [b-a, d_R]
+                    if at is None:
+                        lt, rt = f.L[k, a:b, lo:hi].T.to(pdt), R[k, a:b]  # [hi-lo, b-a], [b-a, d_R]
+                    else:  # the row's run of the flat positions
+                        lt, rt = f.L[at[k] + a : at[k] + b, lo:hi].T.to(pdt), R[at[k] + a : at[k] + b]
                     if wrote:
                         P.addmm_(lt, rt)
                     else:

@@ -42,11 +42,16 @@ __all__ = [
 
 class Factors(NamedTuple):
     """One use's per-row piece ``Lᵀ R`` on the selected rows: ``L`` ``[r, n, d_L]`` (or, with ``index``,
-    ``[r, n]`` token ids: one-hot rows of ``d_L``), ``R`` ``[r, n, d_R]``."""
+    ``[r, n]`` token ids: one-hot rows of ``d_L``), ``R`` ``[r, n, d_R]``.
+
+    With ``runs`` (set by the engine, never by a rule), ``L`` ``[N, d_L]`` (``[N]`` ids) and ``R`` ``[N, d_R]``
+    hold the batch's positions flat, and row ``k`` is positions ``runs[k][0]`` to ``runs[k][0] + runs[k][1]``:
+    rollouts of unequal lengths packed in rows, read in place."""
 
     L: torch.Tensor
     R: torch.Tensor
     index: bool
+    runs: Optional[tuple[tuple[int, int], ...]] = None
 
 
 class Use(Protocol):
