@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import lens_callbacks.credit.readings.probe as probe_mod
 from lens_callbacks.credit import CreditTerms, Partition
 from lens_callbacks.credit.readings.probe import (
     ProbeCreditReport,
@@ -211,7 +212,10 @@ def _optimizers():
 
 @pytest.mark.parametrize("kind", list(_optimizers()))
 @pytest.mark.parametrize("warm", [0, 2])
-def test_preconditioned_prediction_is_the_applied_update(kind, warm):
+@pytest.mark.parametrize("block", [None, 5])  # 5: every parameter in several blocks of the map, the last one short
+def test_preconditioned_prediction_is_the_applied_update(kind, warm, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr(probe_mod, "_MAP_BLOCK", block)
     m, batch, px = Bigram(), _batch(), _probe_batch()
     opt = _optimizers()[kind](list(m.parameters()))
     for s in range(warm):  # earlier steps fill the optimizer's state (momentum, moments)

@@ -671,7 +671,7 @@ def _direct_by_part(
         dots += row_dots[:, : hi - lo].double().sum(1)
         if sq is not None:
             sq += row_sq[:, : hi - lo].double().pow(2).sum(1)
-        diff += diff_sq64(s, g_full[lo:hi])
+        diff += diff_sq64(s, g_full[lo:hi], tmp)
     return total, diff
 
 

@@ -41,7 +41,6 @@ from ..primitives import (
     dots_onto,
     evaluate_terms,
     flat_diff_norm,
-    flat_dot,
     grad_match_to,
     leaf_grads,
     native_dtype,
@@ -55,6 +54,7 @@ from ..primitives import (
 from ..report import CreditReport
 from .attention import AttentionDropoutError
 from .forward_rules import DeferredWrite, ForwardRules
+from .reductions import inners64
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -353,10 +353,18 @@ def disintegrate_jvp(
             "before: it must be a deterministic function of the batch and the parameters."
         )
     dots = part_sums(tangent, part)
-    full_sq = sq_norm(g_full)
+    # Products in the parameters' dtype, cascade sums (inners64: each parameter's g_full and v read once): the
+    # tangent's dots are no finer, and float64 products of three parameter-sized vectors cost more than the
+    # tangent pass itself at a real vocabulary.
+    if onto is None:
+        full_sq = sq_norm(g_full, exact=False)
+        den = expected = full_sq
+    else:
+        full_sq, den, expected = (  # ‖g_full‖², ‖v‖² (the shares' denominator), <g_full, v> (what Σ_S <g_S, v> must be)
+            float(torch.stack(xs).sum())
+            for xs in zip(*(inners64([(g, g), (v, v), (g, v)]) for g, v in zip(g_full, onto)))
+        )
     full_norm = math.sqrt(full_sq)
-    den = full_sq if onto is None else sq_norm(onto)  # ‖v‖²: the shares' denominator
-    expected = full_sq if onto is None else flat_dot(g_full, onto)  # what Σ_S <g_S, v> must come to
     gap = abs(math.fsum(dots) - expected)
     norm = den if onto is None else math.sqrt(den) * full_norm
     nan = float("nan")

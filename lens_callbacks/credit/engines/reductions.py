@@ -8,9 +8,24 @@ copy of the piece (which would cost twice its memory).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["BLOCK", "sq64", "diff_sq64", "dots64", "gram64", "row_sq64", "row_sum", "sum_dtype", "dot64", "WIDE_BLOCK"]
+__all__ = [
+    "BLOCK",
+    "inner64",
+    "inners64",
+    "sq64",
+    "diff_sq64",
+    "dots64",
+    "gram64",
+    "row_sq64",
+    "row_sum",
+    "sum_dtype",
+    "dot64",
+    "WIDE_BLOCK",
+]
 
 # Elements per block of a float32 product; the blocks' results are summed in float64.
 BLOCK = 1 << 16
@@ -33,31 +48,69 @@ def _split(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return body, P[:, nb * BLOCK :]
 
 
+def inner64(a: torch.Tensor, b: "torch.Tensor | None" = None) -> torch.Tensor:
+    """``Σ a·b`` (``‖a‖²`` without ``b``) as a float64 0-d tensor (read back later with the others), with no
+    float64 copy of either.
+
+    Products in the operands' dtype (the wider of the two; float32 for half precisions), :data:`BLOCK` at a
+    time into one reused buffer, each block summed by torch's cascade sum, the blocks' sums in float64: ~1e-8
+    relative in float32 at a third of the memory traffic of float64 products (:func:`dot64`).
+    (``torch.linalg.vector_norm`` or a float32 ``torch.dot`` drift by ~1e-7 to ~1e-6 over ``2¹⁶`` elements:
+    not used.) Float64 operands: ``torch.dot``."""
+    return inners64([(a, a if b is None else b)])[0]
+
+
+def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Tensor]:
+    """:func:`inner64` of every pair, the pairs' operands (of one size) read a block at a time together: an
+    operand in several pairs is read from memory once, the other pairs find its block in cache."""
+    flat = [(a.reshape(-1), b.reshape(-1)) for a, b in pairs]  # [n] each
+    n = flat[0][0].numel() if flat else 0
+    if any(u.numel() != n or v.numel() != n for u, v in flat):
+        raise ValueError(f"`pairs` must hold operands of one size, got {[(u.numel(), v.numel()) for u, v in flat]}.")
+    dts = [sum_dtype(torch.promote_types(u.dtype, v.dtype)) for u, v in flat]
+    out: list[Optional[torch.Tensor]] = [
+        torch.dot(u.to(dt), v.to(dt)) if dt == torch.float64 else None for (u, v), dt in zip(flat, dts)
+    ]
+    todo = [k for k, x in enumerate(out) if x is None]
+    if todo:
+        dev = flat[todo[0]][0].device
+        # one block's products (256 KB in float32: in a core's cache while it is summed), reused: a fresh
+        # block per product is a fresh mapping on a CPU, and its page faults cost more than the product
+        bufs = {dt: torch.empty(min(BLOCK, n), dtype=dt, device=dev) for dt in {dts[k] for k in todo}}
+        sums: dict[int, list[torch.Tensor]] = {k: [] for k in todo}
+        for s, e in _blocks(n):
+            for k in todo:
+                (u, v), dt = flat[k], dts[k]
+                sums[k].append(torch.mul(u[s:e].to(dt), v[s:e].to(dt), out=bufs[dt][: e - s]).sum())
+        for k in todo:
+            out[k] = (
+                torch.stack(sums[k]).double().sum() if sums[k] else torch.zeros((), dtype=torch.float64, device=dev)
+            )
+    return out  # type: ignore[return-value]
+
+
 def sq64(x: torch.Tensor) -> torch.Tensor:
-    """``‖x‖²`` as a float64 0-d tensor (read back later with the others); no float64 copy of ``x``.
-
-    Squares summed in ``x``'s dtype over blocks (torch's cascade sum), the blocks' sums in float64.
-    (``torch.linalg.vector_norm`` in float32 drifts by ~1e-6 over ``2¹⁶`` elements: not used.)"""
-    v = x.reshape(-1)  # [n]
-    if v.dtype == torch.float64:
-        return torch.dot(v, v)
-    step = 16 * BLOCK
-    if v.numel() <= step:
-        return (v * v).sum().double()
-    return torch.stack([(v[s:e] * v[s:e]).sum() for s, e in _blocks(v.numel(), step)]).double().sum()
+    """``‖x‖²`` as a float64 0-d tensor: :func:`inner64` of ``x`` with itself."""
+    return inner64(x)
 
 
-def diff_sq64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def diff_sq64(a: torch.Tensor, b: torch.Tensor, scratch: "torch.Tensor | None" = None) -> torch.Tensor:
     """``‖a − b‖²`` in float64, block by block (no parameter-sized difference is formed); the difference is
-    taken in the wider of the two dtypes, so neither side is rounded to the other's precision first."""
+    taken in the wider of the two dtypes, so neither side is rounded to the other's precision first.
+    ``scratch`` (1-d, that dtype): a buffer the caller reuses for the blocks' differences (else one is made:
+    a fresh block per difference is a fresh mapping on a CPU, and its page faults cost more than the sum)."""
     dt = torch.promote_types(a.dtype, b.dtype)
     u, v = a.reshape(-1), b.reshape(-1)  # [n]
-    if u.numel() <= 4 * BLOCK:
-        return sq64(u.to(dt) - v.to(dt))
-    out = torch.zeros((), dtype=torch.float64, device=u.device)
     step = 16 * BLOCK
+    if scratch is None or scratch.dtype != dt or scratch.device != u.device or scratch.numel() < min(step, u.numel()):
+        scratch = torch.empty(min(step, u.numel()), dtype=dt, device=u.device)
+    out = torch.zeros((), dtype=torch.float64, device=u.device)
     for s, e in _blocks(u.numel(), step):
-        out += sq64(u[s:e].to(dt) - v[s:e].to(dt))
+        d = torch.sub(u[s:e].to(dt), v[s:e].to(dt), out=scratch[: e - s])
+        if dt == torch.float64:
+            out += torch.dot(d, d)
+        else:
+            out += torch.mul(d, d, out=d).sum().double()  # squares in place, a cascade sum per block
     return out
 
 
@@ -118,43 +171,12 @@ def row_sq64(P: torch.Tensor) -> torch.Tensor:
 WIDE_BLOCK = 1 << 20
 
 
-def dot64(a: torch.Tensor, b: torch.Tensor, c: "torch.Tensor | None" = None, exact: bool = True) -> torch.Tensor:
-    """``Σ a·b`` (``Σ a·b·c`` with ``c``) as a float64 0-d tensor, without a float64 copy of the operands.
-
-    ``exact`` (default): every product taken in float64, block by block (:data:`WIDE_BLOCK` elements) — the
-    products of float32 values are exact in float64. ``exact=False``: products in the operands' dtype, one
-    ``torch.dot`` per block of :data:`BLOCK` elements, the blocks summed in float64 (~1e-7 relative; several
-    times faster). A 0-d (scalar) operand is broadcast.
-    """
-    n = max(a.numel(), b.numel(), 0 if c is None else c.numel())
-    dev = a.device if a.numel() == n else b.device
-
-    def flat(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1).to(dev) if x.numel() == n else x.reshape(()).to(dev).expand(n)
-
-    u, v, w = flat(a), flat(b), None if c is None else flat(c)
-    if not exact and u.dtype == v.dtype and (w is None or w.dtype == u.dtype) and u.dtype != torch.float64:
-        parts = []
-        for s, e in _blocks(n, 16 * BLOCK):
-            x = u[s:e] if w is None else u[s:e] * w[s:e]
-            y = v[s:e]
-            if x.stride(0) == 0 or y.stride(0) == 0:  # a broadcast scalar: a plain sum of products
-                parts.append((x * y).sum())
-            else:
-                parts.append(
-                    torch.stack([torch.dot(x[i:j], y[i:j]) for i, j in _blocks(e - s)]).sum(dtype=torch.float64)
-                    if e - s > BLOCK
-                    else torch.dot(x, y)
-                )
-        return (
-            torch.stack([q.double() for q in parts]).sum()
-            if parts
-            else torch.zeros((), dtype=torch.float64, device=dev)
-        )
-    out = torch.zeros((), dtype=torch.float64, device=dev)
-    for s, e in _blocks(n, WIDE_BLOCK):
-        prod = u[s:e].double() * v[s:e].double()
-        if w is not None:
-            prod *= w[s:e].double()
-        out += prod.sum()
+def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ a·b`` as a float64 0-d tensor, every product taken in float64 (exact for float32 values), block by
+    block (:data:`WIDE_BLOCK` elements): no float64 copy of the operands. :func:`inner64` takes the products
+    in the operands' dtype, at a third of the memory traffic."""
+    u, v = a.reshape(-1), b.reshape(-1)  # [n]
+    out = torch.zeros((), dtype=torch.float64, device=u.device)
+    for s, e in _blocks(u.numel(), WIDE_BLOCK):
+        out += (u[s:e].double() * v[s:e].double()).sum()
     return out

@@ -45,7 +45,7 @@ from torch import nn
 
 from ...refusal import Refusal
 from ..engine import DTypeSpec, TermsCall, disintegrate, native_dtype, partition_label, resolve_dtype
-from ..engines.reductions import dot64
+from ..engines.reductions import inner64, inners64
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from ..inputs.terms import CreditTerms
 from ..primitives import audit_passes, detached_state
@@ -247,27 +247,48 @@ def _sgd_map(lr, wd, mom, damp, nest, theta, buf) -> tuple[torch.Tensor, Optiona
     return d, carried
 
 
+# Elements of one block of the optimizer's map (1 MB in float32: a block's five operands stay in cache).
+_MAP_BLOCK = 1 << 18
+
+
 def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # Two parameter-sized tensors are made (D and the carried term) and worked on in place: a map of a
-    # real policy is memory-bound, and every temporary is a fresh mapping of the parameter's size.
+    # Two parameter-sized tensors are made (D and the carried term) and filled a block at a time, every
+    # operation of a block done while it is in cache: a map of a real policy is memory-bound, and the same
+    # operations over whole tensors read and write each of them a dozen times.
     step = _f(state["step"]) if "step" in state else 0.0
     t = step + 1.0
-    m = state["exp_avg"].detach().to(theta.dtype) if "exp_avg" in state else None
-    v = state["exp_avg_sq"].detach().to(theta.dtype) if "exp_avg_sq" in state else None
-    d_in = g if (decoupled or wd == 0) else g + wd * theta  # what the moments see
-    # v_new = β2·v + (1 − β2)·d_in², in the buffer that becomes D
-    d = torch.mul(d_in, d_in).mul_(1.0 - b2) if v is None else torch.mul(v, b2).addcmul_(d_in, d_in, value=1.0 - b2)
-    if ams and "max_exp_avg_sq" in state:
-        torch.maximum(state["max_exp_avg_sq"].detach().to(theta.dtype), d, out=d)
+    m = state["exp_avg"].detach().to(theta.dtype).reshape(-1) if "exp_avg" in state else None
+    v = state["exp_avg_sq"].detach().to(theta.dtype).reshape(-1) if "exp_avg_sq" in state else None
+    vmax = state["max_exp_avg_sq"].detach().to(theta.dtype).reshape(-1) if ams and "max_exp_avg_sq" in state else None
+    th, gr = theta.reshape(-1), g.reshape(-1)
     bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-    # k = (lr / bc1) / (sqrt(v_new) / sqrt(bc2) + eps): Δθ = −k ⊙ m_new (+ decoupled decay), m_new = β1·m + (1 − β1)·d_in
-    d.sqrt_().div_(math.sqrt(bc2)).add_(eps).reciprocal_().mul_(lr / bc1)
-    carried = None if m is None else torch.mul(d, m).mul_(-b1)
-    d.mul_(1.0 - b1)
-    if wd != 0:
-        decay = (lr * wd) * theta if decoupled else d * (wd * theta)
-        carried = -decay if carried is None else carried.sub_(decay)
-    return d, carried
+    d = torch.empty_like(th)
+    carried = None if m is None and wd == 0 else torch.empty_like(th)
+    for s in range(0, th.numel(), _MAP_BLOCK):
+        e = min(th.numel(), s + _MAP_BLOCK)
+        db = d[s:e]
+        d_in = gr[s:e] if (decoupled or wd == 0) else gr[s:e] + wd * th[s:e]  # what the moments see
+        # v_new = β2·v + (1 − β2)·d_in², in the block of D
+        if v is None:
+            torch.mul(d_in, d_in, out=db).mul_(1.0 - b2)
+        else:
+            torch.mul(v[s:e], b2, out=db).addcmul_(d_in, d_in, value=1.0 - b2)
+        if vmax is not None:
+            torch.maximum(vmax[s:e], db, out=db)
+        # k = (lr / bc1) / (sqrt(v_new) / sqrt(bc2) + eps): Δθ = −k ⊙ m_new (+ decoupled decay),
+        # m_new = β1·m + (1 − β1)·d_in
+        db.sqrt_().div_(math.sqrt(bc2)).add_(eps).reciprocal_().mul_(lr / bc1)
+        cb = None if carried is None else carried[s:e]
+        if m is not None:
+            torch.mul(db, m[s:e], out=cb).mul_(-b1)
+        db.mul_(1.0 - b1)
+        if wd != 0:
+            decay = (lr * wd) * th[s:e] if decoupled else db * (wd * th[s:e])
+            if m is None:
+                torch.neg(decay, out=cb)
+            else:
+                cb.sub_(decay)
+    return d.view_as(theta), None if carried is None else carried.view_as(theta)
 
 
 # ---- the probe objective and its gradient -------------------------------------------------------
@@ -543,8 +564,8 @@ class ProbeCreditReport:
 
 
 def _dot64(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
-    """``<a, b>`` over parameter lists: products in the tensors' dtype, blocks summed in float64."""
-    return _sum64(dot64(x.detach(), y.detach().to(x.dtype), exact=False) for x, y in zip(a, b))
+    """``<a, b>`` over parameter lists: products in the tensors' dtype, blocks summed in float64 (:func:`inner64`)."""
+    return _sum64(inner64(x.detach(), y.detach().to(x.dtype)) for x, y in zip(a, b))
 
 
 def _sum64(xs: Any) -> float:
@@ -659,7 +680,6 @@ def probe_credit(
     onto = [
         (d.to(target) * gp.detach().to(target)).expand(p.shape) for d, gp, p in zip(update.coeff, probe_grad, trainable)
     ]
-    onto_sq = _sum64(dot64(v, v, exact=False) for v in onto)
     spec = resolve_partition(partition)
     name = partition_label(partition)
     recorder = RecordingPartition(spec, name)
@@ -692,6 +712,22 @@ def probe_credit(
         full_grad=given,
     )
     terms, part = recorder.take()
+    # Every dot of the reading (‖v‖² as the engines sum it, their shares' denominator), each parameter's
+    # operands read once: products in their dtype, cascade sums per block, the blocks in float64 (inner64).
+    acc: dict[str, list[torch.Tensor]] = {"vv": [], "carried": [], "dgp": [], "gg": [], "pp": [], "gp": []}
+    for c, g, gp, v in zip(update.carried, applied, probe_grad, onto):
+        gp = gp.detach()
+        keys, pairs = ["vv", "pp"], [(v, v), (gp, gp)]
+        if c is not None:
+            keys.append("carried")
+            pairs.append((c, gp))
+        if g is not None:
+            g = g.detach().to(v.dtype)
+            keys += ["dgp", "gg", "gp"]  # <D ⊙ g_probe, g>, ‖g‖², <g, g_probe>
+            pairs += [(v, g), (g, g), (g, gp.to(g.dtype))]
+        for k, x in zip(keys, inners64(pairs)):
+            acc[k].append(x)
+    onto_sq = _sum64(acc["vv"])
     reason = None
     if onto_sq == 0.0:
         contribution = tuple(0.0 for _ in rep.part_names)  # v = 0: every ⟨g_S, v⟩ is exactly zero
@@ -700,18 +736,6 @@ def probe_credit(
         reason = f"D ⊙ g_probe is not finite (||v||² = {onto_sq}); contributions are undefined this step."
     else:
         contribution = tuple(-scale * s * onto_sq for s in rep.projected_share)
-    # Every product in float64, block by block: no float64 copy of a parameter (dot64).
-    acc: dict[str, list[torch.Tensor]] = {"carried": [], "dgp": [], "gg": [], "pp": [], "gp": []}
-    for d, c, g, gp, v in zip(update.coeff, update.carried, applied, probe_grad, onto):
-        gp = gp.detach()
-        if c is not None:
-            acc["carried"].append(dot64(c, gp, exact=False))
-        acc["pp"].append(dot64(gp, gp, exact=False))
-        if g is not None:
-            g = g.detach().to(v.dtype)
-            acc["dgp"].append(dot64(v, g, exact=False))  # <D ⊙ g_probe, g>
-            acc["gg"].append(dot64(g, g, exact=False))
-            acc["gp"].append(dot64(g, gp.to(g.dtype), exact=False))
     carried, dgp, gg, pp, gdotp = (_sum64(acc[k]) for k in ("carried", "dgp", "gg", "pp", "gp"))
     from_grad = carried - dgp
     gn, pn = math.sqrt(gg), math.sqrt(pp)
