@@ -51,6 +51,8 @@ def test_inners64_equals_inner64_pair_by_pair_and_checks_sizes():
         assert torch.equal(g, inner64(x, y))  # the same numbers, each operand read once
     with pytest.raises(ValueError, match="one size"):
         inners64([(a, b), (a[:-1], b[:-1])])
+    with pytest.raises(ValueError, match="one size"):
+        dot64(a, b[:-1])
 
 
 @pytest.mark.parametrize("scratch", [False, True])

@@ -57,7 +57,12 @@ def inner64(a: torch.Tensor, b: "torch.Tensor | None" = None) -> torch.Tensor:
     relative in float32 at a third of the memory traffic of float64 products (:func:`dot64`).
     (``torch.linalg.vector_norm`` or a float32 ``torch.dot`` drift by ~1e-7 to ~1e-6 over ``2¹⁶`` elements:
     not used.) Float64 operands: ``torch.dot``."""
-    return inners64([(a, a if b is None else b)])[0]
+    u = a.reshape(-1)  # [n]
+    v = u if b is None else b.reshape(-1)
+    if u.numel() <= BLOCK and v.numel() == u.numel():  # one block: no buffer (the same sum as a block of inners64)
+        dt = sum_dtype(torch.promote_types(u.dtype, v.dtype))
+        return torch.dot(u.to(dt), v.to(dt)) if dt == torch.float64 else (u.to(dt) * v.to(dt)).sum().double()
+    return inners64([(u, v)])[0]
 
 
 def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Tensor]:
@@ -72,7 +77,11 @@ def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Ten
         torch.dot(u.to(dt), v.to(dt)) if dt == torch.float64 else None for (u, v), dt in zip(flat, dts)
     ]
     todo = [k for k, x in enumerate(out) if x is None]
-    if todo:
+    if todo and n <= BLOCK:  # one block: no buffer
+        for k in todo:
+            (u, v), dt = flat[k], dts[k]
+            out[k] = (u.to(dt) * v.to(dt)).sum().double()
+    elif todo:
         dev = flat[todo[0]][0].device
         # one block's products (256 KB in float32: in a core's cache while it is summed), reused: a fresh
         # block per product is a fresh mapping on a CPU, and its page faults cost more than the product
@@ -176,6 +185,8 @@ def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block (:data:`WIDE_BLOCK` elements): no float64 copy of the operands. :func:`inner64` takes the products
     in the operands' dtype, at a third of the memory traffic."""
     u, v = a.reshape(-1), b.reshape(-1)  # [n]
+    if u.numel() != v.numel():
+        raise ValueError(f"`a` and `b` must have one size, got {u.numel()} and {v.numel()} elements.")
     out = torch.zeros((), dtype=torch.float64, device=u.device)
     for s, e in _blocks(u.numel(), WIDE_BLOCK):
         out += (u[s:e].double() * v[s:e].double()).sum()
