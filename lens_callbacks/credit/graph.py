@@ -25,4 +25,6 @@ def graph_nodes(root: torch.Tensor) -> Iterator[Any]:
             continue
         seen.add(node)
         yield node
-        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+        for nxt, _ in node.next_functions:  # a plain loop: no generator frame per node
+            if nxt is not None:
+                stack.append(nxt)
