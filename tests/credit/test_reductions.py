@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lens_callbacks.credit.engines.reductions import BLOCK, diff_sq64, dot64, inner64, inners64, sq64
+from lens_callbacks.credit.engines.reductions import BLOCK, cache_block, diff_sq64, dot64, inner64, inners64, sq64
 
 
 def _heavy(n: int, seed: int) -> torch.Tensor:
@@ -65,3 +65,8 @@ def test_diff_sq64_against_numpy(scratch):
     assert got == pytest.approx(ref, rel=1e-7) and got == pytest.approx(exact, rel=4 * 2**-24)
     small = float(diff_sq64(a[:100], b[:100].double()))  # the wider dtype: float64
     assert small == pytest.approx(float(np.sum((a[:100].double().numpy() - b[:100].double().numpy()) ** 2)), rel=1e-14)
+
+
+def test_blocks_are_cache_sized_on_a_cpu_only():
+    assert cache_block(torch.device("cpu")) == BLOCK  # in a core's cache while every operation runs on it
+    assert cache_block(torch.device("cuda")) == 16 * BLOCK  # a GPU pays a launch per block and operation

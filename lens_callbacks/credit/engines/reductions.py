@@ -16,6 +16,7 @@ __all__ = [
     "BLOCK",
     "inner64",
     "inners64",
+    "cache_block",
     "sq64",
     "diff_sq64",
     "dots64",
@@ -48,13 +49,21 @@ def _split(P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return body, P[:, nb * BLOCK :]
 
 
+def cache_block(device: torch.device) -> int:
+    """Elements of one block of an elementwise pass over a parameter: :data:`BLOCK` on a CPU (256 KB in
+    float32, in a core's cache while every operation on it runs), ``16·BLOCK`` elsewhere (a GPU gains
+    nothing from a small block and pays a kernel launch per block and operation)."""
+    return BLOCK if device.type == "cpu" else 16 * BLOCK
+
+
 def inner64(a: torch.Tensor, b: "torch.Tensor | None" = None) -> torch.Tensor:
     """``Σ a·b`` (``‖a‖²`` without ``b``) as a float64 0-d tensor (read back later with the others), with no
     float64 copy of either.
 
-    Products in the operands' dtype (the wider of the two; float32 for half precisions), :data:`BLOCK` at a
-    time into one reused buffer, each block summed by torch's cascade sum, the blocks' sums in float64: ~1e-8
-    relative in float32 at a third of the memory traffic of float64 products (:func:`dot64`).
+    Products in the operands' dtype (the wider of the two; float32 for half precisions), a block
+    (:func:`cache_block`) at a time into one reused buffer, each block summed by torch's cascade sum, the
+    blocks' sums in float64: ~1e-8 relative in float32 at a third of the memory traffic of float64 products
+    (:func:`dot64`).
     (``torch.linalg.vector_norm`` or a float32 ``torch.dot`` drift by ~1e-7 to ~1e-6 over ``2¹⁶`` elements:
     not used.) Float64 operands: ``torch.dot``."""
     u = a.reshape(-1)  # [n]
@@ -83,11 +92,12 @@ def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Ten
             out[k] = (u.to(dt) * v.to(dt)).sum().double()
     elif todo:
         dev = flat[todo[0]][0].device
-        # one block's products (256 KB in float32: in a core's cache while it is summed), reused: a fresh
-        # block per product is a fresh mapping on a CPU, and its page faults cost more than the product
-        bufs = {dt: torch.empty(min(BLOCK, n), dtype=dt, device=dev) for dt in {dts[k] for k in todo}}
+        step = cache_block(dev)
+        # one block's products, reused: a fresh block per product is a fresh mapping on a CPU, and its page
+        # faults cost more than the product
+        bufs = {dt: torch.empty(min(step, n), dtype=dt, device=dev) for dt in {dts[k] for k in todo}}
         sums: dict[int, list[torch.Tensor]] = {k: [] for k in todo}
-        for s, e in _blocks(n):
+        for s, e in _blocks(n, step):
             for k in todo:
                 (u, v), dt = flat[k], dts[k]
                 sums[k].append(torch.mul(u[s:e].to(dt), v[s:e].to(dt), out=bufs[dt][: e - s]).sum())

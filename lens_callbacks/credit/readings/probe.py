@@ -264,8 +264,9 @@ def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[tor
     bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
     d = torch.empty_like(th)
     carried = None if m is None and wd == 0 else torch.empty_like(th)
-    for s in range(0, th.numel(), _MAP_BLOCK):
-        e = min(th.numel(), s + _MAP_BLOCK)
+    block = _MAP_BLOCK if th.device.type == "cpu" else max(1, th.numel())  # one block on a GPU: no launch per block
+    for s in range(0, th.numel(), block):
+        e = min(th.numel(), s + block)
         db = d[s:e]
         d_in = gr[s:e] if (decoupled or wd == 0) else gr[s:e] + wd * th[s:e]  # what the moments see
         # v_new = β2·v + (1 − β2)·d_in², in the block of D
