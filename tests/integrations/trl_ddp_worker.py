@@ -23,6 +23,7 @@ from trl import GRPOTrainer
 from lens_callbacks.credit import CreditReport
 from lens_callbacks.examples.trl_grpo import digit_reward, grpo_config, prompt_dataset, tiny_tokenizer
 from lens_callbacks.integrations.trl import LensGRPOMixin, LensTRLCallback
+from tests._spawn_exit import leave_rank
 
 
 class AuditedGRPO(LensGRPOMixin, GRPOTrainer):
@@ -158,16 +159,7 @@ def main() -> None:
     result = {name: run(policy, out, name) for name in names}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    # A gloo group left to the interpreter's exit was seen to abort a rank after its work was written
-    # ("terminate called without an active exception", SIGABRT), as in tests/_spawn_exit.py: close it first.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    # With the group closed a rank still aborted so at exit once (a clean-clone run, after both ranks had
-    # written their results): the results are written and closed, every collective is over, so the rank
-    # leaves without the interpreter's teardown (its C++ static destructors and joinable threads).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()  # a gloo group left to the interpreter's exit was seen to abort a rank (tests/_spawn_exit.py)
 
 
 if __name__ == "__main__":
