@@ -66,12 +66,7 @@ def inner64(a: torch.Tensor, b: "torch.Tensor | None" = None) -> torch.Tensor:
     (:func:`dot64`).
     (``torch.linalg.vector_norm`` or a float32 ``torch.dot`` drift by ~1e-7 to ~1e-6 over ``2¹⁶`` elements:
     not used.) Float64 operands: ``torch.dot``."""
-    u = a.reshape(-1)  # [n]
-    v = u if b is None else b.reshape(-1)
-    if u.numel() <= BLOCK and v.numel() == u.numel():  # one block: no buffer (the same sum as a block of inners64)
-        dt = sum_dtype(torch.promote_types(u.dtype, v.dtype))
-        return torch.dot(u.to(dt), v.to(dt)) if dt == torch.float64 else (u.to(dt) * v.to(dt)).sum().double()
-    return inners64([(u, v)])[0]
+    return inners64([(a, a if b is None else b)])[0]
 
 
 def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Tensor]:
