@@ -13,10 +13,19 @@ the plain step (forward + backward + ``optimizer.step()``), each piece of the re
 - ``theta_copy``: the copy of θ_before; ``probe_forward_after``: ``L_probe(θ_after)``; ``applied_dot``:
   ``⟨θ_after − θ_before, g_probe⟩``.
 
+``--capture training_step`` reads the parts riding on the step (``ProbeCreditCallback(capture=
+"training_step")``): the training step's forward and backward run with the one-pass engine's hooks, which
+hold the covered layers' inputs and output gradients until the reading, and ``parts_dots`` is the reduction
+of those captures against ``D ⊙ g_probe`` alone. The reading's cost is then the riding step less the plain
+step, and ``capture`` (the riding step's forward, backward and optimizer step less the plain step's) is
+listed as its own piece. The table's last columns give the reading less the probe's own passes (its forward
+and backward at θ_before; and with its forward after the step too).
+
 Policies: ``toy`` (GPT-2, 2 layers, width 64, vocabulary 64) and ``llama`` (a LlamaConfig of vocabulary
 32000, width 512, 2 layers, sdpa attention: a real vocabulary and head at a small depth).
 
-    python benchmarks/probe_cost.py [--policy toy|llama|both --engine auto|jvp --B 8 --T 64 --P 8 --repeats 5]
+    python benchmarks/probe_cost.py [--policy toy|llama|both --engine auto|jvp --capture separate|training_step
+                                     --B 8 --T 64 --P 8 --repeats 5]
 
 The table and the per-piece line are written to ``benchmarks/results/probe_cost-<date>.txt``.
 """
@@ -36,6 +45,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lens_callbacks.credit import CreditTerms  # noqa: E402
+from lens_callbacks.credit.engines.ghost import RideAlong  # noqa: E402
 from lens_callbacks.credit.readings.probe import optimizer_update_map, probe_credit, probe_value_and_grad, with_actual  # noqa: E402
 
 
@@ -93,7 +103,7 @@ def build(kind: str) -> tuple[nn.Module, int]:
     return LlamaForCausalLM(cfg), 32000
 
 
-def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -> dict:
+def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", capture: str = "separate") -> dict:
     import lens_callbacks.credit.readings.probe as probe_mod
 
     lm, V = build(kind)
@@ -110,6 +120,7 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         opt.step()
 
     names = (
+        "capture",
         "update_map",
         "probe_forward_backward",
         "parts_dots",
@@ -131,14 +142,25 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
     def timed_disintegrate(*a, **k):  # the engine's pass inside probe_credit, by its own name
         return clock("parts_dots", real, *a, **k)
 
-    def reading_before():
+    def reading_before(ride=None):
         update = clock("update_map", optimizer_update_map, opt, params)
         loss, gp = clock("probe_forward_backward", probe_value_and_grad, m, m.probe_loss, probe)
         probe_mod.disintegrate = timed_disintegrate
+        if ride is not None:
+            own = ride.report
+            ride.report = lambda *a, **k: clock("parts_dots", own, *a, **k)  # the reduction, by its own name
         try:
             t0 = time.perf_counter()
             rep = probe_credit(
-                m, batch, "by_rollout", update, gp, loss_before=loss, split_by=("by_advantage_sign",), engine=engine
+                m,
+                batch,
+                "by_rollout",
+                update,
+                gp,
+                loss_before=loss,
+                split_by=("by_advantage_sign",),
+                engine=engine,
+                ride=ride,
             )
             parts["readings"].append(time.perf_counter() - t0 - parts["parts_dots"][-1])
         finally:
@@ -150,12 +172,31 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         return clock("applied_dot", with_actual, rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
 
     step()  # warm-up: Adam's state exists from here on
-    plain, extra = [], []
+    plain, extra, riding = [], [], []
     rep = None
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         plain.append(time.perf_counter() - t0)
+        if capture == "training_step":  # the whole riding step, its reading included
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            ride = RideAlong(m).start()
+            loss = m.credit_terms(batch).terms.sum()
+            ride.on_loss(loss)
+            loss.backward()
+            ride.stop()
+            t1 = time.perf_counter()
+            got = reading_before(ride)
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            rep = reading_after(*got)
+            ride.clear()
+            riding.append(time.perf_counter() - t0)
+            extra.append((t2 - t1) + (time.perf_counter() - t3))
+            parts["capture"].append((t1 - t0) + (t3 - t2))  # less the plain step below
+            continue
         opt.zero_grad()
         m.credit_terms(batch).terms.sum().backward()
         t0 = time.perf_counter()
@@ -165,6 +206,13 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         t2 = time.perf_counter()
         rep = reading_after(*got)
         extra.append((t1 - t0) + (time.perf_counter() - t2))
+    base = statistics.median(plain)
+    if riding:
+        extra = [r - base for r in riding]
+        parts["capture"] = [c - base for c in parts["capture"]]
+    else:
+        del parts["capture"]
+    br = {k: statistics.median(v) / base for k, v in parts.items()}
     return {
         "policy": kind,
         "params": sum(p.numel() for p in params),
@@ -172,12 +220,14 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto") -
         "T": T,
         "P": P,
         "engine": rep.engine,
-        "step_s": statistics.median(plain),
+        "step_s": base,
         "reading_s": statistics.median(extra),
-        "ratio": statistics.median(extra) / statistics.median(plain),
+        "ratio": statistics.median(extra) / base,
+        "less_probe": statistics.median(extra) / base - br["probe_forward_backward"],
+        "less_probe_after": statistics.median(extra) / base - br["probe_forward_backward"] - br["probe_forward_after"],
         "update_match": rep.update_match,
         "parts_gap": rep.parts_gap,
-        "breakdown": {k: statistics.median(v) / statistics.median(plain) for k, v in parts.items()},
+        "breakdown": br,
     }
 
 
@@ -187,6 +237,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", default="both", choices=["toy", "llama", "both"])
     ap.add_argument("--engine", default="auto", choices=["auto", "ghost", "jvp"])
+    ap.add_argument("--capture", default="separate", choices=["separate", "training_step"])
     ap.add_argument("--B", type=int, default=8)
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--P", type=int, default=8)
@@ -198,16 +249,18 @@ def main() -> None:
     torch.set_num_threads(1)
     kinds = ["toy", "llama"] if args.policy == "both" else [args.policy]
     lines = [
-        "| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step | update_match | parts_gap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| policy | parameters | B × T | probe P | engine | plain step (s) | one probe reading (s) | reading / step "
+        "| less probe fwd+bwd | less probe's passes | update_match | parts_gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
     rows = []
     for kind in kinds:
-        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine)
+        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine, args.capture)
         lines.append(
             f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
-            f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['update_match']:.1e} | {r['parts_gap']:.1e} |"
+            f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['less_probe']:+.2f} | {r['less_probe_after']:+.2f} | "
+            f"{r['update_match']:.1e} | {r['parts_gap']:.1e} |"
         )
         print(lines[-1], flush=True)
         rows.append((r["policy"], r["breakdown"]))

@@ -57,12 +57,11 @@ from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
 
+from ._capture import CAPTURES, check_capture, compiled_blocks_ride  # noqa: F401  (CAPTURES: kept importable here)
 from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
 
 __all__ = ["CreditAuditCallback", "ExtraReadings"]
-
-CAPTURES = ("separate", "training_step")
 
 LAST_REPORT_FILE = "credit_last.txt"
 
@@ -304,8 +303,7 @@ class CreditAuditCallback(Callback):
     ) -> None:
         super().__init__()
         check_engine(engine, readings)  # raises, naming the valid engines and readings
-        if capture not in CAPTURES:
-            raise ValueError(f"`capture` must be one of {list(CAPTURES)}, got {capture!r}.")
+        check_capture(capture)
         if full_grad not in ("own", "trainer"):
             raise ValueError(
                 f"`full_grad` must be 'own' (g_full by the audit's own backward) or 'trainer' (the trainer's .grad), got {full_grad!r}."
@@ -536,6 +534,8 @@ class CreditAuditCallback(Callback):
             self._ride.on_loss(loss, scale=1.0 / k)
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._ride is not None:
+            self._ride.stop()  # captured; another callback's pass before the reading is not the training step's
         # Each micro-batch of an accumulated step, as it trained: its batch and what training_step cached.
         if self._accumulation > 1 and trainer.global_step % self.every_n_steps == 0 and self._batch is not None:
             self._replay.add(pl_module, self._batch)
@@ -550,11 +550,7 @@ class CreditAuditCallback(Callback):
             and self._ride_blocked is None
             and not self._tangent_on_grad
         ):
-            self._ride_blocked = (
-                f"torch.compile ({self._compiled[0]}): the layer hooks riding along would break the compiled graph and "
-                f"change what it computes ({COMPILED_RIDE_DRIFT}); the separate pass, which runs the module eagerly "
-                "and leaves the compiled step as it is, audits it instead"
-            )
+            self._ride_blocked = compiled_blocks_ride(self._compiled)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -1326,12 +1322,6 @@ PACKED_REMEDY = (
 
 #: Partitions known by name to put positions of one row in different parts.
 WITHIN_ROW_PARTITIONS = ("by_segment", "by_turn", "by_role")
-
-#: What riding along does to a compiled step (benchmarks/compiled_ride_drift.py, a 2-layer Llama, Adam).
-COMPILED_RIDE_DRIFT = (
-    "measured on a 2-layer Llama: 29 graph breaks, and parameters 3e-5 (inductor) and 6e-6 (aot_eager) apart from an "
-    "unaudited run after 6 steps"
-)
 
 
 def _lightning_internals() -> frozenset:

@@ -32,8 +32,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lens_callbacks.credit.engine import resolve_dtype
 from lens_callbacks.credit.engines import check_engine
+from lens_callbacks.credit.engines.ghost import RideAlong
 from lens_callbacks.credit.inputs.partition import resolve_partition
 from lens_callbacks.credit.inputs.terms import is_credit_source
+from lens_callbacks.credit.primitives import compiled_parts
 from lens_callbacks.credit.readings.probe import (
     DEFAULT_SPLITS,
     ProbeCreditReport,
@@ -46,6 +48,7 @@ from lens_callbacks.credit.readings.probe import (
 from lens_callbacks.metrics.probe import ProbeCreditMetric
 from lens_callbacks.refusal import Refusal
 
+from ._capture import check_capture, compiled_blocks_ride
 from ._logging import log_scalars, log_text
 
 __all__ = ["ProbeCreditCallback"]
@@ -73,6 +76,15 @@ class ProbeCreditCallback(Callback):
             restored afterwards) or ``"train"`` (as the module is; every evaluation draws the same masks).
         dtype: audit precision (``"float32"``, ``"float64"``, ``"native"``).
         engine: the disintegration engine (``"auto"``: one pass for row partitions).
+        capture: ``"separate"`` (default: the parts are read by a pass of the engine's own, which takes the
+            step's ``.grad`` as ``g_full``) or ``"training_step"``: the one-pass engine's hooks ride on the
+            training step's own forward and backward, and each probe's parts are read from what they captured
+            against ``D ⊙ g_probe`` (no forward or backward of the step's batch beyond the training step's).
+            The covered layers' inputs and output gradients are held from the training backward to the
+            reading (``D`` exists only once ``.grad`` does). Where the captures cannot be read (the loss is not
+            ``terms.sum()``, several processes, a compiled module, a parameter outside the covered layers) the
+            step is read by the separate pass, and a warning says so once; parts inside rows are read by the
+            forward-mode tangent pass along ``.grad`` either way.
         top_k: parts listed as helped and hurt in the table.
         log_table_every_n_steps: at least this many steps between two text tables (0: only the last); the last
             reading's table is always written at the end of fit, as ``CreditAuditCallback`` does.
@@ -101,6 +113,7 @@ class ProbeCreditCallback(Callback):
         probe_mode: str = "eval",
         dtype: str = "float32",
         engine: str = "auto",
+        capture: str = "separate",
         top_k: int = 3,
         log_table_every_n_steps: int = 10,
         seed: int = 0,
@@ -129,6 +142,7 @@ class ProbeCreditCallback(Callback):
                 resolve_partition(spec)
         resolve_dtype(dtype)
         check_engine(engine, "projected")
+        check_capture(capture)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}.")
         self.every_n_steps = every_n_steps
@@ -138,6 +152,7 @@ class ProbeCreditCallback(Callback):
         self.probe_mode = probe_mode
         self.dtype = dtype
         self.engine = engine
+        self.capture = capture
         self.top_k = top_k
         self.log_table_every_n_steps = log_table_every_n_steps
         self.seed = seed
@@ -150,7 +165,12 @@ class ProbeCreditCallback(Callback):
         self.history: list[tuple[int, str, float, float]] = []
         self.n_readings = 0
         self.n_refusals = 0
+        self.n_ride_along = 0  # readings whose parts were read from the training step's own captures
         self._batch: Any = None
+        self._ride: Optional[RideAlong] = None
+        self._ride_blocked: Optional[str] = None  # why this fit's steps are not captured (set at setup / first step)
+        self._compiled: Optional[list[str]] = None
+        self._ride_warned = False
         self._pending: Optional[
             tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]]
         ] = None
@@ -190,6 +210,10 @@ class ProbeCreditCallback(Callback):
         check_strategy(trainer, "ProbeCreditCallback")
         self._global = trainer.world_size > 1
         self._batch = None  # a resumed or repeated fit never reads a batch of an earlier one
+        self._ride_blocked = None
+        if self.capture == "training_step" and self._global:
+            self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
+        self._compiled = None  # read at the first step: configure_model may compile after setup
 
     @staticmethod
     def _probe_fn(pl_module: Any) -> Any:
@@ -214,11 +238,53 @@ class ProbeCreditCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
         self._pending = None
+        self._stop_ride()
+        if self.capture != "training_step" or int(trainer.global_step) % self.every_n_steps:
+            return
+        if self._compiled is None:
+            self._compiled = compiled_parts(pl_module)
+            if self._compiled and self._ride_blocked is None:
+                self._ride_blocked = compiled_blocks_ride(self._compiled)
+        if self._ride_blocked is None:
+            self._ride = RideAlong(pl_module).start()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._ride is not None:  # only captured: D ⊙ g_probe exists after the backward
+            self._ride.on_loss(loss, scale=1.0 / int(trainer.accumulate_grad_batches))
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._ride is not None:
+            self._ride.stop()  # captured; another callback's pass before the reading is not the training step's
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._stop_ride()
+
+    def _stop_ride(self) -> None:
+        if self._ride is not None:
+            self._ride.clear()
+            self._ride = None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         step = int(trainer.global_step)
         if step % self.every_n_steps:
             return
+        if self._ride is None and self.capture == "training_step" and self._ride_blocked is not None:
+            self._warn_ride(self._ride_blocked)
+        try:
+            self._read_step(trainer, pl_module, optimizer, step)
+        finally:
+            self._stop_ride()
+
+    def _warn_ride(self, why: str) -> None:
+        if not self._ride_warned:
+            self._ride_warned = True
+            warnings.warn(
+                f"probe credit: capture='training_step' falls back to a separate pass ({why}).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _read_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any, step: int) -> None:
         params = [p for p in pl_module.parameters() if p.requires_grad]
         update = self._update_map(trainer, pl_module, optimizer, params)
         probes: dict[str, Any] = {}
@@ -347,9 +413,15 @@ class ProbeCreditCallback(Callback):
                         texts=_texts(pl_module),
                         scale=1.0 / trainer.world_size if self._global else 1.0,
                         step=step,
+                        ride=self._ride,
                     )
             except Exception as err:
                 failure = f"probe {name!r}: {type(err).__name__}: {err}"
+        if report is not None and self._ride is not None:
+            if report.ride_fallback is not None:
+                self._warn_ride(report.ride_fallback)
+            else:
+                self.n_ride_along += 1
         if self._global:
             report, failure = self._gather(report, failure)
         if failure is not None or report is None:
@@ -405,6 +477,7 @@ class ProbeCreditCallback(Callback):
     ) -> None:
         pending, self._pending = self._pending, None
         self._batch = None
+        self._stop_ride()  # a step that ended without its optimizer step (skipped) is never read
         if pending is None:
             return
         step, before, reports = pending

@@ -167,9 +167,17 @@ class FusedHeadCapture:
         utils._ChunkedLogProbFunction = self
 
     def remove(self) -> None:
-        if self._utils is not None:
+        if self._utils is None:
+            return
+        top = self._utils._ChunkedLogProbFunction
+        if top is self:
             self._utils._ChunkedLogProbFunction = self._orig
-            self._utils = None
+        else:  # a capture installed after this one is still in place: take this one out of the chain below it
+            while isinstance(top, FusedHeadCapture) and top._orig is not self:
+                top = top._orig
+            if isinstance(top, FusedHeadCapture):
+                top._orig = self._orig
+        self._utils = None
 
     def apply(self, *args: Any) -> Any:
         # TRL's forward and, unless this call is recorded, TRL's backward: the same arithmetic

@@ -98,7 +98,18 @@ class _Spy(pl.Callback):
             for name, batch in pl_module.probe_batches().items():
                 loss = self._probe_eval(pl_module, batch, True)
                 probes[name] = (float(loss.detach()), _flat_grad(loss, params))
-        lr = optimizer.param_groups[0]["lr"]
+        group = optimizer.param_groups[0]
+        lr = group["lr"]
+        if isinstance(optimizer, torch.optim.Adam):  # D by hand from the state before the step (no weight decay)
+            assert group["weight_decay"] == 0 and not group["amsgrad"]
+            (b1, b2), eps, d = group["betas"], group["eps"], []
+            for p in params:
+                st = optimizer.state.get(p, {})
+                t = int(st["step"]) + 1 if "step" in st else 1
+                v = st["exp_avg_sq"] * b2 if "exp_avg_sq" in st else torch.zeros_like(p)
+                v = (v + (1 - b2) * p.grad.detach() ** 2) / (1 - b2**t)
+                d.append((lr * (1 - b1) / ((1 - b1**t) * (v.sqrt() + eps))).double().reshape(-1))
+            lr = torch.cat(d)  # [|θ|]
         self.ref = (lr, rows, probes)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -107,7 +118,7 @@ class _Spy(pl.Callback):
             rep = self.probe_cb.last_reports[name]
             assert isinstance(rep, ProbeCreditReport) and rep.step == trainer.global_step - 1
             for k, g in enumerate(rows):
-                want = -lr * float(g @ gp)
+                want = -float((lr * g) @ gp)
                 assert rep.contribution[k] == pytest.approx(want, rel=1e-9, abs=1e-14)
             after = float(self._probe_eval(pl_module, pl_module.probe_batches()[name], False))
             assert rep.loss_before == pytest.approx(before, rel=1e-13)
@@ -174,14 +185,15 @@ class _Params(pl.Callback):
 
 
 @pytest.mark.slow
-def test_training_with_the_callback_is_bitwise_training_without():
+@pytest.mark.parametrize("capture", ["separate", "training_step"])
+def test_training_with_the_callback_is_bitwise_training_without(capture):
     kw = dict(dropout=0.1, optimizer="adam", lr=3e-3)
     plain = _Params()
     a = _fit([plain], steps=20, module_kw=kw)
     watched = _Params()
-    cb = ProbeCreditCallback(probe_mode="train")  # the probe draws dropout masks too: from a forked stream
+    cb = ProbeCreditCallback(probe_mode="train", capture=capture)  # the probe's dropout masks: a forked stream
     b = _fit([cb, watched], steps=20, module_kw=kw)
-    assert cb.n_readings == 40
+    assert cb.n_readings == 40 and cb.n_ride_along == (40 if capture == "training_step" else 0)
     assert plain.losses == watched.losses
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
@@ -286,3 +298,60 @@ def test_log_table_every_n_steps_zero_means_only_the_last_as_in_the_credit_audit
     _fit([cb], steps=3, module_kw={**F64, "optimizer": "sgd", "lr": 0.5}, logger=log)
     steps = sorted({s for tag, s in log.texts if tag == "probe/carry/table"})
     assert steps == want, log.texts
+
+
+class _CallsTerms(pl.Callback):
+    """Another callback's own pass of ``credit_terms`` (with grad) before the probe callback reads the step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        with torch.enable_grad():
+            pl_module.credit_terms(None)
+
+
+@pytest.mark.parametrize("optimizer, kw", [("sgd", {"lr": 0.5}), ("adam", {"lr": 1e-2})])
+def test_riding_on_the_training_step_equals_a_plain_reference_loop(optimizer, kw):
+    # The parts are read from the training step's own captures against D ⊙ g_probe; a callback listed
+    # before this one that runs credit_terms itself does not count as the training step's call.
+    cb = ProbeCreditCallback(dtype="float64", capture="training_step")
+    spy = _Spy(cb)
+    m = _fit([_CallsTerms(), cb, spy], steps=3, module_kw={**F64, "optimizer": optimizer, **kw})
+    assert len(spy.checked) == 6 and cb.n_readings == cb.n_ride_along == 6
+    for rep in cb.last_reports.values():
+        assert rep.engine == "ghost+training_step" and rep.ride_fallback is None
+        assert rep.parts_gap < 1e-12 and rep.update_match < 1e-10
+    assert "credit_terms" not in vars(m)  # the module's own method is back
+
+
+class _DoubledLoss(GRPOProbeModule):
+    def training_step(self, batch, batch_idx):
+        return 2.0 * super().training_step(batch, batch_idx)
+
+
+def test_riding_falls_back_to_the_separate_pass_once_where_the_loss_is_not_the_terms():
+    cb = ProbeCreditCallback(dtype="float64", capture="training_step")
+    spy = _Spy(cb)
+    with pytest.warns(RuntimeWarning, match="capture='training_step' falls back to a separate pass") as rec:
+        _fit([cb, spy], steps=2, module_cls=_DoubledLoss, module_kw={**F64, "optimizer": "sgd", "lr": 0.5})
+    assert sum("falls back" in str(w.message) for w in rec) == 1
+    assert len(spy.checked) == 4 and cb.n_ride_along == 0  # every reading exact, by the separate pass
+    for rep in cb.last_reports.values():
+        assert "is not `terms.sum()`" in rep.ride_fallback and rep.engine != "ghost+training_step"
+
+
+def test_a_credit_audit_and_probe_credit_ride_on_the_same_step():
+    from lens_callbacks import CreditAuditCallback
+
+    kw = {**F64, "optimizer": "adam", "lr": 1e-2}
+    alone = ProbeCreditCallback(dtype="float64")
+    audit_alone = CreditAuditCallback(dtype="float64", readings="projected")
+    _fit([audit_alone, alone], steps=2, module_kw=kw)
+    audit = CreditAuditCallback(dtype="float64", capture="training_step", readings="projected")
+    probe = ProbeCreditCallback(dtype="float64", capture="training_step")
+    m = _fit([audit, probe], steps=2, module_kw=kw)
+    assert audit.n_ride_along == 2 and probe.n_ride_along == 4
+    assert "credit_terms" not in vars(m)
+    for name, rep in probe.last_reports.items():
+        want = alone.last_reports[name]
+        assert rep.contribution == pytest.approx(want.contribution, rel=1e-9, abs=1e-15)
+        assert rep.actual == want.actual
+    assert audit.last_report.projected_share == pytest.approx(audit_alone.last_report.projected_share, rel=1e-9)

@@ -257,6 +257,71 @@ def test_parts_split_an_adam_step_exactly():
     assert rep.parts_gap < 1e-10
 
 
+def _ridden_step(m, batch, partition_fn=None):
+    """The training step's forward and backward of ``terms.sum()``, captured by a RideAlong."""
+    from lens_callbacks.credit.engines.ghost import RideAlong
+
+    for p in m.parameters():
+        p.grad = None
+    ride = RideAlong(m).start()
+    loss = m.credit_terms(batch).terms.sum()
+    ride.on_loss(loss, partition_fn)
+    loss.backward()
+    return ride
+
+
+@pytest.mark.parametrize("partition", ["by_rollout", "by_group"])
+def test_parts_read_from_the_training_step_captures_equal_per_part_backwards(partition):
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    opt = torch.optim.Adam(m.parameters(), lr=0.02)
+    for s in range(2):
+        _set_grad(m, _batch(30 + s))
+        opt.step()
+    ride = _ridden_step(m, batch)
+    try:
+        rep, gp = _reading(m, batch, opt, px, partition=partition, ride=ride)
+        again, _ = _reading(m, batch, opt, _probe_batch(5), partition=partition, ride=ride)  # a second probe
+    finally:
+        ride.clear()
+    assert rep.engine == again.engine == "ghost+training_step" and rep.ride_fallback is None
+    update = optimizer_update_map(opt, list(m.parameters()))
+    terms = m.credit_terms(batch).terms
+    groups = [[k] for k in range(B)] if partition == "by_rollout" else [[k, k + 1] for k in range(0, B, 2)]
+    for i, rows in enumerate(groups):
+        g_k = _grads(m, terms[rows].sum())
+        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
+        assert rep.contribution[i] == pytest.approx(want, rel=1e-12, abs=1e-16)
+    assert rep.parts_gap < 1e-12 and again.parts_gap < 1e-12
+    assert again.contribution != rep.contribution
+
+
+def test_captures_that_break_the_contract_fall_back_to_the_engine_and_say_why():
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    from lens_callbacks.credit.engines.ghost import RideAlong
+
+    for p in m.parameters():
+        p.grad = None
+    ride = RideAlong(m).start()
+    loss = 2.0 * m.credit_terms(batch).terms.sum()  # not terms.sum(): the captures are not the terms' gradients
+    ride.on_loss(loss)
+    loss.backward()
+    rep, _ = _reading(m, batch, torch.optim.SGD(m.parameters(), lr=0.1), px, ride=ride)
+    ride.clear()
+    ref, _ = _reading(m, batch, torch.optim.SGD(m.parameters(), lr=0.1), px, engine="reference")
+    assert "is not `terms.sum()`" in rep.ride_fallback and rep.engine != "ghost+training_step"
+    assert rep.contribution == pytest.approx(ref.contribution, rel=1e-12, abs=1e-16)
+
+
+def test_a_vector_to_project_onto_needs_captures_not_yet_reduced():
+    m, batch = Bigram(), _batch()
+    ride = _ridden_step(
+        m, batch, lambda t: Partition(torch.where(t.trained, torch.arange(B)[:, None], -1), tuple("abcdef"))
+    )
+    with pytest.raises(ValueError, match="`project_onto` must be given with on_loss"):
+        ride.report(None, project_onto=[p.grad for p in m.parameters()])
+    ride.clear()
+
+
 def test_optimizers_outside_the_known_set_are_refused_by_name():
     p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     p.grad = torch.ones(3, dtype=torch.float64)

@@ -229,3 +229,18 @@ def test_on_a_triton_device_the_head_is_not_recorded(monkeypatch):
     with _capturing(head, 2) as (cap, fc):
         _head_call(torch.randn(8, 4, requires_grad=True), head, torch.randint(0, 10, (8,)))
     assert cap.uses == [] and "Triton" in fc.error
+
+
+def test_two_captures_removed_in_the_order_they_were_installed_restore_the_function():
+    import trl.trainer.utils as utils
+
+    from lens_callbacks.credit.engines.ghost import RowCapture
+
+    head = torch.nn.Linear(4, 10, bias=False)
+    first = RowCapture(head).install()
+    second = RowCapture(head).install()  # two riders on one step (a credit audit and probe credit)
+    assert utils._ChunkedLogProbFunction is not ChunkedLogProbFunction
+    first.remove()
+    assert utils._ChunkedLogProbFunction is not ChunkedLogProbFunction  # the second is still installed
+    second.remove()
+    assert utils._ChunkedLogProbFunction is ChunkedLogProbFunction

@@ -424,12 +424,14 @@ class RowCapture:
             if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in (w, b)):
                 return None  # a frozen layer (a LoRA base layer): nothing of it to attribute
             ret = None
-            if rule.expands_broadcast and lead == 1 and rows > 1:
+            if rule.expands_broadcast and rows > 1 and int(x.shape[0]) == 1 and lead in (1, rows):
                 # A position embedding of shape [1, T, d] broadcast over the batch: expand it so the
                 # gradient reaching it is still per row ([B, T, d]); backward sums it as broadcasting would.
-                out = out.expand(rows, *out.shape[1:])
+                # (`lead == rows`: another capture's hook on the layer expanded it already.)
+                if lead == 1:
+                    out = out.expand(rows, *out.shape[1:])
+                    ret = out
                 x = x.expand(rows, *x.shape[1:])
-                ret = out
             self.record(rule, mod, w, b, x, out)
             return ret
 
@@ -1178,14 +1180,15 @@ def reduce_pieces(
     verify: Optional[tuple] = None,
     route: str = "auto",
     positions: Optional[PositionDots] = None,
+    onto: Optional[Sequence[torch.Tensor]] = None,
 ):
-    """Dots with ``g_full``, the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
+    """Dots with ``g_full`` (or ``onto``), the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
 
     ``route`` picks, for every ``Linear``/``Conv1D`` weight, how its per-part readings are formed:
     ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
     ghost identities; no per-row piece is formed). Other parameters always take the direct route.
     """
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, positions=positions)
+    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=onto, positions=positions)
     return red.finish(g_full, fallback, fb, verify)
 
 
@@ -1463,6 +1466,54 @@ def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallba
 # ---- riding on the training step's own forward and backward ----------------------------------------
 
 
+class _TermsWrapper:
+    """The module's ``credit_terms``, wrapped once for every :class:`RideAlong` riding on it.
+
+    Several riders (e.g. a credit audit and a probe reading, both riding along) join the one wrapper, so
+    they may start and stop in any order and the module's own ``credit_terms`` comes back when the last
+    leaves."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.orig = getattr(module, "credit_terms")
+        self.had_attr = "credit_terms" in module.__dict__
+        self.riders: list["RideAlong"] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.orig(*args, **kwargs)
+        riders = list(self.riders)
+        for r in riders:
+            r.cap.active = True
+        try:
+            t = self.orig(*args, **kwargs)
+        finally:
+            for r in riders:
+                r.cap.active = False
+        for r in riders:
+            r._took(t)
+        return t
+
+    @classmethod
+    def join(cls, module: nn.Module, rider: "RideAlong") -> None:
+        w = module.__dict__.get("credit_terms")
+        if not isinstance(w, cls):
+            w = cls(module)
+            object.__setattr__(module, "credit_terms", w)
+        w.riders.append(rider)
+
+    @classmethod
+    def leave(cls, module: nn.Module, rider: "RideAlong") -> None:
+        w = module.__dict__.get("credit_terms")
+        if not isinstance(w, cls) or rider not in w.riders:
+            return
+        w.riders.remove(rider)
+        if not w.riders:
+            if w.had_attr:
+                object.__setattr__(module, "credit_terms", w.orig)
+            else:
+                module.__dict__.pop("credit_terms", None)
+
+
 class RideAlong:
     """The one-pass engine's hooks installed for a training step's own forward and backward.
 
@@ -1498,34 +1549,23 @@ class RideAlong:
         self.loss: Optional[torch.Tensor] = None
         self.edges: Optional[dict[int, int]] = None
         self.reentrant = False  # the loss's graph holds a reentrant activation checkpoint
-        self._orig: Any = None
-        self._had_attr = False
+        self._joined = False  # joined to the module's `credit_terms` wrapper (`_TermsWrapper`)
         self._plan: Any = None  # what on_loss prepared: a dict (reducing in the backward) or the reason it could not
         self._handles: list[Any] = []
 
     def start(self) -> "RideAlong":
         self.cap.install()
-        orig = getattr(self.module, "credit_terms")
-        self._orig = orig
-        self._had_attr = "credit_terms" in self.module.__dict__
-
-        def credit_terms(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return orig(*args, **kwargs)
-            self.cap.active = True
-            try:
-                t = orig(*args, **kwargs)
-            finally:
-                self.cap.active = False
-            self.calls += 1
-            self.terms = t
-            self.compute_dtype = compute_dtype_now(self.module)  # autocast's dtype in the training step, if any
-            if isinstance(t, CreditTerms) and t.terms.requires_grad:
-                t.terms.register_hook(self._terms_grad)
-            return t
-
-        object.__setattr__(self.module, "credit_terms", credit_terms)
+        _TermsWrapper.join(self.module, self)
+        self._joined = True
         return self
+
+    def _took(self, t: Any) -> None:
+        """The training step's ``credit_terms`` returned ``t`` (grad enabled, this rider's capture on)."""
+        self.calls += 1
+        self.terms = t
+        self.compute_dtype = compute_dtype_now(self.module)  # autocast's dtype in the training step, if any
+        if isinstance(t, CreditTerms) and t.terms.requires_grad:
+            t.terms.register_hook(self._terms_grad)
 
     def _terms_grad(self, g: torch.Tensor) -> None:
         ones = bool(torch.all(g == self.scale))
@@ -1652,12 +1692,9 @@ class RideAlong:
     def stop(self) -> None:
         self.cap.remove()
         self._remove_hooks()
-        if self._orig is not None:
-            if self._had_attr:
-                object.__setattr__(self.module, "credit_terms", self._orig)
-            else:
-                self.module.__dict__.pop("credit_terms", None)
-            self._orig = None
+        if self._joined:
+            _TermsWrapper.leave(self.module, self)
+            self._joined = False
         seal(self.cap.uses)
 
     def clear(self) -> None:
@@ -1677,14 +1714,24 @@ class RideAlong:
         memory_budget: Optional[int] = None,
         keep_grads: bool = False,
         route: str = "auto",
+        project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     ) -> Union[CreditReport, str]:
         """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read.
 
         When ``on_loss`` was given the partition, the reductions it started in the backward are finished
-        here (``readings`` and ``keep_grads`` must then be the ones it was given).
+        here (``readings`` and ``keep_grads`` must then be the ones it was given). ``project_onto``: a vector
+        known only after the backward (one tensor per trainable parameter) that the parts are dotted with
+        instead of ``g_full``, as in ``disintegrate``; it needs ``on_loss`` without a partition (the captured
+        tensors are then held until here). The captures are kept until :meth:`clear`, so a step may be read
+        against several vectors.
         """
         self.stop()
         plan, self._plan = self._plan, None
+        if plan is not None and project_onto is not None:
+            raise ValueError(
+                "`project_onto` must be given with on_loss(loss) called without a partition, got a partition at "
+                "on_loss: its reductions were taken against `.grad` inside the backward."
+            )
         broken = self._contract()
         if broken is not None:
             return broken
@@ -1700,6 +1747,7 @@ class RideAlong:
         if isinstance(lay, str):
             return lay
         part, names, leaves, by_leaf = lay["part"], lay["names"], lay["leaves"], lay["by_leaf"]
+        onto = dots_onto(leaves, project_onto)
         g_full, sq_each, full_sq = _grads_now(leaves, keep_grads)
         if plan is not None and plan["error"] is not None:
             return f"the reduction inside the training backward failed: {plan['error']}"
@@ -1729,6 +1777,7 @@ class RideAlong:
                 [],
                 None,
                 route=route,
+                onto=onto,
             )
         split = read_position_split(plan["positions"], g_full, None, full_sq) if plan is not None else None
         return _ride_report(
@@ -1744,6 +1793,7 @@ class RideAlong:
             self.compute_dtype,
             spans=lay["spans"] is not None,
             position_split=split,
+            onto=onto,
         )
 
     def _contract(self) -> Optional[str]:
@@ -1798,8 +1848,10 @@ def _ride_report(
     compute_dtype: Optional[str] = None,
     spans: bool = False,
     position_split: Optional[PositionSplit] = None,
+    onto: Optional[Sequence[torch.Tensor]] = None,
 ) -> Union[CreditReport, str]:
-    """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``.
+    """The report of a step read riding along, once the captured pieces are shown to add up to ``.grad``
+    (``onto``: what the parts were dotted with, when not ``.grad``).
 
     They add up within the floor of the coarser of the terms' dtype and autocast's (``compute_dtype``): under
     ``bf16-mixed`` the layers' inputs and output gradients are bfloat16, and so is their rounding. Beyond it
@@ -1821,6 +1873,7 @@ def _ride_report(
         compute_dtype=compute_dtype,
         spans=spans,
         position_split=position_split,
+        onto=onto,
     )
     if report.conservation_violated:
         where = used if compute_dtype is None else f"{used} under {compute_dtype} autocast"

@@ -45,10 +45,12 @@ from torch import nn
 
 from ...refusal import Refusal
 from ..engine import DTypeSpec, TermsCall, disintegrate, native_dtype, partition_label, resolve_dtype
+from ..engines.ghost import SPLITS_ROWS, RideAlong
 from ..engines.reductions import inner64, inners64
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from ..inputs.terms import CreditTerms
 from ..primitives import audit_passes, detached_state
+from ..report import CreditReport
 from .conservation import UNIT_ROUNDOFF, trainer_preconditions
 from .derived import coarsening
 from .step_readings import RecordingPartition
@@ -389,6 +391,8 @@ class ProbeCreditReport:
         applied: ``⟨θ_after − θ_before, g_probe⟩``, once the step is taken (checks the update map).
         reason: why the contributions are undefined (None when defined).
         step: the optimizer step.
+        ride_fallback: why a step captured riding on the training step was read by a pass of its own
+            instead (None when it was not captured, or was read from its captures).
     """
 
     probe: str
@@ -411,6 +415,7 @@ class ProbeCreditReport:
     applied: Optional[float] = None
     reason: Optional[str] = None
     step: Optional[int] = None
+    ride_fallback: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -645,6 +650,7 @@ def probe_credit(
     scale: float = 1.0,
     step: Optional[int] = None,
     use_grad: bool = True,
+    ride: Optional[RideAlong] = None,
 ) -> ProbeCreditReport:
     r"""Each part's first-order contribution ``c_S = −⟨D ⊙ g_S, g_probe⟩`` to the change of a probe objective.
 
@@ -666,6 +672,11 @@ def probe_credit(
         step: the optimizer step, for the report.
         use_grad: with ``scale`` 1, ``params`` None and every ``applied_grad`` present, take it as the batch's
             ``g_full`` (the engine's tangent pass alone); False: the engine's own forward and backward.
+        ride: a :class:`~lens_callbacks.credit.engines.ghost.RideAlong` that captured this step's training
+            forward and backward (``on_loss`` without a partition): the parts are read from its captures
+            against ``v``, with no forward or backward of their own. Where it cannot be read (its contract broken,
+            parts inside rows) the step is read by the engine as without it (parts inside rows: the forward-mode
+            tangent pass along ``.grad``), and :attr:`ProbeCreditReport.ride_fallback` says why.
     """
     trainable = [p for p in module.parameters() if p.requires_grad]
     for name, xs in (("probe_grad", probe_grad), ("update.coeff", update.coeff)):
@@ -699,19 +710,28 @@ def probe_credit(
         )
         else None
     )
-    rep = disintegrate(
-        module,
-        batch,
-        recorder,
-        dtype=dtype,
-        terms_fn=terms_fn,
-        forward_context=forward_context,
-        params=params,
-        project_onto=onto,
-        engine=engine,
-        readings="projected",
-        full_grad=given,
-    )
+    rep: Union[CreditReport, str, None] = None
+    ride_fallback = None
+    if ride is not None:
+        rep = ride.report(recorder, partition_name=name, readings="projected", project_onto=onto)
+        if isinstance(rep, str):
+            # Parts inside rows with `.grad` as g_full: the forward-mode engine's tangent pass alone reads them.
+            ride_fallback = None if rep.startswith(SPLITS_ROWS) and given is not None else rep
+            rep = None
+    if rep is None:
+        rep = disintegrate(
+            module,
+            batch,
+            recorder,
+            dtype=dtype,
+            terms_fn=terms_fn,
+            forward_context=forward_context,
+            params=params,
+            project_onto=onto,
+            engine=engine,
+            readings="projected",
+            full_grad=given,
+        )
     terms, part = recorder.take()
     # Every dot of the reading (‖v‖² as the engines sum it, their shares' denominator), each parameter's
     # operands read once: products in their dtype, cascade sums per block, the blocks in float64 (inner64).
@@ -762,6 +782,7 @@ def probe_credit(
         part_info=_part_info(terms, part, texts),
         reason=reason,
         step=step,
+        ride_fallback=ride_fallback,
     )
 
 
