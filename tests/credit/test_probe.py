@@ -312,6 +312,18 @@ def test_captures_that_break_the_contract_fall_back_to_the_engine_and_say_why():
     assert rep.contribution == pytest.approx(ref.contribution, rel=1e-12, abs=1e-16)
 
 
+def test_a_grad_changed_after_the_captured_backward_is_caught_along_the_probe_direction():
+    # The riding reading forms no parts' sum: the parts are held against `.grad` along v = D ⊙ g_probe.
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    ride = _ridden_step(m, batch)
+    with torch.no_grad():
+        m.hid.weight.grad.mul_(1.001)  # e.g. a callback rescaled one parameter's gradient after the backward
+    rep, _ = _reading(m, batch, torch.optim.SGD(m.parameters(), lr=0.1), px, ride=ride)
+    ride.clear()
+    assert "do not add up to `.grad`" in rep.ride_fallback and rep.engine != "ghost+training_step"
+    assert rep.parts_gap > 1e-4  # and the separate pass's reading says so too: its parts miss the applied `.grad`
+
+
 def test_a_vector_to_project_onto_needs_captures_not_yet_reduced():
     m, batch = Bigram(), _batch()
     ride = _ridden_step(

@@ -73,7 +73,7 @@ from .ghost_routes import (
     use_factors,
     widened,
 )
-from .reductions import diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
+from .reductions import diff_sq64, dots64, gram64, inners64, row_sq64, row_sum, sq64
 from .rules import Rule, find_rule
 
 __all__ = [
@@ -1181,6 +1181,7 @@ def reduce_pieces(
     route: str = "auto",
     positions: Optional[PositionDots] = None,
     onto: Optional[Sequence[torch.Tensor]] = None,
+    along: bool = False,
 ):
     """Dots with ``g_full`` (or ``onto``), the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
 
@@ -1188,7 +1189,9 @@ def reduce_pieces(
     ``"auto"`` (by cost, see :mod:`.ghost_routes`), ``"direct"`` (per-row products) or ``"ghost"`` (the
     ghost identities; no per-row piece is formed). Other parameters always take the direct route.
     """
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=onto, positions=positions)
+    red = _Reducer(
+        by_leaf, leaves, rp, m, readings, keep_sum, memory_budget, route, onto=onto, positions=positions, along=along
+    )
     return red.finish(g_full, fallback, fb, verify)
 
 
@@ -1262,8 +1265,16 @@ class _Reducer:
         route,
         onto=None,
         positions: Optional[PositionDots] = None,
+        along: bool = False,
     ) -> None:
         self.positions = positions
+        # `along`: the parts' dots alone, held against g_full along `onto` in `finish` (no Σ_S g_S is formed)
+        self.along = along
+        if along and (onto is None or keep_sum or readings != "projected"):
+            raise ValueError(
+                "`along` must come with `onto`, readings='projected' and keep_sum=False, got "
+                f"onto={'given' if onto is not None else None}, readings={readings!r}, keep_sum={keep_sum!r}."
+            )
         if route not in ROUTES:
             raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}.")
         self.onto: Optional[Sequence[torch.Tensor]] = onto  # the parts are dotted with these instead of g_full
@@ -1321,7 +1332,9 @@ class _Reducer:
             return acc_p
 
         half = max(1, self.budget // 2)
-        route = choose_route(us, p, self.n_rows, self.m, acc.gram is not None, self.route, diag=acc.sq is not None)
+        route = choose_route(
+            us, p, self.n_rows, self.m, acc.gram is not None, self.route, diag=acc.sq is not None, total=not self.along
+        )
         target = None if self.onto is None else self.onto[i]
         # A small weight's pieces are formed whole and reduced in a batch with other small parameters
         # (the per-block reads cost a dozen kernels each, most of a toy layer's time); a larger one (or a
@@ -1346,6 +1359,7 @@ class _Reducer:
                     param=p,
                     keep_total=self.keep_sum,
                     target=target,
+                    total=not self.along,
                 )
             else:  # the direct route on an Lᵀ R weight: every part's pieces, a block of the weight's rows at a time
                 total, diff = direct_param(
@@ -1363,7 +1377,8 @@ class _Reducer:
                     keep_total=self.keep_sum,
                     target=target,
                 )
-            acc.diff_sq += diff
+            if diff is not None:
+                acc.diff_sq += diff
             self.totals[i] = total if self.keep_sum else None
         else:
             chunks = _chunks(self.rows_per_part, p.numel(), half)
@@ -1424,9 +1439,19 @@ class _Reducer:
             )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        return Reduced(
-            g_full, total_list, acc.dots, acc.gram, float(acc.diff_sq), tuple(sorted(coverage.items())), acc.sq
-        )
+        diff_sq = self._residual_along(g_full) if self.along else float(acc.diff_sq)
+        return Reduced(g_full, total_list, acc.dots, acc.gram, diff_sq, tuple(sorted(coverage.items())), acc.sq)
+
+    def _residual_along(self, g_full: Sequence[torch.Tensor]) -> float:
+        """``‖r‖²`` of the residual ``r = Σ_S g_S − g_full`` projected on ``onto``: ``(Σ_S <g_S, v> − <g_full, v>)²
+        / ‖v‖²``, a lower bound of ``‖r‖²`` that no missing term, use or row escapes unless it is orthogonal to
+        ``v`` (the readings made along ``v`` are then right whatever it is)."""
+        assert self.onto is not None
+        sums = torch.stack([torch.stack(inners64([(g, v), (v, v)])) for g, v in zip(g_full, self.onto)])  # [n, 2]
+        gv, vv = (math.fsum(col) for col in sums.T.tolist())
+        if vv == 0.0:
+            return 0.0
+        return (math.fsum(self.acc.dots.tolist()) - gv) ** 2 / vv
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
@@ -1715,6 +1740,7 @@ class RideAlong:
         keep_grads: bool = False,
         route: str = "auto",
         project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        along: bool = False,
     ) -> Union[CreditReport, str]:
         """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read.
 
@@ -1723,7 +1749,10 @@ class RideAlong:
         known only after the backward (one tensor per trainable parameter) that the parts are dotted with
         instead of ``g_full``, as in ``disintegrate``; it needs ``on_loss`` without a partition (the captured
         tensors are then held until here). The captures are kept until :meth:`clear`, so a step may be read
-        against several vectors.
+        against several vectors. ``along`` (with ``project_onto`` and ``readings="projected"``): the parts'
+        sum is held against ``.grad`` along ``v`` alone — ``Σ_S g_S`` is not formed, so a weight's parts cost
+        one product of the size of its forward — and ``conservation_error`` is the residual's component along
+        ``v`` over ``‖g_full‖`` (a lower bound of the full one; what the readings along ``v`` depend on).
         """
         self.stop()
         plan, self._plan = self._plan, None
@@ -1778,6 +1807,7 @@ class RideAlong:
                 None,
                 route=route,
                 onto=onto,
+                along=along,
             )
         split = read_position_split(plan["positions"], g_full, None, full_sq) if plan is not None else None
         return _ride_report(

@@ -99,7 +99,7 @@ def sparse_only(uses: Sequence, param: torch.Tensor) -> bool:
 
 
 def route_costs(
-    uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, diag: bool = False
+    uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, diag: bool = False, total: bool = True
 ) -> tuple[float, float]:
     """Cost of the (direct, ghost) routes for one parameter: multiply-adds plus a cost per element the
     route moves through memory beyond the activations.
@@ -115,6 +115,8 @@ def route_costs(
         m: number of parts.
         gram: whether the Gram is wanted (``readings="all"``).
         diag: whether each part's squared norm alone is wanted (``readings="shares"``).
+        total: whether ``Σ_S g_S`` is formed (the conservation check against ``g_full``); without it the
+            ghost route's dots are its only products.
     """
     dL, dR = param.shape
     P = dL * dR
@@ -135,12 +137,21 @@ def route_costs(
     elif diag:  # one row to a part: the pairs of a row with itself
         pairs = float(sum(rows * a * b * min(wa, wb) for a, wa in zip(ns, width) for b, wb in zip(ns, width)))
     # the dots (one product per dense use, a gather per token-id use) and Σ_S g_S (the same again)
-    ghost = 2.0 * (prod + scatter) + pairs + MOVE_COST * 2.0 * P  # Σ_S g_S written and read once
+    ghost = (prod + scatter) + pairs
+    if total:
+        ghost += prod + scatter + MOVE_COST * 2.0 * P  # Σ_S g_S formed, written and read once
     return direct, ghost
 
 
 def choose_route(
-    uses: Sequence, param: torch.Tensor, rows: int, m: int, gram: bool, route: str, diag: bool = False
+    uses: Sequence,
+    param: torch.Tensor,
+    rows: int,
+    m: int,
+    gram: bool,
+    route: str,
+    diag: bool = False,
+    total: bool = True,
 ) -> str:
     """``"direct"`` or ``"ghost"`` for this parameter (``route`` forces one where the ghost identities apply;
     a parameter whose every use is an embedding's is read by the ghost route, a gather per token, unless every
@@ -152,7 +163,7 @@ def choose_route(
         return "direct" if m * param.numel() <= SMALL_PIECES and route != "ghost" else "ghost"
     if route in ("direct", "ghost"):
         return route
-    direct, ghost = route_costs(uses, param, rows, m, gram, diag)
+    direct, ghost = route_costs(uses, param, rows, m, gram, diag, total)
     return "ghost" if ghost < direct else "direct"
 
 
@@ -688,7 +699,8 @@ def ghost_param(
     target: Optional[torch.Tensor] = None,
     param: Optional[torch.Tensor] = None,
     keep_total: bool = True,
-) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    total: bool = True,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """One weight read by the ghost identities; adds into ``dots`` ``[m]`` and ``gram`` ``[m, m]`` in place.
 
     Args:
@@ -703,6 +715,8 @@ def ghost_param(
         target: what the parts are dotted with instead of ``g_full`` (``project_onto``), or None.
         param: the parameter (default: the first use's weight).
         keep_total: return ``Σ_S g_S`` (else None: the difference is then formed in its place).
+        total: form ``Σ_S g_S`` at all; False (the dots are checked against ``g_full`` along ``target`` by
+            the caller): ``(None, None)`` is returned and the dots are the only products.
 
     Returns:
         ``(Σ_S g_S, ‖Σ_S g_S − g_full‖²)``: the parts' sum assembled from the captured factors (float64 0-d
@@ -719,11 +733,13 @@ def ghost_param(
         per_row += row_dot(f, W)
     dots.index_add_(0, dst, per_row)
 
-    def summed() -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        total = _total(facs, g_full)
+    def summed() -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        if not total:
+            return None, None
+        s = _total(facs, g_full)
         if keep_total:
-            return total, diff_sq64(total, g_full)
-        return None, sq64(total.sub_(g_full.to(total.dtype)))  # the difference in the sum's own buffer
+            return s, diff_sq64(s, g_full)
+        return None, sq64(s.sub_(g_full.to(s.dtype)))  # the difference in the sum's own buffer
 
     if gram is None and sq is not None and bool((torch.bincount(dst) <= 1).all()):
         # one row to a part: ‖g_k‖² = Σ (L_k L_kᵀ) ∘ (R_k R_kᵀ), row by row, no pair of rows formed

@@ -713,7 +713,8 @@ def probe_credit(
     rep: Union[CreditReport, str, None] = None
     ride_fallback = None
     if ride is not None:
-        rep = ride.report(recorder, partition_name=name, readings="projected", project_onto=onto)
+        # checked along v: the readings are dots with v, and no parts' sum Σ_S g_S need be formed
+        rep = ride.report(recorder, partition_name=name, readings="projected", project_onto=onto, along=True)
         if isinstance(rep, str):
             # Parts inside rows with `.grad` as g_full: the forward-mode engine's tangent pass alone reads them.
             ride_fallback = None if rep.startswith(SPLITS_ROWS) and given is not None else rep
