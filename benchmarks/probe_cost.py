@@ -25,7 +25,10 @@ Policies: ``toy`` (GPT-2, 2 layers, width 64, vocabulary 64) and ``llama`` (a Ll
 32000, width 512, 2 layers, sdpa attention: a real vocabulary and head at a small depth).
 
     python benchmarks/probe_cost.py [--policy toy|llama|both --engine auto|jvp --capture separate|training_step
-                                     --B 8 --T 64 --P 8 --repeats 5]
+                                     --B 8 --T 64 --P 8 --repeats 5 --memory]
+
+``--memory`` adds the peak memory (CPU allocator events under the profiler) of a plain step and of a step
+read by probe credit, in parameter sizes.
 
 The table and the per-piece line are written to ``benchmarks/results/probe_cost-<date>.txt``.
 """
@@ -103,7 +106,16 @@ def build(kind: str) -> tuple[nn.Module, int]:
     return LlamaForCausalLM(cfg), 32000
 
 
-def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", capture: str = "separate") -> dict:
+def run(
+    kind: str,
+    B: int,
+    T: int,
+    P: int,
+    repeats: int,
+    engine: str = "auto",
+    capture: str = "separate",
+    memory: bool = False,
+) -> dict:
     import lens_callbacks.credit.readings.probe as probe_mod
 
     lm, V = build(kind)
@@ -171,14 +183,10 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", c
         after, _ = clock("probe_forward_after", probe_value_and_grad, m, m.probe_loss, probe, grad=False)
         return clock("applied_dot", with_actual, rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
 
-    step()  # warm-up: Adam's state exists from here on
-    plain, extra, riding = [], [], []
-    rep = None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        plain.append(time.perf_counter() - t0)
-        if capture == "training_step":  # the whole riding step, its reading included
+    def read_step():
+        """One training step read by probe credit, its reading included; the reading's share of the time is
+        appended to ``extra`` (riding: the whole step, to ``riding``)."""
+        if capture == "training_step":
             t0 = time.perf_counter()
             opt.zero_grad()
             ride = RideAlong(m).start()
@@ -196,7 +204,7 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", c
             riding.append(time.perf_counter() - t0)
             extra.append((t2 - t1) + (time.perf_counter() - t3))
             parts["capture"].append((t1 - t0) + (t3 - t2))  # less the plain step below
-            continue
+            return rep
         opt.zero_grad()
         m.credit_terms(batch).terms.sum().backward()
         t0 = time.perf_counter()
@@ -206,6 +214,26 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", c
         t2 = time.perf_counter()
         rep = reading_after(*got)
         extra.append((t1 - t0) + (time.perf_counter() - t2))
+        return rep
+
+    step()  # warm-up: Adam's state exists from here on
+    plain, extra, riding = [], [], []
+    rep = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - t0)
+        rep = read_step()
+    mem = None
+    if memory:  # peak bytes alive at once, over the plain step and over the read step (in parameter sizes)
+        from credit_cost import peak_alloc_bytes
+
+        n_timed = {k: len(v) for k, v in parts.items()}
+        size = 4 * sum(p.numel() for p in params)
+        mem = (peak_alloc_bytes(step) / size, peak_alloc_bytes(read_step) / size)
+        for k, n in n_timed.items():  # the profiled run's timings are not the measured ones
+            del parts[k][n:]
+        del extra[repeats:], riding[repeats:]
     base = statistics.median(plain)
     if riding:
         extra = [r - base for r in riding]
@@ -228,6 +256,7 @@ def run(kind: str, B: int, T: int, P: int, repeats: int, engine: str = "auto", c
         "update_match": rep.update_match,
         "parts_gap": rep.parts_gap,
         "breakdown": br,
+        "memory": mem,
     }
 
 
@@ -242,6 +271,7 @@ def main() -> None:
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--P", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--memory", action="store_true", help="peak memory of the plain step and of the read step")
     args = ap.parse_args()
     for name in ("B", "T", "P", "repeats"):
         if getattr(args, name) < 1:
@@ -256,7 +286,7 @@ def main() -> None:
     print("\n".join(lines))
     rows = []
     for kind in kinds:
-        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine, args.capture)
+        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine, args.capture, args.memory)
         lines.append(
             f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
             f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['less_probe']:+.2f} | {r['less_probe_after']:+.2f} | "
@@ -264,6 +294,12 @@ def main() -> None:
         )
         print(lines[-1], flush=True)
         rows.append((r["policy"], r["breakdown"]))
+        if r["memory"] is not None:
+            lines.append(
+                f"peak memory ({r['policy']}, in parameter sizes): plain step {r['memory'][0]:.2f}, step read by "
+                f"probe credit {r['memory'][1]:.2f} (+{r['memory'][1] - r['memory'][0]:.2f})"
+            )
+            print(lines[-1], flush=True)
     lines.append("")
     lines.append(
         "per piece, / plain step: "
