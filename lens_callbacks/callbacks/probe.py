@@ -241,6 +241,8 @@ class ProbeCreditCallback(Callback):
         self._stop_ride()
         if self.capture != "training_step" or int(trainer.global_step) % self.every_n_steps:
             return
+        if int(trainer.accumulate_grad_batches) > 1:
+            return  # probe credit refuses an accumulated step by name: nothing to capture for it
         if self._compiled is None:
             self._compiled = compiled_parts(pl_module)
             if self._compiled and self._ride_blocked is None:

@@ -355,3 +355,16 @@ def test_a_credit_audit_and_probe_credit_ride_on_the_same_step():
         assert rep.contribution == pytest.approx(want.contribution, rel=1e-9, abs=1e-15)
         assert rep.actual == want.actual
     assert audit.last_report.projected_share == pytest.approx(audit_alone.last_report.projected_share, rel=1e-9)
+
+
+def test_riding_captures_nothing_on_an_accumulated_step_which_is_refused_by_name(monkeypatch):
+    import lens_callbacks.callbacks.probe as probe_cb
+
+    started = []
+    monkeypatch.setattr(probe_cb, "RideAlong", lambda module: started.append(module))  # any capture would show
+    cb = ProbeCreditCallback(dtype="float64", capture="training_step")
+    with pytest.warns(RuntimeWarning, match="accumulate_grad_batches") as rec:
+        m = _fit([cb], steps=2, accumulate_grad_batches=2, module_kw={**F64, "optimizer": "sgd", "lr": 0.5})
+    assert not any("falls back" in str(w.message) for w in rec)
+    assert all(isinstance(r, Refusal) for r in cb.last_reports.values()) and cb.n_ride_along == 0
+    assert started == [] and "credit_terms" not in vars(m)
