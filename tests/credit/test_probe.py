@@ -293,6 +293,14 @@ def test_parts_read_from_the_training_step_captures_equal_per_part_backwards(par
         assert rep.contribution[i] == pytest.approx(want, rel=1e-12, abs=1e-16)
     assert rep.parts_gap < 1e-12 and again.parts_gap < 1e-12
     assert again.contribution != rep.contribution
+    # the sums the riding reading shares with its check along v: as the separate pass reads them
+    _set_grad(m, batch)
+    sep, _ = _reading(m, batch, opt, px, partition=partition)
+    assert sep.engine != rep.engine
+    for key in ("from_grad", "carried", "alignment", "grad_norm", "probe_grad_norm"):
+        assert getattr(rep, key) == pytest.approx(getattr(sep, key), rel=1e-12), key
+    g = _grads(m, m.credit_terms(batch).terms.sum())
+    assert rep.grad_norm == pytest.approx(math.sqrt(_dot(g, g)), rel=1e-12)
 
 
 def test_captures_that_break_the_contract_fall_back_to_the_engine_and_say_why():

@@ -974,6 +974,16 @@ class Reduced(NamedTuple):
     diff_sq: float  # ‖Σ_S g_S − g_full‖², in float64
     coverage: tuple[tuple[str, int], ...]  # (path, elements read by it), sorted
     sq_parts: Optional[torch.Tensor]  # [m] float64 ‖g_S‖² when the Gram is not read, else None
+    along: Optional["AlongSums"] = None  # the sums a check along `onto` took (`_Reducer(along=True)`)
+
+
+class AlongSums(NamedTuple):
+    """The parameter-wide sums a check along ``v`` takes (float64, products in the operands' dtype by
+    :func:`~.reductions.inners64`): what a reading along ``v`` needs besides the parts' dots."""
+
+    full_sq: float  # ‖g_full‖²
+    full_dot: float  # <g_full, v>
+    onto_sq: float  # ‖v‖²
 
 
 @dataclass(frozen=True)
@@ -1047,7 +1057,11 @@ def build_report(
         norm_total = float("nan")
         norm_share = part_norm
     reason, projected, conservation, cancellation = share_readings(
-        dots_l, full_sq, math.sqrt(diff_sq), norm_total, None if onto is None else _sum_sq(onto)
+        dots_l,
+        full_sq,
+        math.sqrt(diff_sq),
+        norm_total,
+        None if onto is None else (reduced.along.onto_sq if reduced.along is not None else _sum_sq(onto)),
     )
     grads = None
     if keep_grads:
@@ -1439,19 +1453,22 @@ class _Reducer:
             )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        diff_sq = self._residual_along(g_full) if self.along else float(acc.diff_sq)
-        return Reduced(g_full, total_list, acc.dots, acc.gram, diff_sq, tuple(sorted(coverage.items())), acc.sq)
+        along = self._sums_along(g_full) if self.along else None
+        diff_sq = float(acc.diff_sq)
+        if along is not None:
+            # ‖r‖² of the residual r = Σ_S g_S − g_full projected on v: (Σ_S <g_S, v> − <g_full, v>)² / ‖v‖², a
+            # lower bound of ‖r‖² that no missing term, use or row escapes unless it is orthogonal to v (the
+            # readings made along v are then right whatever it is)
+            gap = math.fsum(acc.dots.tolist()) - along.full_dot
+            diff_sq = gap * gap / along.onto_sq if along.onto_sq > 0.0 else 0.0
+        coverage_t = tuple(sorted(coverage.items()))
+        return Reduced(g_full, total_list, acc.dots, acc.gram, diff_sq, coverage_t, acc.sq, along)
 
-    def _residual_along(self, g_full: Sequence[torch.Tensor]) -> float:
-        """``‖r‖²`` of the residual ``r = Σ_S g_S − g_full`` projected on ``onto``: ``(Σ_S <g_S, v> − <g_full, v>)²
-        / ‖v‖²``, a lower bound of ``‖r‖²`` that no missing term, use or row escapes unless it is orthogonal to
-        ``v`` (the readings made along ``v`` are then right whatever it is)."""
+    def _sums_along(self, g_full: Sequence[torch.Tensor]) -> AlongSums:
+        """``‖g_full‖²``, ``<g_full, v>`` and ``‖v‖²``, each parameter's two operands read once."""
         assert self.onto is not None
-        sums = torch.stack([torch.stack(inners64([(g, v), (v, v)])) for g, v in zip(g_full, self.onto)])  # [n, 2]
-        gv, vv = (math.fsum(col) for col in sums.T.tolist())
-        if vv == 0.0:
-            return 0.0
-        return (math.fsum(self.acc.dots.tolist()) - gv) ** 2 / vv
+        sums = torch.stack([torch.stack(inners64([(g, g), (g, v), (v, v)])) for g, v in zip(g_full, self.onto)])
+        return AlongSums(*(math.fsum(col) for col in sums.T.tolist())) if len(sums) else AlongSums(0.0, 0.0, 0.0)
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:
@@ -1575,6 +1592,7 @@ class RideAlong:
         self.edges: Optional[dict[int, int]] = None
         self.reentrant = False  # the loss's graph holds a reentrant activation checkpoint
         self._joined = False  # joined to the module's `credit_terms` wrapper (`_TermsWrapper`)
+        self.last_along: Optional[AlongSums] = None  # the sums the latest `report(along=True)` took
         self._plan: Any = None  # what on_loss prepared: a dict (reducing in the backward) or the reason it could not
         self._handles: list[Any] = []
 
@@ -1752,9 +1770,11 @@ class RideAlong:
         against several vectors. ``along`` (with ``project_onto`` and ``readings="projected"``): the parts'
         sum is held against ``.grad`` along ``v`` alone — ``Σ_S g_S`` is not formed, so a weight's parts cost
         one product of the size of its forward — and ``conservation_error`` is the residual's component along
-        ``v`` over ``‖g_full‖`` (a lower bound of the full one; what the readings along ``v`` depend on).
+        ``v`` over ``‖g_full‖`` (a lower bound of the full one; what the readings along ``v`` depend on), and the
+        sums it took (``‖.grad‖²``, ``<.grad, v>``, ``‖v‖²``) are left in :attr:`last_along` for the caller.
         """
         self.stop()
+        self.last_along = None
         plan, self._plan = self._plan, None
         if plan is not None and project_onto is not None:
             raise ValueError(
@@ -1777,13 +1797,14 @@ class RideAlong:
             return lay
         part, names, leaves, by_leaf = lay["part"], lay["names"], lay["leaves"], lay["by_leaf"]
         onto = dots_onto(leaves, project_onto)
-        g_full, sq_each, full_sq = _grads_now(leaves, keep_grads)
+        g_full, sq_each, full_sq = _grads_now(leaves, keep_grads, sums=plan is not None or not along)
         if plan is not None and plan["error"] is not None:
             return f"the reduction inside the training backward failed: {plan['error']}"
         if plan is not None:
             red = plan["red"]
             done = sorted(red.done)
             seen = plan["seen"][done]  # [n_done]
+            assert sq_each is not None
             have = sq_each[done].to(seen.device)  # [n_done]
             if not torch.equal(seen, have):  # the same function of the same bits: equal unless `.grad` differs
                 bad = int((seen != have).nonzero()[0, 0])
@@ -1809,6 +1830,9 @@ class RideAlong:
                 onto=onto,
                 along=along,
             )
+            if reduced.along is not None:
+                full_sq = reduced.along.full_sq
+        self.last_along = reduced.along
         split = read_position_split(plan["positions"], g_full, None, full_sq) if plan is not None else None
         return _ride_report(
             reduced,
@@ -1855,12 +1879,16 @@ def _uncovered(missing: Sequence[str], reentrant: bool) -> str:
     return f"parameters {list(missing[:3])!r} ({len(missing)} in all) are used outside the layers the hooks cover."
 
 
-def _grads_now(leaves: Sequence[torch.Tensor], keep: bool) -> tuple[list[torch.Tensor], torch.Tensor, float]:
+def _grads_now(
+    leaves: Sequence[torch.Tensor], keep: bool, sums: bool = True
+) -> tuple[list[torch.Tensor], Optional[torch.Tensor], float]:
     """``(g_full, ‖g‖² per parameter, ‖g_full‖²)`` from ``.grad`` (cloned when kept past the step: ``.grad`` may
-    be zeroed in place later)."""
+    be zeroed in place later); without ``sums``, ``(g_full, None, nan)``: a check along a vector takes them."""
     g_full = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in leaves]
     if keep:
         g_full = [g.clone() for g in g_full]
+    if not sums:
+        return g_full, None, float("nan")
     sq_each = torch.stack([_sq_t(g) for g in g_full]) if g_full else torch.zeros(0, dtype=torch.float64)  # [n_leaves]
     return g_full, sq_each, float(sq_each.sum())
 

@@ -734,22 +734,32 @@ def probe_credit(
             full_grad=given,
         )
     terms, part = recorder.take()
+    # ‖v‖², <v, g> and ‖g‖² the riding reading took already (its g_full is `.grad`, the applied gradient)
+    along = ride.last_along if ride is not None and ride_fallback is None and applied_grad is None else None
+    if along is not None and any(g is not None and g.dtype != v.dtype for g, v in zip(applied, onto)):
+        along = None  # its ‖g‖² took products in `.grad`'s dtype, the reading takes them in the audit's
     # Every dot of the reading (‖v‖² as the engines sum it, their shares' denominator), each parameter's
     # operands read once: products in their dtype, cascade sums per block, the blocks in float64 (inner64).
     acc: dict[str, list[torch.Tensor]] = {"vv": [], "carried": [], "dgp": [], "gg": [], "pp": [], "gp": []}
     for c, g, gp, v in zip(update.carried, applied, probe_grad, onto):
         gp = gp.detach()
-        keys, pairs = ["vv", "pp"], [(v, v), (gp, gp)]
+        keys, pairs = ["pp"], [(gp, gp)]
+        if along is None:
+            keys.append("vv")
+            pairs.append((v, v))
         if c is not None:
             keys.append("carried")
             pairs.append((c, gp))
         if g is not None:
             g = g.detach().to(v.dtype)
-            keys += ["dgp", "gg", "gp"]  # <D ⊙ g_probe, g>, ‖g‖², <g, g_probe>
-            pairs += [(v, g), (g, g), (g, gp.to(g.dtype))]
+            keys.append("gp")  # <g, g_probe>
+            pairs.append((g, gp.to(g.dtype)))
+            if along is None:
+                keys += ["dgp", "gg"]  # <D ⊙ g_probe, g>, ‖g‖²
+                pairs += [(v, g), (g, g)]
         for k, x in zip(keys, inners64(pairs)):
             acc[k].append(x)
-    onto_sq = _sum64(acc["vv"])
+    onto_sq = _sum64(acc["vv"]) if along is None else along.onto_sq
     reason = None
     if onto_sq == 0.0:
         contribution = tuple(0.0 for _ in rep.part_names)  # v = 0: every ⟨g_S, v⟩ is exactly zero
@@ -759,6 +769,8 @@ def probe_credit(
     else:
         contribution = tuple(-scale * s * onto_sq for s in rep.projected_share)
     carried, dgp, gg, pp, gdotp = (_sum64(acc[k]) for k in ("carried", "dgp", "gg", "pp", "gp"))
+    if along is not None:
+        dgp, gg = along.full_dot, along.full_sq
     from_grad = carried - dgp
     gn, pn = math.sqrt(gg), math.sqrt(pp)
     align = gdotp / (gn * pn) if gn > 0 and pn > 0 else float("nan")
