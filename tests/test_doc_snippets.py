@@ -181,7 +181,7 @@ def _choices_of(cls: type, arg: str) -> "set[str] | None":
 
         return {"auto", *available_engines()}
     if arg == "capture":
-        from lens_callbacks.callbacks.credit_audit import CAPTURES
+        from lens_callbacks.callbacks._capture import CAPTURES
 
         return set(CAPTURES)
     return None

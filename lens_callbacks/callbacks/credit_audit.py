@@ -57,7 +57,7 @@ from lens_callbacks.metrics.credit import CreditMetric
 from lens_callbacks.metrics.part_shares import PartShares
 from lens_callbacks.refusal import Refusal
 
-from ._capture import CAPTURES, check_capture, compiled_blocks_ride  # noqa: F401  (CAPTURES: kept importable here)
+from ._capture import check_capture, compiled_blocks_ride
 from ._logging import OncePerCause, log_dir, log_figure, log_scalars, log_text, tensorboard_dir
 from ._mergers import grad_mergers, merger_at, pre_merge_reference
 
