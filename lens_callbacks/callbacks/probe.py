@@ -5,7 +5,9 @@ unclipped ``.grad`` and the optimizer's pre-step state in place) it reads the op
 takes ``g_probe = ∇θ L_probe`` for every named probe batch (one backward each, on detached copies of the
 parameters), and disintegrates the step's ``credit_terms`` projected onto ``D ⊙ g_probe`` (one pass of the
 engine): ``c_S = −⟨D ⊙ g_S, g_probe⟩`` per part. After the step (``on_train_batch_end``) one forward of
-each probe batch gives the actual change, and ``θ_after − θ_before`` the update really applied.
+each probe batch gives the actual change, and ``θ_after − θ_before`` the update really applied. With
+``capture="training_step"`` the parts are read from what the engine's hooks captured in the training step's
+own forward and backward instead of a pass of their own.
 
 The module opts in with ``probe_terms(probe_batch) -> CreditTerms`` or ``probe_loss(probe_batch) ->
 Tensor`` and a ``probe_batches`` attribute or method holding ``{name: probe_batch}`` (a single batch is

@@ -368,3 +368,33 @@ def test_riding_captures_nothing_on_an_accumulated_step_which_is_refused_by_name
     assert not any("falls back" in str(w.message) for w in rec)
     assert all(isinstance(r, Refusal) for r in cb.last_reports.values()) and cb.n_ride_along == 0
     assert started == [] and "credit_terms" not in vars(m)
+
+
+class _Every(pl.Callback):
+    """Every reading of one probe, as made (``last_reports`` keeps only the latest)."""
+
+    def __init__(self, cb, name="carry"):
+        self.cb, self.name, self.reports = cb, name, []
+
+    def on_train_batch_end(self, *args):
+        self.reports.append(self.cb.last_reports.get(self.name))
+
+
+def test_riding_under_bf16_mixed_reads_what_the_separate_pass_reads_within_bf16():
+    kw = {"optimizer": "adam", "lr": 1e-3}
+    sep, ride = ProbeCreditCallback(), ProbeCreditCallback(capture="training_step")
+    a, b = _Every(sep), _Every(ride)
+    _fit([sep, a], steps=4, precision="bf16-mixed", module_kw=kw)
+    _fit([ride, b], steps=4, precision="bf16-mixed", module_kw=kw)
+    assert ride.n_ride_along == ride.n_readings == 8
+    moved = 0
+    for x, y in zip(a.reports, b.reports):
+        assert y.engine == "ghost+training_step" and x.engine != y.engine
+        if x.grad_norm == 0:  # every advantage zero: no part moved anything
+            assert y.grad_norm == 0 and not any(y.contribution)
+            continue
+        moved += 1
+        mass = math.fsum(abs(c) for c in x.contribution)
+        assert max(abs(p - q) for p, q in zip(x.contribution, y.contribution)) < 2e-2 * mass  # bf16's rounding
+        assert y.parts_gap < 1e-2 and y.actual == x.actual
+    assert moved >= 2
