@@ -67,6 +67,7 @@ def disintegrate(
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
     verify_part: Union[bool, str] = False,
     position_split: bool = False,
+    along: bool = False,
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts and read how each part bears on the step.
 
@@ -136,6 +137,11 @@ def disintegrate(
         position_split: also split the step by the positions its gradient was computed at, every position by
             its segment, trained or not (``report.position_split``; the one-pass engine reads it in the same
             pass; any other engine leaves it unread, with the reason).
+        along: with ``project_onto`` and ``readings="projected"``: hold the parts' sum against ``g_full`` along
+            ``v`` alone, ``conservation_error = |Σ_S <g_S, v> − <g_full, v>| / (‖v‖ ‖g_full‖)`` (a lower bound
+            of the full check, and all that readings along ``v`` depend on; the forward-mode engine's check is
+            always this one). The one-pass engine then forms no ``Σ_S g_S``: each weight's parts cost one
+            product. The reference engine checks the full sum either way.
 
     Returns:
         A :class:`CreditReport`.
@@ -163,6 +169,12 @@ def disintegrate(
             f"`reference_grads` must be 'grad', a mapping name -> tensor, or a list of tensors, got {type(reference_grads).__name__}."
         )
     _check_engine(engine, readings)
+    if along and (project_onto is None or readings != "projected" or keep_grads or keep_parts):
+        raise ValueError(
+            "`along=True` must come with `project_onto`, readings='projected' and no kept gradients, got "
+            f"project_onto={'given' if project_onto is not None else None}, readings={readings!r}, "
+            f"keep_grads={keep_grads!r}, keep_parts={keep_parts!r}; pass along=False for the full check."
+        )
     if full_grad is not None and engine not in ("auto", "ghost", "jvp"):
         raise ValueError(
             f"`full_grad` needs engine='ghost', 'jvp' or 'auto' (the reference takes its own), got engine={engine!r}."
@@ -187,6 +199,7 @@ def disintegrate(
             full_grad=full_grad,
             verify_part=verify_part,
             position_split=position_split,
+            along=along,
         )
         if fast is not None:
             return _position_split_unread(fast, position_split)
@@ -293,6 +306,7 @@ def _dispatch(
     full_grad=None,
     verify_part=False,
     position_split=False,
+    along=False,
 ):
     """Run the engine ``engine`` names (``"auto"``: the fastest exact one); None means: the reference engine."""
     if keep_parts and engine != "auto":
@@ -316,6 +330,7 @@ def _dispatch(
                 full_grad=full_grad,
                 verify_part=verify_part,
                 position_split=position_split,
+                along=along,
             )
         except (NotRowSeparable, RowInteraction) as err:
             if engine != "auto" or isinstance(err, SpansInteract):

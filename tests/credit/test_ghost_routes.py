@@ -547,3 +547,33 @@ def test_the_head_multiplies_only_the_positions_its_loss_reaches(by_part, monkey
         assert n < shape[1]
         if by_part:
             assert rows is not None and [y - x for x, y in rows] == [e - prompt for e in ends]
+
+
+@pytest.mark.parametrize("own_backward", [True, False])
+def test_a_check_along_v_reads_what_the_full_check_reads_and_catches_a_wrong_grad(own_backward):
+    # along=True forms no Σ_S g_S: the parts' dots are held against <g_full, v>; v is not g_full here
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    ref = disintegrate(module, batch, "by_rollout", dtype="float64", engine="reference", keep_parts=True)
+    params = [p for p in module.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(3)
+    v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    g_full = None if own_backward else list(ref.grads.g_full)
+    kw = dict(dtype="float64", engine="ghost", readings="projected", project_onto=v, full_grad=g_full)
+    full = disintegrate(module, batch, "by_rollout", **kw)
+    along = disintegrate(module, batch, "by_rollout", along=True, **kw)
+    vv = sum(float((x * x).sum()) for x in v)
+    for k, parts in enumerate(ref.grads.parts):  # <g_S, v> / ‖v‖² by the reference's own part gradients
+        want = sum(float((a * b).sum()) for a, b in zip(parts, v)) / vv
+        assert along.projected_share[k] == pytest.approx(want, rel=TOL, abs=1e-15)
+        assert along.projected_share[k] == pytest.approx(full.projected_share[k], rel=TOL, abs=1e-15)
+    assert along.conservation_error <= 1e-13 and not along.conservation_violated
+    if not own_backward:  # a g_full that is not the parts' sum: caught along v as by the full check
+        wrong = [x * 1.01 if i == 1 else x for i, x in enumerate(g_full)]
+        bad = disintegrate(module, batch, "by_rollout", along=True, **{**kw, "full_grad": wrong})
+        assert bad.conservation_violated and bad.conservation_error > 1e-6
+
+
+def test_along_without_a_vector_is_refused_by_name():
+    module, batch = TwiceLinear(), layer_batch(V=11)
+    with pytest.raises(ValueError, match="`along=True` must come with `project_onto`"):
+        disintegrate(module, batch, "by_rollout", dtype="float64", readings="projected", along=True)

@@ -824,6 +824,7 @@ def disintegrate_ghost(
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
     position_split: bool = False,
+    along: bool = False,
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -861,6 +862,8 @@ def disintegrate_ghost(
         position_split: also read the step split by the positions its gradient was computed at
             (``report.position_split``, :class:`PositionDots`): every position by its segment, trained or not;
             about one more product the size of each layer's forward.
+        along: the parts' sum held against ``g_full`` along ``project_onto`` alone, as in
+            :func:`~lens_callbacks.credit.disintegrate` (no ``Σ_S g_S`` is formed).
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -915,10 +918,12 @@ def disintegrate_ghost(
                 leaves,
                 loss,
                 PassLayout(terms, ids, rp, m, B, spans=spans, positions=pdots),
-                PassOptions(readings, keep_grads, memory_budget, verify, route, onto=onto, full_grad=given),
+                PassOptions(
+                    readings, keep_grads, memory_budget, verify, route, onto=onto, full_grad=given, along=along
+                ),
             )
     g_full = reduced.g_full
-    full_sq = _sum_sq(g_full)
+    full_sq = reduced.along.full_sq if reduced.along is not None else _sum_sq(g_full)
     grad_match = None
     if reference_grads is not None and given is None:
         grad_match = grad_match_to(module, names, reference_grads, g_full, math.sqrt(full_sq))
@@ -1010,6 +1015,7 @@ class PassOptions:
     route: str = "auto"
     onto: Optional[Sequence[torch.Tensor]] = None
     full_grad: Optional[Sequence[torch.Tensor]] = None
+    along: bool = False  # the parts' sum held against g_full along `onto` alone (no Σ_S g_S formed)
 
 
 def build_report(
@@ -1104,7 +1110,19 @@ def _run(
         uses, B = part_rows(uses, spans), m
     by_leaf = plan_uses(uses, leaves, B, _leaf_edges(loss, leaves) if loss.requires_grad else {})
     fallback = [i for i, x in enumerate(leaves) if i not in by_leaf]
-    red = _Reducer(by_leaf, leaves, rp, m, readings, keep_grads, memory_budget, route, onto=onto, positions=positions)
+    red = _Reducer(
+        by_leaf,
+        leaves,
+        rp,
+        m,
+        readings,
+        keep_grads,
+        memory_budget,
+        route,
+        onto=onto,
+        positions=positions,
+        along=opt.along,
+    )
     if full_grad is not None:
         # g_full is given: a backward to the layers' outputs alone captures every output gradient the
         # pieces need and forms no weight gradient (a third of a backward's products).

@@ -732,6 +732,7 @@ def probe_credit(
             engine=engine,
             readings="projected",
             full_grad=given,
+            along=True,  # the readings are dots with v: the parts' sum is checked along v, never formed
         )
     terms, part = recorder.take()
     # ‖v‖², <v, g> and ‖g‖² the riding reading took already (its g_full is `.grad`, the applied gradient)
