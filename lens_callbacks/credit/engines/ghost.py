@@ -73,7 +73,7 @@ from .ghost_routes import (
     use_factors,
     widened,
 )
-from .reductions import diff_sq64, dots64, gram64, inners64, row_sq64, row_sum, sq64
+from .reductions import AlongSums, along_sums, diff_sq64, dots64, gram64, row_sq64, row_sum, sq64
 from .rules import Rule, find_rule
 
 __all__ = [
@@ -979,16 +979,7 @@ class Reduced(NamedTuple):
     diff_sq: float  # ‖Σ_S g_S − g_full‖², in float64
     coverage: tuple[tuple[str, int], ...]  # (path, elements read by it), sorted
     sq_parts: Optional[torch.Tensor]  # [m] float64 ‖g_S‖² when the Gram is not read, else None
-    along: Optional["AlongSums"] = None  # the sums a check along `onto` took (`_Reducer(along=True)`)
-
-
-class AlongSums(NamedTuple):
-    """The parameter-wide sums a check along ``v`` takes (float64, products in the operands' dtype by
-    :func:`~.reductions.inners64`): what a reading along ``v`` needs besides the parts' dots."""
-
-    full_sq: float  # ‖g_full‖²
-    full_dot: float  # <g_full, v>
-    onto_sq: float  # ‖v‖²
+    along: Optional[AlongSums] = None  # the sums a check along `onto` took (`_Reducer(along=True)`)
 
 
 @dataclass(frozen=True)
@@ -1471,7 +1462,7 @@ class _Reducer:
             )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        along = self._sums_along(g_full) if self.along else None
+        along = along_sums(g_full, self.onto) if self.along and self.onto is not None else None
         diff_sq = float(acc.diff_sq)
         if along is not None:
             # ‖r‖² of the residual r = Σ_S g_S − g_full projected on v: (Σ_S <g_S, v> − <g_full, v>)² / ‖v‖², a
@@ -1481,12 +1472,6 @@ class _Reducer:
             diff_sq = gap * gap / along.onto_sq if along.onto_sq > 0.0 else 0.0
         coverage_t = tuple(sorted(coverage.items()))
         return Reduced(g_full, total_list, acc.dots, acc.gram, diff_sq, coverage_t, acc.sq, along)
-
-    def _sums_along(self, g_full: Sequence[torch.Tensor]) -> AlongSums:
-        """``‖g_full‖²``, ``<g_full, v>`` and ``‖v‖²``, each parameter's two operands read once."""
-        assert self.onto is not None
-        sums = torch.stack([torch.stack(inners64([(g, g), (g, v), (v, v)])) for g, v in zip(g_full, self.onto)])
-        return AlongSums(*(math.fsum(col) for col in sums.T.tolist())) if len(sums) else AlongSums(0.0, 0.0, 0.0)
 
 
 def _verify_one_part(verify, leaves, g_full, acc, rows_per_part, by_leaf, fallback, fb, rp, m) -> None:

@@ -54,7 +54,7 @@ from ..primitives import (
 from ..report import CreditReport
 from .attention import AttentionDropoutError
 from .forward_rules import DeferredWrite, ForwardRules
-from .reductions import inners64
+from .reductions import along_sums
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -359,11 +359,8 @@ def disintegrate_jvp(
     if onto is None:
         full_sq = sq_norm(g_full, exact=False)
         den = expected = full_sq
-    else:
-        full_sq, den, expected = (  # ‖g_full‖², ‖v‖² (the shares' denominator), <g_full, v> (what Σ_S <g_S, v> must be)
-            float(torch.stack(xs).sum())
-            for xs in zip(*(inners64([(g, g), (v, v), (g, v)]) for g, v in zip(g_full, onto)))
-        )
+    else:  # ‖g_full‖², <g_full, v> (what Σ_S <g_S, v> must be), ‖v‖² (the shares' denominator)
+        full_sq, expected, den = along_sums(g_full, onto)
     full_norm = math.sqrt(full_sq)
     gap = abs(math.fsum(dots) - expected)
     norm = den if onto is None else math.sqrt(den) * full_norm

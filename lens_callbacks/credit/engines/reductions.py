@@ -8,7 +8,8 @@ copy of the piece (which would cost twice its memory).
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -16,6 +17,8 @@ __all__ = [
     "BLOCK",
     "inner64",
     "inners64",
+    "AlongSums",
+    "along_sums",
     "cache_block",
     "sq64",
     "diff_sq64",
@@ -101,6 +104,23 @@ def inners64(pairs: "list[tuple[torch.Tensor, torch.Tensor]]") -> list[torch.Ten
                 torch.stack(sums[k]).double().sum() if sums[k] else torch.zeros((), dtype=torch.float64, device=dev)
             )
     return out  # type: ignore[return-value]
+
+
+class AlongSums(NamedTuple):
+    """The parameter-wide sums a check along ``v`` takes (float64, by :func:`inners64`): what a reading along
+    ``v`` needs besides the parts' dots."""
+
+    full_sq: float  # ‖g_full‖²
+    full_dot: float  # <g_full, v>
+    onto_sq: float  # ‖v‖²
+
+
+def along_sums(g_full: Sequence[torch.Tensor], onto: Sequence[torch.Tensor]) -> AlongSums:
+    """``‖g_full‖²``, ``<g_full, v>`` and ``‖v‖²`` over parameter lists, each parameter's two operands read once."""
+    sums = [torch.stack(inners64([(g, g), (g, v), (v, v)])).cpu() for g, v in zip(g_full, onto)]  # [3] each
+    if not sums:
+        return AlongSums(0.0, 0.0, 0.0)
+    return AlongSums(*(math.fsum(col) for col in torch.stack(sums).T.tolist()))
 
 
 def sq64(x: torch.Tensor) -> torch.Tensor:
