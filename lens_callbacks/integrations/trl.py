@@ -60,8 +60,9 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -396,7 +397,7 @@ class LensGRPOMixin:
         outs = [x for x in (logps, entropies) if x is not None and x.requires_grad]
         mine = tuple(x.detach().requires_grad_(True) for x in outs)
         for i, x in enumerate(outs):
-            x.register_hook(lambda g, i=i: ride.trl_grads.__setitem__(i, g.detach()))
+            x.register_hook(_trl_grad_hook(weakref.ref(ride), i))  # weak: the graph would keep the ride alive
         given = dict(zip([id(x) for x in outs], mine))
         self._lens_given_forward = (
             given.get(id(logps), logps.detach()),
@@ -857,6 +858,18 @@ class _RideModule(torch.nn.Module):
 
     def credit_terms(self, *args: Any) -> CreditTerms:
         return self._terms(*args)
+
+
+def _trl_grad_hook(ride: Any, i: int) -> Callable[[torch.Tensor], None]:
+    """Keeps the gradient TRL's loss sent into output ``i`` on the ride ``ride()`` (a weak reference: a strong one
+    would close a cycle through autograd's nodes, ``ride.returned`` holding the outputs, that outlives the step)."""
+
+    def hook(g: torch.Tensor) -> None:
+        r = ride()
+        if r is not None:
+            r.trl_grads[i] = g.detach()
+
+    return hook
 
 
 @dataclass

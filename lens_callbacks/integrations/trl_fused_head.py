@@ -27,6 +27,7 @@ by its exact per-part fallback.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -242,11 +243,17 @@ class FusedHeadCapture:
         # to its output would stop short of them).
         use.edge = torch.autograd.graph.get_gradient_edge(hidden) if hidden.requires_grad else None
 
+        # The use by a weak reference: the graph's node holds this function for as long as anything holds the
+        # node, and the use (its input activation-sized) must not live that long; the capture holds it while read.
+        used = weakref.ref(use)
+
         def on_tiles(z: Optional[torch.Tensor], err: Optional[BaseException]) -> None:
             if err is not None:
                 self.error = self.error or f"{type(err).__name__}: {err}"
-            elif not use.sealed and self.error is None:
-                use.grad_hook(z.reshape(rows, N // rows, z.shape[-1]))  # B: [B, n, V]
+                return
+            use_ = used()
+            if use_ is not None and not use_.sealed and self.error is None:
+                use_.grad_hook(z.reshape(rows, N // rows, z.shape[-1]))  # B: [B, n, V]
 
         logp.grad_fn.lens_on_tiles = on_tiles
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -148,6 +149,7 @@ class _Use:
         "span",
         "calls",
         "rows_ok",
+        "__weakref__",
     )
 
     def __init__(
@@ -187,6 +189,19 @@ class _Use:
                 )
             self.xhat = self.capture.quiet(self.handler.normalised, self.module, self.a)
         return self.xhat
+
+    def weak_grad_hook(self) -> Callable[[torch.Tensor], None]:
+        """:meth:`grad_hook` through a weak reference, for a tensor of the graph: the graph holds the hook, and a
+        strong one would close a cycle through autograd's C++ nodes (``self.edge`` holds the output's node),
+        which Python's collector cannot see: every use, its input included, would outlive the reading."""
+        ref = weakref.ref(self)
+
+        def hook(g: torch.Tensor) -> None:
+            use = ref()
+            if use is not None:
+                use.grad_hook(g)
+
+        return hook
 
     def grad_hook(self, g: torch.Tensor) -> None:
         # Later backward passes over the same graph (the fallback's, a check's) must not add to B.
@@ -455,7 +470,7 @@ class RowCapture:
         use.span = self.span
         rule.on_forward(use, mod, x, self)
         if out is not None:
-            out.register_hook(use.grad_hook)
+            out.register_hook(use.weak_grad_hook())
             use.edge = torch.autograd.graph.get_gradient_edge(out)
         self.uses.append(use)
         return use
@@ -1611,7 +1626,14 @@ class RideAlong:
         self.terms = t
         self.compute_dtype = compute_dtype_now(self.module)  # autocast's dtype in the training step, if any
         if isinstance(t, CreditTerms) and t.terms.requires_grad:
-            t.terms.register_hook(self._terms_grad)
+            ref = weakref.ref(self)  # weak: the graph holds the hook, and this rider holds the terms
+
+            def hook(g: torch.Tensor) -> None:
+                rider = ref()
+                if rider is not None:
+                    rider._terms_grad(g)
+
+            t.terms.register_hook(hook)
 
     def _terms_grad(self, g: torch.Tensor) -> None:
         ones = bool(torch.all(g == self.scale))
