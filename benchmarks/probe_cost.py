@@ -4,14 +4,15 @@ A GRPO-shaped objective (``terms[k, t] = −A_k · log π(x_{k,t+1}) / (B·T)``,
 LM, Adam, and one probe batch of ``P`` held-out sequences. Measured in one run, as ratios of medians to
 the plain step (forward + backward + ``optimizer.step()``), each piece of the reading by its own name:
 
-- ``update_map``: the optimizer's update as ``Δθ = −D ⊙ g + carried`` (:func:`optimizer_update_map`);
+- ``update_map``: reading the optimizer's update ``Δθ = −D ⊙ g + carried`` from its state
+  (:func:`optimizer_update_map`; ``D`` and the carried term are formed in the readings' pass);
 - ``probe_forward_backward``: ``L_probe`` and ``g_probe`` at θ_before (:func:`probe_value_and_grad`);
 - ``parts_dots``: every part's ``⟨g_S, D ⊙ g_probe⟩`` — the engine's pass (the step's ``.grad`` is ``g_full``:
   ``ghost+grad`` is a forward and a backward to the layers' outputs, ``jvp+grad`` the tangent pass alone);
-- ``readings``: the rest of :func:`probe_credit` (``v = D ⊙ g_probe``, the carried term, ``from_grad``, the
-  norms and splits, in float64 sums of blocks: no parameter-sized float64 copy);
+- ``readings``: the rest of :func:`probe_credit` (``D``, the carried term and ``v = D ⊙ g_probe`` a block at a
+  time with every dot of the reading, ``from_grad``, the norms and splits, in float64 sums of blocks);
 - ``theta_copy``: the copy of θ_before; ``probe_forward_after``: ``L_probe(θ_after)``; ``applied_dot``:
-  ``⟨θ_after − θ_before, g_probe⟩``.
+  ``⟨θ_after − θ_before, g_probe⟩`` (:func:`update_dot`, a block at a time).
 
 ``--capture training_step`` reads the parts riding on the step (``ProbeCreditCallback(capture=
 "training_step")``): the training step's forward and backward run with the one-pass engine's hooks, which
@@ -21,11 +22,17 @@ step, and ``capture`` (the riding step's forward, backward and optimizer step le
 listed as its own piece. The table's last columns give the reading less the probe's own passes (its forward
 and backward at θ_before; and with its forward after the step too).
 
+``--every-step`` reads consecutive steps, as ``ProbeCreditCallback(every_n_steps=1)`` does by default
+(``reuse_probe_pass``): the probe's pass after a read step takes ``g_probe`` too and is the next reading's
+probe pass, so each reading holds one probe forward and backward (``probe_forward_backward``, clocked after
+the step) and no forward of its own after it. The read steps run back to back (the first, whose probe pass
+is its own, untimed) between two blocks of plain steps.
+
 Policies: ``toy`` (GPT-2, 2 layers, width 64, vocabulary 64) and ``llama`` (a LlamaConfig of vocabulary
 32000, width 512, 2 layers, sdpa attention: a real vocabulary and head at a small depth).
 
     python benchmarks/probe_cost.py [--policy toy|llama|both --engine auto|jvp --capture separate|training_step
-                                     --B 8 --T 64 --P 8 --repeats 5 --memory]
+                                     --B 8 --T 64 --P 8 --repeats 5 --memory --every-step]
 
 ``--memory`` adds the peak memory (CPU allocator events under the profiler) of a plain step and of a step
 read by probe credit, in parameter sizes.
@@ -49,7 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lens_callbacks.credit import CreditTerms  # noqa: E402
 from lens_callbacks.credit.engines.ghost import RideAlong  # noqa: E402
-from lens_callbacks.credit.readings.probe import optimizer_update_map, probe_credit, probe_value_and_grad, with_actual  # noqa: E402
+from lens_callbacks.credit.readings.probe import (  # noqa: E402
+    optimizer_update_map,
+    probe_credit,
+    probe_value_and_grad,
+    update_dot,
+    with_actual,
+)
 
 
 class Policy(nn.Module):
@@ -115,6 +128,7 @@ def run(
     engine: str = "auto",
     capture: str = "separate",
     memory: bool = False,
+    every_step: bool = False,
 ) -> dict:
     import lens_callbacks.credit.readings.probe as probe_mod
 
@@ -154,9 +168,14 @@ def run(
     def timed_disintegrate(*a, **k):  # the engine's pass inside probe_credit, by its own name
         return clock("parts_dots", real, *a, **k)
 
+    ahead: dict[str, object] = {}  # --every-step: the probe's pass after the previous read step
+
     def reading_before(ride=None):
         update = clock("update_map", optimizer_update_map, opt, params)
-        loss, gp = clock("probe_forward_backward", probe_value_and_grad, m, m.probe_loss, probe)
+        if ahead:  # taken at these parameters after the previous step, and clocked there
+            loss, gp = ahead.pop("loss"), ahead.pop("grad")
+        else:
+            loss, gp = clock("probe_forward_backward", probe_value_and_grad, m, m.probe_loss, probe)
         probe_mod.disintegrate = timed_disintegrate
         if ride is not None:
             own = ride.report
@@ -180,8 +199,13 @@ def run(
         return rep, gp, clock("theta_copy", lambda: [p.detach().clone() for p in params])
 
     def reading_after(rep, gp, before):
-        after, _ = clock("probe_forward_after", probe_value_and_grad, m, m.probe_loss, probe, grad=False)
-        return clock("applied_dot", with_actual, rep, after, [p.detach() - b for p, b in zip(params, before)], gp)
+        if every_step:  # the forward after the step is the next reading's probe pass
+            after, ahead["grad"] = clock("probe_forward_backward", probe_value_and_grad, m, m.probe_loss, probe)
+            ahead["loss"] = after
+            parts["probe_forward_after"].append(0.0)
+        else:
+            after, _ = clock("probe_forward_after", probe_value_and_grad, m, m.probe_loss, probe, grad=False)
+        return clock("applied_dot", lambda: with_actual(rep, after, applied=update_dot(before, params, gp)))
 
     def read_step():
         """One training step read by probe credit, its reading included; the reading's share of the time is
@@ -219,11 +243,26 @@ def run(
     step()  # warm-up: Adam's state exists from here on
     plain, extra, riding = [], [], []
     rep = None
-    for _ in range(repeats):
+
+    def plain_step() -> None:
         t0 = time.perf_counter()
         step()
         plain.append(time.perf_counter() - t0)
-        rep = read_step()
+
+    if every_step:
+        for _ in range(repeats):
+            plain_step()
+        read_step()  # its probe pass is its own: not timed
+        for v in (*parts.values(), extra, riding):
+            v.clear()
+        for _ in range(repeats):
+            rep = read_step()
+        for _ in range(repeats):
+            plain_step()
+    else:
+        for _ in range(repeats):
+            plain_step()
+            rep = read_step()
     mem = None
     if memory:  # peak bytes alive at once, over the plain step and over the read step (in parameter sizes)
         from credit_cost import peak_alloc_bytes
@@ -272,6 +311,7 @@ def main() -> None:
     ap.add_argument("--P", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--memory", action="store_true", help="peak memory of the plain step and of the read step")
+    ap.add_argument("--every-step", action="store_true", help="consecutive read steps, the probe pass reused")
     args = ap.parse_args()
     for name in ("B", "T", "P", "repeats"):
         if getattr(args, name) < 1:
@@ -286,7 +326,7 @@ def main() -> None:
     print("\n".join(lines))
     rows = []
     for kind in kinds:
-        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine, args.capture, args.memory)
+        r = run(kind, args.B, args.T, args.P, args.repeats, args.engine, args.capture, args.memory, args.every_step)
         lines.append(
             f"| {r['policy']} | {r['params']:,} | {r['B']} × {r['T']} | {r['P']} | {r['engine']} | {r['step_s']:.3f} | "
             f"{r['reading_s']:.3f} | {r['ratio']:.2f} | {r['less_probe']:+.2f} | {r['less_probe_after']:+.2f} | "

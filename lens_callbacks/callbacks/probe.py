@@ -7,7 +7,9 @@ parameters), and disintegrates the step's ``credit_terms`` projected onto ``D �
 engine): ``c_S = −⟨D ⊙ g_S, g_probe⟩`` per part. After the step (``on_train_batch_end``) one forward of
 each probe batch gives the actual change, and ``θ_after − θ_before`` the update really applied. With
 ``capture="training_step"`` the parts are read from what the engine's hooks captured in the training step's
-own forward and backward instead of a pass of their own.
+own forward and backward instead of a pass of their own. When the next step is read too, that forward after
+the step also takes the next reading's ``g_probe`` (``reuse_probe_pass``): the parameters do not move between
+the two, so the next reading takes no probe pass of its own.
 
 The module opts in with ``probe_terms(probe_batch) -> CreditTerms`` or ``probe_loss(probe_batch) ->
 Tensor`` and a ``probe_batches`` attribute or method holding ``{name: probe_batch}`` (a single batch is
@@ -25,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -45,6 +47,7 @@ from lens_callbacks.credit.readings.probe import (
     optimizer_update_map,
     probe_credit,
     probe_value_and_grad,
+    update_dot,
     with_actual,
 )
 from lens_callbacks.metrics.probe import ProbeCreditMetric
@@ -87,6 +90,12 @@ class ProbeCreditCallback(Callback):
             ``terms.sum()``, several processes, a compiled module, a parameter outside the covered layers) the
             step is read by the separate pass, and a warning says so once; parts inside rows are read by the
             forward-mode tangent pass along ``.grad`` either way.
+        reuse_probe_pass: when the next step is read too (``every_n_steps=1``), the probe's forward after a read
+            step takes ``g_probe`` as well, and the next reading uses it instead of a forward and backward of its
+            own: one probe backward per reading where two probe passes were (the parameters are the same at
+            both: checked by their version counters, and the probe batch by value; anything else changed and the
+            reading evaluates the probe itself). Costs ``g_probe`` (one parameter size per probe, float32) held
+            through the next step's forward and backward; False keeps that memory free.
         top_k: parts listed as helped and hurt in the table.
         log_table_every_n_steps: at least this many steps between two text tables (0: only the last); the last
             reading's table is always written at the end of fit, as ``CreditAuditCallback`` does.
@@ -98,6 +107,7 @@ class ProbeCreditCallback(Callback):
         last_reports: the latest reading per probe (a :class:`ProbeCreditReport` or a :class:`Refusal`).
         history: ``(step, probe, predicted, actual)`` of every reading made (kept across a resume).
         n_readings, n_refusals: counts (kept across a resume).
+        n_probe_reused: readings whose probe pass was the previous step's forward after it (``reuse_probe_pass``).
 
     Example:
         >>> from lightning.pytorch import Trainer
@@ -116,6 +126,7 @@ class ProbeCreditCallback(Callback):
         dtype: str = "float32",
         engine: str = "auto",
         capture: str = "separate",
+        reuse_probe_pass: bool = True,
         top_k: int = 3,
         log_table_every_n_steps: int = 10,
         seed: int = 0,
@@ -147,6 +158,8 @@ class ProbeCreditCallback(Callback):
         check_capture(capture)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}.")
+        if not isinstance(reuse_probe_pass, bool):
+            raise ValueError(f"`reuse_probe_pass` must be a bool, got {reuse_probe_pass!r}.")
         self.every_n_steps = every_n_steps
         self.partition = partition
         self.split_by = splits
@@ -155,6 +168,7 @@ class ProbeCreditCallback(Callback):
         self.dtype = dtype
         self.engine = engine
         self.capture = capture
+        self.reuse_probe_pass = reuse_probe_pass
         self.top_k = top_k
         self.log_table_every_n_steps = log_table_every_n_steps
         self.seed = seed
@@ -168,6 +182,8 @@ class ProbeCreditCallback(Callback):
         self.n_readings = 0
         self.n_refusals = 0
         self.n_ride_along = 0  # readings whose parts were read from the training step's own captures
+        self.n_probe_reused = 0  # readings whose probe pass was the forward after the previous step
+        self._ahead: dict[str, _Ahead] = {}  # probe -> its pass after the previous read step, for the next reading
         self._batch: Any = None
         self._ride: Optional[RideAlong] = None
         self._ride_blocked: Optional[str] = None  # why this fit's steps are not captured (set at setup / first step)
@@ -212,6 +228,7 @@ class ProbeCreditCallback(Callback):
         check_strategy(trainer, "ProbeCreditCallback")
         self._global = trainer.world_size > 1
         self._batch = None  # a resumed or repeated fit never reads a batch of an earlier one
+        self._ahead.clear()
         self._ride_blocked = None
         if self.capture == "training_step" and self._global:
             self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
@@ -262,6 +279,7 @@ class ProbeCreditCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._stop_ride()
+        self._ahead.clear()
 
     def _stop_ride(self) -> None:
         if self._ride is not None:
@@ -278,6 +296,7 @@ class ProbeCreditCallback(Callback):
             self._read_step(trainer, pl_module, optimizer, step)
         finally:
             self._stop_ride()
+            self._ahead.clear()  # a probe pass is reused by the reading right after it, or by none
 
     def _warn_ride(self, why: str) -> None:
         if not self._ride_warned:
@@ -391,10 +410,15 @@ class ProbeCreditCallback(Callback):
 
         failure: Optional[str] = None
         loss, gp = float("nan"), None
-        try:
-            loss, gp = self._evaluate(pl_module, batch, grad=True)
-        except Exception as err:  # a user-data failure must not end the training run
-            failure = f"probe {name!r}: {type(err).__name__}: {err}"
+        ahead = self._ahead.pop(name, None)
+        if ahead is not None and ahead.fits(batch, pl_module):
+            loss, gp = ahead.loss, ahead.grad  # the forward after the previous step, at these very parameters
+            self.n_probe_reused += 1
+        else:
+            try:
+                loss, gp = self._evaluate(pl_module, batch, grad=True)
+            except Exception as err:  # a user-data failure must not end the training run
+                failure = f"probe {name!r}: {type(err).__name__}: {err}"
         if self._global:
             gp, loss, failure = self._average(trainer, pl_module, gp, loss, failure)
         report: Optional[ProbeCreditReport] = None
@@ -486,14 +510,14 @@ class ProbeCreditCallback(Callback):
             return
         step, before, reports = pending
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        delta = [p.detach() - b for p, b in zip(params, before)]  # [θ] the update the optimizer applied
-        del before
         values: dict[str, float] = {}
         n = self.log_table_every_n_steps
         table = bool(n) and (self._last_table_step is None or step - self._last_table_step >= n)
+        # the next step is read too: this forward after the step is its probe pass (g_probe taken with it)
+        ahead = self.reuse_probe_pass and (step + 1) % self.every_n_steps == 0
         for name, (report, gp, probe_batch) in reports.items():
             try:
-                after, _ = self._evaluate(pl_module, probe_batch, grad=False)
+                after = self._after(pl_module, name, probe_batch, ahead)
                 failure = None
             except Exception as err:
                 after, failure = float("nan"), f"{type(err).__name__}: {err}"
@@ -507,7 +531,7 @@ class ProbeCreditCallback(Callback):
                     [name],
                 )
                 continue
-            report = with_actual(report, after, delta, gp)
+            report = with_actual(report, after, applied=update_dot(before, params, gp))  # no Δθ formed
             self.last_reports[name] = report
             self.n_readings += 1
             self._metric(name).update(report)
@@ -523,6 +547,18 @@ class ProbeCreditCallback(Callback):
             self._last_table_step = step
         self.last_values = values
         log_scalars(trainer, values, step)
+
+    def _after(self, pl_module: LightningModule, name: str, batch: Any, ahead: bool) -> float:
+        """``L_probe(θ_after)``; with ``ahead``, ``g_probe`` too, kept for the next reading."""
+        if ahead:
+            try:
+                loss, grad = self._evaluate(pl_module, batch, grad=True)
+            except Exception:  # read without the gradient below: this reading's failure, if any, is named there
+                pass
+            else:
+                self._ahead[name] = _Ahead(batch, loss, grad, _marks(pl_module))
+                return loss
+        return self._evaluate(pl_module, batch, grad=False)[0]
 
     @staticmethod
     def _average_scalar(trainer: Trainer, value: float, failure: Optional[str]):
@@ -562,6 +598,7 @@ class ProbeCreditCallback(Callback):
         for name, (text, step) in self._unwritten.items():
             log_text(trainer, f"{self.prefix}{name}/table", text, step)
         self._unwritten.clear()
+        self._ahead.clear()
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         values: dict[str, float] = {}
@@ -596,6 +633,41 @@ class ProbeCreditCallback(Callback):
             for k, v in states.items():
                 if k in m._defaults:
                     setattr(m, k, v.to(getattr(m, k).dtype))
+
+
+def _marks(pl_module: Any) -> list[tuple[int, int, int]]:
+    """Each trainable parameter's identity, storage and version counter: equal marks, the same values."""
+    return [(id(p), p.data_ptr(), p._version) for p in pl_module.parameters() if p.requires_grad]
+
+
+def _same_batch(a: Any, b: Any) -> bool:
+    """Whether two probe batches hold the same values (tensors, containers, plain scalars; anything else: identity)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, Mapping):
+        return list(a.keys()) == list(b.keys()) and all(_same_batch(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_batch(x, y) for x, y in zip(a, b))
+    if isinstance(a, (str, bytes, int, float, bool, type(None))):
+        return bool(a == b)
+    return False
+
+
+class _Ahead(NamedTuple):
+    """A probe's pass after a read step (``L_probe(θ_after)`` and ``g_probe`` there), for the next reading."""
+
+    batch: Any
+    loss: float
+    grad: list[torch.Tensor]
+    marks: list[tuple[int, int, int]]
+
+    def fits(self, batch: Any, pl_module: Any) -> bool:
+        """The parameters are untouched since (the same tensors, storages and versions) and the batch is the same."""
+        return _marks(pl_module) == self.marks and _same_batch(self.batch, batch)
 
 
 def _texts(pl_module: Any) -> Optional[list[Optional[str]]]:

@@ -26,6 +26,7 @@ from ..credit.readings.probe import (
     optimizer_update_map,
     probe_credit,
     probe_value_and_grad,
+    update_dot,
     with_actual,
 )
 from ..io.records import RunRecord, read_trajectories, step_path
@@ -193,7 +194,7 @@ def probe_audit(
         m.eval()
         after, _ = probe_value_and_grad(m, fn, probe_batch, dtype=dtype, grad=False)
     opt.zero_grad(set_to_none=True)
-    return with_actual(report, after, [p.detach() - b for p, b in zip(params, before)], gp)
+    return with_actual(report, after, applied=update_dot(before, params, gp))
 
 
 class _Returns:

@@ -398,3 +398,54 @@ def test_riding_under_bf16_mixed_reads_what_the_separate_pass_reads_within_bf16(
         assert max(abs(p - q) for p, q in zip(x.contribution, y.contribution)) < 2e-2 * mass  # bf16's rounding
         assert y.parts_gap < 1e-2 and y.actual == x.actual
     assert moved >= 2
+
+
+class _Touch(pl.Callback):
+    """Changes nothing's value but bumps every parameter's version counter, before each training step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        with torch.no_grad():
+            for p in pl_module.parameters():
+                p.mul_(1.0)
+
+
+class _NewProbes(GRPOProbeModule):
+    """Probe batches that change every step (a rotating probe set), fixed within a step."""
+
+    shift = 0
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.shift = batch_idx + 1
+
+    def probe_batches(self):
+        return {name: (pairs + self.shift) % 10 for name, pairs in super().probe_batches().items()}
+
+
+@pytest.mark.parametrize("capture", ["separate", "training_step"])
+def test_the_forward_after_a_read_step_is_the_next_readings_probe_pass(capture):
+    cb = ProbeCreditCallback(dtype="float64", capture=capture)
+    spy = _Spy(cb)  # every reading against its own probe evaluations at the hook, by plain autograd
+    every = _Every(cb)
+    kw = {**F64, "optimizer": "adam", "lr": 1e-2}
+    _fit([cb, spy, every], steps=4, module_kw=kw)
+    assert len(spy.checked) == 8 and cb.n_probe_reused == 6  # two probes, every reading after the first
+    off = ProbeCreditCallback(dtype="float64", capture=capture, reuse_probe_pass=False)
+    every_off = _Every(off)
+    _fit([off, every_off], steps=4, module_kw=kw)
+    assert off.n_probe_reused == 0
+    for x, y in zip(every.reports, every_off.reports):  # the same parameters, batch and stream: the same numbers
+        assert x.contribution == y.contribution and x.loss_before == y.loss_before and x.actual == y.actual
+
+
+@pytest.mark.parametrize(
+    "callbacks, module_cls, every_n_steps",
+    [([_Touch()], GRPOProbeModule, 1), ([], _NewProbes, 1), ([], GRPOProbeModule, 2)],
+    ids=["parameters-touched", "probe-batch-changed", "every-other-step"],
+)
+def test_the_probe_pass_is_not_reused_where_anything_changed(callbacks, module_cls, every_n_steps):
+    cb = ProbeCreditCallback(dtype="float64", every_n_steps=every_n_steps)
+    spy = [_Spy(cb)] if every_n_steps == 1 else []  # the spy checks a reading on every step
+    _fit([*callbacks, cb, *spy], steps=4, module_cls=module_cls, module_kw={**F64, "optimizer": "sgd", "lr": 0.5})
+    assert cb.n_probe_reused == 0 and cb.n_readings == 8 // every_n_steps and cb.n_refusals == 0
+    assert all(len(s.checked) == 8 for s in spy)
+    assert cb._ahead == {}  # nothing held past the end of fit

@@ -240,6 +240,84 @@ def test_preconditioned_prediction_is_the_applied_update(kind, warm, block, monk
         assert rep.carried != 0.0
 
 
+@pytest.mark.parametrize("kind", list(_optimizers()))
+@pytest.mark.parametrize("param_dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_probe_read_along_the_map_equals_the_map_formed_whole(kind, param_dtype, monkeypatch):
+    monkeypatch.setattr(probe_mod, "_MAP_BLOCK", 7)  # several blocks per parameter, the last one short
+    m = Bigram().to(param_dtype)
+    m.out.bias.requires_grad_(False)  # a parameter outside the optimizer: D = 0, its gradient still read
+    params = [p for p in m.parameters() if p.requires_grad] + [m.out.bias]
+    opt = _optimizers()[kind](params[:-1])
+    for s in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s + 3 * p.numel())).to(p.dtype)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(7 + p.numel())).to(p.dtype)
+    gp = [torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=torch.float32) for p in params]
+    update = optimizer_update_map(opt, params)
+    got = update.along(gp, [p.grad for p in params], torch.float32)  # before D and the carried term exist
+    assert "_made" not in update.__dict__
+    # the reference: the map formed whole (old and new), then every sum in float64 over the whole tensors
+    d = update.coeff
+    c = update.carried
+    g = [p.grad.double() for p in params]
+    v = [(x.float() * y).expand(y.shape) for x, y in zip(d, gp)]
+    for a, b in zip(got.onto, v):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        assert torch.equal(a, b)
+    assert torch.equal(d[-1], torch.zeros((), dtype=torch.float64)) and c[-1] is None
+    want = {
+        "carried_dot": _dot([x for x in c if x is not None], [y for x, y in zip(c, gp) if x is not None]),
+        "grad_dot": _dot(g, gp),
+        "probe_sq": _dot(gp, gp),
+        "onto_sq": _dot(v, v),
+        "onto_grad": _dot(v, g),
+        "grad_sq": _dot(g, g),
+    }
+    for key, ref in want.items():
+        assert getattr(got, key) == pytest.approx(ref, rel=1e-6, abs=1e-12), key
+    again = update.along(gp, [p.grad for p in params], torch.float32)  # now from the formed map
+    for a, b in zip(again.onto, got.onto):
+        assert torch.equal(a, b)
+    for key in want:
+        assert getattr(again, key) == pytest.approx(getattr(got, key), rel=1e-12, abs=1e-15), key
+
+
+def test_a_map_used_after_the_step_raises_instead_of_reading_the_new_state():
+    m = Bigram()
+    params = list(m.parameters())
+    opt = torch.optim.Adam(params, lr=0.05)
+    _set_grad(m, _batch())
+    opt.step()
+    _set_grad(m, _batch(3))
+    update = optimizer_update_map(opt, params)
+    gp = [torch.ones_like(p) for p in params]
+    opt.step()  # the moments, the parameters: all changed in place
+    with pytest.raises(RuntimeError, match="did `optimizer.step\\(\\)` run"):
+        update.along(gp, [p.grad for p in params], torch.float64)
+    with pytest.raises(RuntimeError, match="read `optimizer_update_map` again before the step"):
+        update.coeff
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_applied_update_is_dotted_a_block_at_a_time_without_forming_it(dtype, monkeypatch):
+    monkeypatch.setattr(probe_mod, "_MAP_BLOCK", 5)
+    g = torch.Generator().manual_seed(0)
+    before = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in ((3, 4), (7,), (0,), (2, 2, 3))]
+    after = [(b.double() + 1e-3 * torch.randn(b.shape, generator=g, dtype=torch.float64)).to(dtype) for b in before]
+    gp = [torch.randn(b.shape, generator=g, dtype=torch.float64).float() for b in before]
+    want = _dot([a.double() - b.double() for a, b in zip(after, before)], gp)  # the differences exact in float64
+    got = probe_mod.update_dot(before, after, gp)
+    assert got == pytest.approx(want, rel=1e-12 if dtype == torch.float64 else 1e-6)
+    m = Bigram()
+    _set_grad(m, _batch())
+    rep = _reading(m, _batch(), torch.optim.SGD(m.parameters(), lr=0.1), _probe_batch())[0]
+    assert with_actual(rep, 1.0, applied=got).applied == got
+    with pytest.raises(ValueError, match="not both"):
+        with_actual(rep, 1.0, [a - b for a, b in zip(after, before)], gp, applied=got)
+
+
 def test_parts_split_an_adam_step_exactly():
     m, batch, px = Bigram(), _batch(), _probe_batch()
     opt = torch.optim.AdamW(m.parameters(), lr=0.02, weight_decay=0.1)

@@ -38,7 +38,8 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from functools import cached_property
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ from torch import nn
 from ...refusal import Refusal
 from ..engine import DTypeSpec, TermsCall, disintegrate, native_dtype, partition_label, resolve_dtype
 from ..engines.ghost import SPLITS_ROWS, RideAlong
-from ..engines.reductions import inner64, inners64
+from ..engines.reductions import AlongSums, along_sums, inner64, sum_dtype
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from ..inputs.terms import CreditTerms
 from ..primitives import audit_passes, detached_state
@@ -57,12 +58,14 @@ from .step_readings import RecordingPartition
 
 __all__ = [
     "UpdateMap",
+    "MapAlong",
     "PartInfo",
     "ProbeCreditReport",
     "optimizer_update_map",
     "probe_value_and_grad",
     "probe_credit",
     "with_actual",
+    "update_dot",
     "combine_ranks",
     "KNOWN_OPTIMIZERS",
     "DEFAULT_SPLITS",
@@ -85,9 +88,146 @@ ProbeFn = Callable[[Any], Union[CreditTerms, torch.Tensor]]
 # ---- the optimizer's update as a diagonal map of this step's gradient ------------------------------
 
 
+class _ParamStep(NamedTuple):
+    """One parameter's step as the optimizer will take it: what its ``D`` and carried term are made of.
+
+    Flat views of the live tensors (no copies), with their version counters when read: a map used after any
+    of them changed (``optimizer.step()`` ran) raises instead of reading the new values."""
+
+    kind: str  # "sgd" or "adam"
+    hyper: tuple[float, ...]  # the group's numbers (see _sgd_fill, _adam_fill)
+    keep: torch.dtype  # the dtype the optimizer computes its step in (the parameter's, at least float32)
+    shape: torch.Size
+    theta: torch.Tensor  # [n]
+    grad: torch.Tensor  # [n]
+    state: tuple[
+        Optional[torch.Tensor], ...
+    ]  # [n] each: SGD (momentum buffer,), Adam (exp_avg, exp_avg_sq, max_exp_avg_sq)
+    versions: tuple[int, ...]
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [self.theta, self.grad, *(s for s in self.state if s is not None)]
+
+    def check_fresh(self) -> None:
+        if tuple(t._version for t in self.inputs()) != self.versions:
+            raise RuntimeError(
+                "the update map's inputs changed after it was read (a parameter, its gradient or the optimizer's "
+                "state: did `optimizer.step()` run?); read `optimizer_update_map` again before the step and use it "
+                "before the step."
+            )
+
+    @property
+    def scalar_coeff(self) -> bool:
+        """``D`` is one number (SGD's ``η·a``)."""
+        return self.kind == "sgd"
+
+    @property
+    def has_carried(self) -> bool:
+        if self.kind == "sgd":
+            return self.hyper[1] != 0 or (self.hyper[2] != 0 and self.state[0] is not None)
+        return self.state[0] is not None or self.hyper[1] != 0
+
+    def coeff_scalar(self) -> torch.Tensor:
+        """SGD's ``D`` as a 0-dim tensor of the step's dtype."""
+        lr, _, mom, damp, nest = self.hyper
+        one = torch.tensor(1.0, dtype=self.keep)
+        if mom == 0:
+            a = one
+        elif self.state[0] is None:
+            a = one + (mom if nest else 0.0)  # the buffer starts as d itself, undamped
+        else:
+            a = one + mom * (1.0 - damp) if nest else one * (1.0 - damp)
+        return lr * a
+
+    def fill(self, s: int, e: int, d: Optional[torch.Tensor], c: Optional[torch.Tensor]) -> None:
+        """``D`` (where not one number) and the carried term of elements ``[s, e)`` into ``d`` and ``c``."""
+        (_sgd_fill if self.kind == "sgd" else _adam_fill)(self, s, e, d, c)
+
+
+def _sgd_fill(st: _ParamStep, s: int, e: int, d: Optional[torch.Tensor], c: Optional[torch.Tensor]) -> None:
+    # torch: d = g + wd·θ; buf = d (first step) or μ·buf + (1 − τ)·d; step = d + μ·buf (Nesterov) or buf:
+    # Δθ = −η·a·g − η·a·wd·θ − η·μ(μ)·buf_old
+    lr, wd, mom, _, nest = st.hyper
+    buf = st.state[0]
+    if c is None:
+        return
+    dk = st.coeff_scalar()
+    old = mom * mom if nest else mom
+    if wd != 0:
+        torch.mul(st.theta[s:e].to(st.keep), -(dk * wd), out=c)
+    if mom != 0 and buf is not None:
+        t = buf[s:e].to(st.keep) * old
+        if wd != 0:
+            c.sub_(t.mul_(lr))
+        else:
+            torch.mul(t, -lr, out=c)
+
+
+def _adam_fill(st: _ParamStep, s: int, e: int, d: Optional[torch.Tensor], c: Optional[torch.Tensor]) -> None:
+    # Every operation of a block done while it is in cache: a map of a real policy is memory-bound, and the
+    # same operations over whole tensors read and write each of them a dozen times.
+    lr, wd, b1, b2, eps, decoupled, t = st.hyper
+    m, v, vmax = st.state
+    keep = st.keep
+    th, gr = st.theta[s:e].to(keep), st.grad[s:e].to(keep)
+    bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+    d_in = gr if (decoupled or wd == 0) else gr + wd * th  # what the moments see
+    # v_new = β2·v + (1 − β2)·d_in², in the block of D
+    if v is None:
+        torch.mul(d_in, d_in, out=d).mul_(1.0 - b2)
+    else:
+        torch.mul(v[s:e].to(keep), b2, out=d).addcmul_(d_in, d_in, value=1.0 - b2)
+    if vmax is not None:
+        torch.maximum(vmax[s:e].to(keep), d, out=d)
+    # Δθ = −k ⊙ m_new (+ decoupled decay), m_new = β1·m + (1 − β1)·d_in, with
+    # k = (lr / bc1) / (sqrt(v_new) / sqrt(bc2) + eps) = (lr·sqrt(bc2) / bc1) / (sqrt(v_new) + eps·sqrt(bc2)):
+    # D = (1 − β1)·k, the carried first moment −β1·k ⊙ m = −β1 / (1 − β1)·D ⊙ m
+    r2 = math.sqrt(bc2)
+    d.sqrt_().add_(eps * r2).reciprocal_().mul_(lr * r2 / bc1 * (1.0 - b1))
+    if m is not None:
+        torch.mul(d, m[s:e].to(keep), out=c).mul_(-b1 / (1.0 - b1))
+    if wd != 0:
+        decay = (lr * wd) * th if decoupled else d * (wd * th)
+        if m is None:
+            torch.neg(decay, out=c)
+        else:
+            c.sub_(decay)
+
+
+# Elements of one block of the map (256 KB in float32): a block's operands (the parameter, its gradient,
+# the optimizer's state, the probe's gradient, D, the carried term, v and a product) stay in a core's cache.
+_MAP_BLOCK = 1 << 16
+
+
+def _map_block(n: int, device: torch.device) -> int:
+    """Elements per block of an elementwise pass over ``n``: all of them in one block on a GPU (no launch per block)."""
+    return max(1, min(n, _MAP_BLOCK) if device.type == "cpu" else n)
+
+
+def _map_blocks(n: int, device: torch.device):
+    block = _map_block(n, device)
+    return ((s, min(n, s + block)) for s in range(0, n, block))
+
+
+class MapAlong(NamedTuple):
+    """A probe read along the optimizer's map in one pass (:meth:`UpdateMap.along`): ``v = D ⊙ g_probe`` per
+    parameter and every sum the reading takes (float64; products in the operands' dtype, as :func:`inners64`)."""
+
+    onto: list[torch.Tensor]  # v = D ⊙ g_probe, in the audit's dtype
+    carried_dot: float  # <c, g_probe>
+    grad_dot: float  # <g, g_probe>
+    probe_sq: float  # ‖g_probe‖²
+    onto_sq: Optional[float] = None  # ‖v‖² (None: left to the engine, ``check=False``)
+    onto_grad: Optional[float] = None  # <v, g>
+    grad_sq: Optional[float] = None  # ‖g‖²
+
+
 @dataclass(frozen=True)
 class UpdateMap:
     r"""The update one optimizer step applies, as ``Δθ = −D ⊙ g + carried``.
+
+    Read from the optimizer's state before the step (:func:`optimizer_update_map`) and used before it: the map
+    holds the live tensors it is made of, no copy, and raises if any of them changed since.
 
     Attributes:
         optimizer: the optimizer's class path.
@@ -96,13 +236,40 @@ class UpdateMap:
             parameters handed to :func:`optimizer_update_map`; zero for a parameter the step leaves alone.
         carried: the part of ``Δθ`` that is not this step's gradient (momentum of earlier steps, weight
             decay), None where it is zero.
-        Both are computed and kept in the parameter's dtype (at least float32), as the optimizer's step is.
+        Both are computed on first use and kept in the parameter's dtype (at least float32), as the
+        optimizer's step is. :meth:`along` reads a probe along the map without forming either.
     """
 
     optimizer: str
     description: str
-    coeff: list[torch.Tensor] = field(repr=False)
-    carried: list[Optional[torch.Tensor]] = field(repr=False)
+    steps: tuple[Optional[_ParamStep], ...] = field(repr=False, compare=False)
+
+    @cached_property
+    def _made(self) -> tuple[list[torch.Tensor], list[Optional[torch.Tensor]]]:
+        coeff: list[torch.Tensor] = []
+        carried: list[Optional[torch.Tensor]] = []
+        for st in self.steps:
+            if st is None:
+                coeff.append(torch.zeros((), dtype=torch.float64))
+                carried.append(None)
+                continue
+            st.check_fresh()
+            n = st.theta.numel()
+            d = st.coeff_scalar() if st.scalar_coeff else st.theta.new_empty(n, dtype=st.keep)
+            c = st.theta.new_empty(n, dtype=st.keep) if st.has_carried else None
+            for s, e in _map_blocks(n, st.theta.device):
+                st.fill(s, e, None if st.scalar_coeff else d[s:e], None if c is None else c[s:e])
+            coeff.append(d if st.scalar_coeff else d.view(st.shape))
+            carried.append(None if c is None else c.view(st.shape))
+        return coeff, carried
+
+    @property
+    def coeff(self) -> list[torch.Tensor]:
+        return self._made[0]
+
+    @property
+    def carried(self) -> list[Optional[torch.Tensor]]:
+        return self._made[1]
 
     def predicted_update(self, grads: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
         """``−D ⊙ g + carried`` per parameter (float64): the ``Δθ`` this map says the step applies."""
@@ -111,6 +278,89 @@ class UpdateMap:
             u = torch.zeros((), dtype=torch.float64) if g is None else -(d * g.detach().double())
             out.append(u if c is None else u + c)
         return out
+
+    def along(
+        self,
+        probe_grad: Sequence[torch.Tensor],
+        grads: Sequence[Optional[torch.Tensor]],
+        dtype: torch.dtype,
+        *,
+        check: bool = True,
+    ) -> MapAlong:
+        """``v = D ⊙ g_probe`` (in ``dtype``) and the probe reading's sums, in one pass over each parameter a
+        block at a time: neither ``D`` nor the carried term is formed whole (:attr:`coeff` formed already is
+        read as it is). ``grads``: the gradient the step applies, per parameter (None: not stepped).
+        ``check=False`` leaves out the sums a check along ``v`` takes (``‖v‖²``, ``<v, g>``, ``‖g‖²``: None),
+        for an engine that takes them itself."""
+        if len(probe_grad) != len(self.steps) or len(grads) != len(self.steps):
+            raise ValueError(
+                f"`probe_grad` and `grads` must hold one entry per parameter of the map ({len(self.steps)}), "
+                f"got {len(probe_grad)} and {len(grads)}."
+            )
+        made = self.__dict__.get("_made")
+        keys = ("carried_dot", "grad_dot", "probe_sq") + (("onto_sq", "onto_grad", "grad_sq") if check else ())
+        sums: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
+        onto: list[torch.Tensor] = []
+        bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+        def dot(key: str, x: torch.Tensor, y: torch.Tensor) -> None:
+            dt = sum_dtype(torch.promote_types(x.dtype, y.dtype))
+            if dt == torch.float64:
+                sums[key].append(torch.dot(x.to(dt), y.to(dt)))
+                return
+            buf = bufs.get((dt, x.device))
+            if buf is None or buf.numel() < x.numel():
+                buf = bufs[(dt, x.device)] = torch.empty(max(x.numel(), 1), dtype=dt, device=x.device)
+            sums[key].append(torch.mul(x.to(dt), y.to(dt), out=buf[: x.numel()]).sum())
+
+        for i, (st, gp, g) in enumerate(zip(self.steps, probe_grad, grads)):
+            shape = gp.shape
+            gp = gp.detach().reshape(-1)
+            g = None if g is None else g.detach().reshape(-1)
+            n = gp.numel()
+            v = torch.empty(n, dtype=dtype, device=gp.device)
+            if st is not None and made is None:
+                st.check_fresh()
+            d_whole = None if made is None else made[0][i].reshape(-1)
+            c_whole = None if made is None else made[1][i]
+            c_whole = None if c_whole is None else c_whole.reshape(-1)
+            scalar = st is None or st.scalar_coeff or (d_whole is not None and d_whole.numel() == 1)
+            d_one = None
+            if scalar:
+                d_one = (
+                    torch.zeros((), dtype=dtype)
+                    if st is None
+                    else (d_whole.reshape(()) if d_whole is not None else st.coeff_scalar())
+                ).to(dtype)
+            carries = st is not None and (c_whole is not None if made is not None else st.has_carried)
+            block = _map_block(n, gp.device)
+            d_buf = None if scalar or made is not None else gp.new_empty(block, dtype=st.keep)
+            c_buf = None if not carries or made is not None else gp.new_empty(block, dtype=st.keep)
+            for s, e in _map_blocks(n, gp.device):
+                k = e - s
+                db = None if scalar else (d_whole[s:e] if d_whole is not None else d_buf[:k])
+                cb = None if not carries else (c_whole[s:e] if c_whole is not None else c_buf[:k])
+                if made is None and st is not None:
+                    st.fill(s, e, db, cb)
+                gpb, vb = gp[s:e], v[s:e]
+                if scalar:
+                    torch.mul(gpb.to(dtype), d_one, out=vb)
+                else:
+                    torch.mul(db.to(dtype), gpb.to(dtype), out=vb)
+                dot("probe_sq", gpb, gpb)
+                if cb is not None:
+                    dot("carried_dot", cb, gpb)
+                if g is not None:
+                    gb = g[s:e].to(dtype)
+                    dot("grad_dot", gb, gpb.to(dtype))
+                    if check:
+                        dot("onto_grad", vb, gb)
+                        dot("grad_sq", gb, gb)
+                if check:
+                    dot("onto_sq", vb, vb)
+            onto.append(v.view(shape))
+        total = {k: float(torch.stack([x.double().cpu() for x in xs]).sum()) if xs else 0.0 for k, xs in sums.items()}
+        return MapAlong(onto, **total)
 
 
 def _class_path(obj: Any) -> str:
@@ -175,8 +425,7 @@ def optimizer_update_map(
     if len(grads) != len(params):
         raise ValueError(f"`grads` must hold one entry per parameter ({len(params)}), got {len(grads)}.")
     where = {id(p): i for i, p in enumerate(params)}
-    coeff: list[torch.Tensor] = [torch.zeros((), dtype=torch.float64) for _ in params]
-    carried: list[Optional[torch.Tensor]] = [None for _ in params]
+    steps: list[Optional[_ParamStep]] = [None for _ in params]
     lines = []
     for gi, group in enumerate(opt.param_groups):
         if group.get("maximize", False):
@@ -220,78 +469,26 @@ def optimizer_update_map(
             # In the parameter's precision (at least float32), as the optimizer computes its own step: a
             # float64 map of a float32 model would cost twice the memory and match the step no better.
             keep = torch.promote_types(p.dtype, torch.float32)
-            theta = p.detach().to(keep)
             state = opt.state.get(p, {})
             if kind is torch.optim.SGD:
-                coeff[i], carried[i] = _sgd_map(lr, wd, mom, damp, nest, theta, state.get("momentum_buffer"))
+                hyper: tuple[float, ...] = (lr, wd, mom, damp, float(nest))
+                read = (state.get("momentum_buffer"),)
             else:
-                coeff[i], carried[i] = _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g.detach().to(keep), state)
-    return UpdateMap(name, "; ".join(lines), coeff, carried)
-
-
-def _sgd_map(lr, wd, mom, damp, nest, theta, buf) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # torch: d = g + wd·θ; buf = d (first step) or μ·buf + (1 − τ)·d; step = d + μ·buf (Nesterov) or buf.
-    one = torch.tensor(1.0, dtype=theta.dtype)
-    if mom == 0:
-        a, old = one, None  # Δθ = −η·d
-    elif buf is None:
-        a, old = one + (mom if nest else 0.0), None  # the buffer starts as d itself, undamped
-    elif nest:
-        a, old = one + mom * (1.0 - damp), buf.detach().to(theta.dtype) * (mom * mom)
-    else:
-        a, old = one * (1.0 - damp), buf.detach().to(theta.dtype) * mom
-    d = lr * a
-    carried = None
-    if wd != 0:
-        carried = -(d * wd) * theta
-    if old is not None:
-        carried = -lr * old if carried is None else carried - lr * old
-    return d, carried
-
-
-# Elements of one block of the optimizer's map (1 MB in float32: a block's five operands stay in cache).
-_MAP_BLOCK = 1 << 18
-
-
-def _adam_map(lr, wd, b1, b2, eps, ams, decoupled, theta, g, state) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    # Two parameter-sized tensors are made (D and the carried term) and filled a block at a time, every
-    # operation of a block done while it is in cache: a map of a real policy is memory-bound, and the same
-    # operations over whole tensors read and write each of them a dozen times.
-    step = _f(state["step"]) if "step" in state else 0.0
-    t = step + 1.0
-    m = state["exp_avg"].detach().to(theta.dtype).reshape(-1) if "exp_avg" in state else None
-    v = state["exp_avg_sq"].detach().to(theta.dtype).reshape(-1) if "exp_avg_sq" in state else None
-    vmax = state["max_exp_avg_sq"].detach().to(theta.dtype).reshape(-1) if ams and "max_exp_avg_sq" in state else None
-    th, gr = theta.reshape(-1), g.reshape(-1)
-    bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-    d = torch.empty_like(th)
-    carried = None if m is None and wd == 0 else torch.empty_like(th)
-    block = _MAP_BLOCK if th.device.type == "cpu" else max(1, th.numel())  # one block on a GPU: no launch per block
-    for s in range(0, th.numel(), block):
-        e = min(th.numel(), s + block)
-        db = d[s:e]
-        d_in = gr[s:e] if (decoupled or wd == 0) else gr[s:e] + wd * th[s:e]  # what the moments see
-        # v_new = β2·v + (1 − β2)·d_in², in the block of D
-        if v is None:
-            torch.mul(d_in, d_in, out=db).mul_(1.0 - b2)
-        else:
-            torch.mul(v[s:e], b2, out=db).addcmul_(d_in, d_in, value=1.0 - b2)
-        if vmax is not None:
-            torch.maximum(vmax[s:e], db, out=db)
-        # k = (lr / bc1) / (sqrt(v_new) / sqrt(bc2) + eps): Δθ = −k ⊙ m_new (+ decoupled decay),
-        # m_new = β1·m + (1 − β1)·d_in
-        db.sqrt_().div_(math.sqrt(bc2)).add_(eps).reciprocal_().mul_(lr / bc1)
-        cb = None if carried is None else carried[s:e]
-        if m is not None:
-            torch.mul(db, m[s:e], out=cb).mul_(-b1)
-        db.mul_(1.0 - b1)
-        if wd != 0:
-            decay = (lr * wd) * th[s:e] if decoupled else db * (wd * th[s:e])
-            if m is None:
-                torch.neg(decay, out=cb)
-            else:
-                cb.sub_(decay)
-    return d.view_as(theta), None if carried is None else carried.view_as(theta)
+                t = (_f(state["step"]) if "step" in state else 0.0) + 1.0
+                hyper = (lr, wd, b1, b2, eps, float(decoupled), t)
+                read = (state.get("exp_avg"), state.get("exp_avg_sq"), state.get("max_exp_avg_sq") if ams else None)
+            flat = [None if x is None else x.detach().reshape(-1) for x in (p, g, *read)]
+            steps[i] = _ParamStep(
+                "sgd" if kind is torch.optim.SGD else "adam",
+                hyper,
+                keep,
+                p.shape,
+                flat[0],
+                flat[1],
+                tuple(flat[2:]),
+                tuple(x._version for x in flat if x is not None),
+            )
+    return UpdateMap(name, "; ".join(lines), tuple(steps))
 
 
 # ---- the probe objective and its gradient -------------------------------------------------------
@@ -679,7 +876,7 @@ def probe_credit(
             tangent pass along ``.grad``), and :attr:`ProbeCreditReport.ride_fallback` says why.
     """
     trainable = [p for p in module.parameters() if p.requires_grad]
-    for name, xs in (("probe_grad", probe_grad), ("update.coeff", update.coeff)):
+    for name, xs in (("probe_grad", probe_grad), ("update.steps", update.steps)):
         if len(xs) != len(trainable):
             raise ValueError(f"`{name}` must hold one entry per trainable parameter ({len(trainable)}), got {len(xs)}.")
     target = resolve_dtype(dtype) or native_dtype(module)
@@ -688,14 +885,16 @@ def probe_credit(
             raise ValueError(
                 f"`probe_grad` entries must match their parameter's shape {list(p.shape)}, got {list(gp.shape)}."
             )
-    # v = D ⊙ g_probe in the audit's dtype (D is kept in the parameter's own precision, as the optimizer steps)
-    onto = [
-        (d.to(target) * gp.detach().to(target)).expand(p.shape) for d, gp, p in zip(update.coeff, probe_grad, trainable)
-    ]
+    applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
+    # v = D ⊙ g_probe in the audit's dtype and every parameter-wide sum of the reading, in one pass over the
+    # optimizer's map (D kept in the parameter's own precision, as the optimizer steps; neither D nor the
+    # carried term formed whole)
+    # (riding, the reading's check along v takes ‖v‖², <v, g> and ‖g‖² itself)
+    sums = update.along(probe_grad, applied, target, check=ride is None)
+    onto = sums.onto
     spec = resolve_partition(partition)
     name = partition_label(partition)
     recorder = RecordingPartition(spec, name)
-    applied = [p.grad for p in trainable] if applied_grad is None else list(applied_grad)
     # The step's own gradient is g_full when this batch's gradient is what the optimizer applies (one process,
     # `scale` 1): the engine then takes no forward and backward of its own (the forward-mode engine: its
     # tangent pass along v alone; the one-pass engine: a backward to the layers' outputs).
@@ -739,28 +938,15 @@ def probe_credit(
     along = ride.last_along if ride is not None and ride_fallback is None and applied_grad is None else None
     if along is not None and any(g is not None and g.dtype != v.dtype for g, v in zip(applied, onto)):
         along = None  # its ‖g‖² took products in `.grad`'s dtype, the reading takes them in the audit's
-    # Every dot of the reading (‖v‖² as the engines sum it, their shares' denominator), each parameter's
-    # operands read once: products in their dtype, cascade sums per block, the blocks in float64 (inner64).
-    acc: dict[str, list[torch.Tensor]] = {"vv": [], "carried": [], "dgp": [], "gg": [], "pp": [], "gp": []}
-    for c, g, gp, v in zip(update.carried, applied, probe_grad, onto):
-        gp = gp.detach()
-        keys, pairs = ["pp"], [(gp, gp)]
-        if along is None:
-            keys.append("vv")
-            pairs.append((v, v))
-        if c is not None:
-            keys.append("carried")
-            pairs.append((c, gp))
-        if g is not None:
-            g = g.detach().to(v.dtype)
-            keys.append("gp")  # <g, g_probe>
-            pairs.append((g, gp.to(g.dtype)))
-            if along is None:
-                keys += ["dgp", "gg"]  # <D ⊙ g_probe, g>, ‖g‖²
-                pairs += [(v, g), (g, g)]
-        for k, x in zip(keys, inners64(pairs)):
-            acc[k].append(x)
-    onto_sq = _sum64(acc["vv"]) if along is None else along.onto_sq
+    if along is None:
+        along = (
+            AlongSums(sums.grad_sq, sums.onto_grad, sums.onto_sq)
+            if sums.onto_sq is not None
+            else along_sums(
+                [torch.zeros_like(v) if g is None else g.detach().to(v.dtype) for g, v in zip(applied, onto)], onto
+            )
+        )
+    onto_sq = along.onto_sq
     reason = None
     if onto_sq == 0.0:
         contribution = tuple(0.0 for _ in rep.part_names)  # v = 0: every ⟨g_S, v⟩ is exactly zero
@@ -769,9 +955,7 @@ def probe_credit(
         reason = f"D ⊙ g_probe is not finite (||v||² = {onto_sq}); contributions are undefined this step."
     else:
         contribution = tuple(-scale * s * onto_sq for s in rep.projected_share)
-    carried, dgp, gg, pp, gdotp = (_sum64(acc[k]) for k in ("carried", "dgp", "gg", "pp", "gp"))
-    if along is not None:
-        dgp, gg = along.full_dot, along.full_sq
+    carried, dgp, gg, pp, gdotp = sums.carried_dot, along.full_dot, along.full_sq, sums.probe_sq, sums.grad_dot
     from_grad = carried - dgp
     gn, pn = math.sqrt(gg), math.sqrt(pp)
     align = gdotp / (gn * pn) if gn > 0 and pn > 0 else float("nan")
@@ -805,10 +989,41 @@ def with_actual(
     loss_after: float,
     delta: Optional[Sequence[torch.Tensor]] = None,
     probe_grad: Optional[Sequence[torch.Tensor]] = None,
+    *,
+    applied: Optional[float] = None,
 ) -> ProbeCreditReport:
-    """The report with the real change: ``L_probe(θ_after)`` and, given ``Δθ`` and ``g_probe``, ``⟨Δθ, g_probe⟩``."""
-    applied = None if delta is None or probe_grad is None else _dot64(delta, probe_grad)
+    """The report with the real change: ``L_probe(θ_after)`` and ``⟨Δθ, g_probe⟩``, from ``Δθ`` and ``g_probe`` or
+    given as ``applied`` (:func:`update_dot`)."""
+    if delta is not None and probe_grad is not None:
+        if applied is not None:
+            raise ValueError("pass `delta` and `probe_grad`, or `applied`, not both.")
+        applied = _dot64(delta, probe_grad)
     return replace(report, loss_after=float(loss_after), applied=applied)
+
+
+def update_dot(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], probe_grad: Sequence[torch.Tensor]
+) -> float:
+    """``⟨θ_after − θ_before, g_probe⟩`` over parameter lists, a block at a time: no parameter-sized difference
+    is formed. Each difference is taken in the wider of the parameter's dtype and float32 (exact for two nearby
+    values of the parameter's dtype), the products in that dtype, every block summed in float64."""
+    if not len(before) == len(after) == len(probe_grad):
+        raise ValueError(
+            f"`before`, `after` and `probe_grad` must hold one entry per parameter, got {len(before)}, {len(after)} "
+            f"and {len(probe_grad)}."
+        )
+    sums: list[torch.Tensor] = []
+    for b, a, gp in zip(before, after, probe_grad):
+        b, a, gp = b.detach().reshape(-1), a.detach().reshape(-1), gp.detach().reshape(-1)
+        dt = sum_dtype(torch.promote_types(torch.promote_types(a.dtype, torch.float32), gp.dtype))
+        n = a.numel()
+        if n == 0:
+            continue
+        buf = torch.empty(_map_block(n, a.device), dtype=dt, device=a.device)
+        for s, e in _map_blocks(n, a.device):
+            d = torch.sub(a[s:e].to(dt), b[s:e].to(dt), out=buf[: e - s])
+            sums.append(torch.dot(d, gp[s:e].to(dt)) if dt == torch.float64 else d.mul_(gp[s:e].to(dt)).sum())
+    return float(torch.stack([x.double().cpu() for x in sums]).sum()) if sums else 0.0
 
 
 def combine_ranks(reports: Sequence[ProbeCreditReport]) -> ProbeCreditReport:
