@@ -150,7 +150,7 @@ class FusedHeadCapture:
 
     def __init__(self, capture: RowCapture) -> None:
         self.capture = capture
-        self.error: Optional[str] = None
+        self._error: list[Optional[str]] = [None]  # the first error, shared with the tile callbacks
         self.calls = 0  # calls recorded (the function's calls on a covered weight with grad)
         self._spans: set = set()  # the `batch_rows` spans a call was recorded in
         self._owners: Optional[dict[int, nn.Module]] = None
@@ -166,6 +166,15 @@ class FusedHeadCapture:
             return
         self._utils = utils
         utils._ChunkedLogProbFunction = self
+
+    @property
+    def error(self) -> Optional[str]:
+        """Why a call was not recorded (or its tiles not read), the first reason; None while all is well."""
+        return self._error[0]
+
+    @error.setter
+    def error(self, value: Optional[str]) -> None:
+        self._error[0] = value
 
     def remove(self) -> None:
         if self._utils is None:
@@ -243,16 +252,17 @@ class FusedHeadCapture:
         # to its output would stop short of them).
         use.edge = torch.autograd.graph.get_gradient_edge(hidden) if hidden.requires_grad else None
 
-        # The use by a weak reference: the graph's node holds this function for as long as anything holds the
-        # node, and the use (its input activation-sized) must not live that long; the capture holds it while read.
-        used = weakref.ref(use)
+        # The graph's node holds this function for as long as anything holds the node (TRL's outputs, a ride
+        # holding them): it reaches the use by a weak reference (the capture holds it while it is read) and this
+        # extension only through its error box, so no capture outlives its reading through the graph.
+        used, box = weakref.ref(use), self._error
 
         def on_tiles(z: Optional[torch.Tensor], err: Optional[BaseException]) -> None:
             if err is not None:
-                self.error = self.error or f"{type(err).__name__}: {err}"
+                box[0] = box[0] or f"{type(err).__name__}: {err}"
                 return
             use_ = used()
-            if use_ is not None and not use_.sealed and self.error is None:
+            if use_ is not None and not use_.sealed and box[0] is None:
                 use_.grad_hook(z.reshape(rows, N // rows, z.shape[-1]))  # B: [B, n, V]
 
         logp.grad_fn.lens_on_tiles = on_tiles

@@ -8,6 +8,7 @@ the real SGD step made, bit-identity against a run without the adapter.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 
 import pytest
@@ -521,6 +522,23 @@ def test_full_fine_tuning_rides_along_the_fused_lm_head(policy_dir, tied_policy_
         # a full model's float32 update rounds at ~3e-6 of itself (its precision floor); LoRA's at ~1e-7
         assert x.holds and x.relative_error <= x.update_precision_floor, x.render()
         assert abs(x.relative_error - y.relative_error) <= 1e-6
+
+
+@pytest.mark.parametrize("capture", ["training_step", "separate"])
+def test_reading_keeps_no_capture_alive_after_the_step(policy_dir, tmp_path, capture):
+    # The fused head's tile callback, the ride's gradient hooks and the one-pass engine's hooks sit in the
+    # graph; none may keep a capture (its inputs activation-sized) or a ride alive once the step is read.
+    def live() -> int:
+        gc.collect()
+        return sum(type(o).__name__ in ("_Use", "_Ride", "RideAlong", "RowCapture") for o in gc.get_objects())
+
+    before = live()
+    cb = LensTRLCallback(capture=capture, engine="ghost")
+    torch.manual_seed(7)
+    _train(policy_dir, tmp_path, callbacks=[cb], lora=False, loss_type="grpo", max_steps=2, **HARD)
+    assert all(isinstance(r, CreditReport) and r.engine.startswith("ghost") for _, r in cb.history), cb.history
+    assert len(cb.history) == 2 and cb.ride_reason == (None if capture == "training_step" else "capture='separate'")
+    assert live() == before
 
 
 @pytest.mark.parametrize("accum", [1, 2])
