@@ -302,7 +302,9 @@ def test_a_map_used_after_the_step_raises_instead_of_reading_the_new_state():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_applied_update_is_dotted_a_block_at_a_time_without_forming_it(dtype, monkeypatch):
-    monkeypatch.setattr(probe_mod, "_MAP_BLOCK", 5)
+    import lens_callbacks.credit.engines.reductions as reductions
+
+    monkeypatch.setattr(reductions, "BLOCK", 5)  # several blocks per parameter, the last one short
     g = torch.Generator().manual_seed(0)
     before = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in ((3, 4), (7,), (0,), (2, 2, 3))]
     after = [(b.double() + 1e-3 * torch.randn(b.shape, generator=g, dtype=torch.float64)).to(dtype) for b in before]

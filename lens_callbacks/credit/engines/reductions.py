@@ -22,6 +22,7 @@ __all__ = [
     "cache_block",
     "sq64",
     "diff_sq64",
+    "diff_dot64",
     "dots64",
     "gram64",
     "row_sq64",
@@ -203,6 +204,27 @@ def row_sq64(P: torch.Tensor) -> torch.Tensor:
 
 #: Elements per block where products are taken in float64 (:func:`dot64`): 8 MiB of float64 at a time.
 WIDE_BLOCK = 1 << 20
+
+
+def diff_dot64(
+    a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, scratch: "torch.Tensor | None" = None
+) -> torch.Tensor:
+    """``<a − b, w>`` in float64, block by block as :func:`diff_sq64` (no difference of the operands' size is
+    formed); the difference is taken in the wider of the operands' dtypes and float32 (exact for two nearby
+    values of a half or single precision), the products in that dtype, each block summed in float64.
+    ``scratch``: a 1-d buffer of that dtype the caller reuses."""
+    dt = sum_dtype(
+        torch.promote_types(torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32), w.dtype)
+    )
+    u, v, x = a.reshape(-1), b.reshape(-1), w.reshape(-1)  # [n]
+    step = cache_block(u.device)
+    if scratch is None or scratch.dtype != dt or scratch.device != u.device or scratch.numel() < min(step, u.numel()):
+        scratch = torch.empty(min(step, u.numel()), dtype=dt, device=u.device)
+    out = torch.zeros((), dtype=torch.float64, device=u.device)
+    for s, e in _blocks(u.numel(), step):
+        d = torch.sub(u[s:e].to(dt), v[s:e].to(dt), out=scratch[: e - s])
+        out += torch.dot(d, x[s:e].to(dt)) if dt == torch.float64 else d.mul_(x[s:e].to(dt)).sum().double()
+    return out
 
 
 def dot64(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

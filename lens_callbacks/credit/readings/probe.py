@@ -47,7 +47,7 @@ from torch import nn
 from ...refusal import Refusal
 from ..engine import DTypeSpec, TermsCall, disintegrate, native_dtype, partition_label, resolve_dtype
 from ..engines.ghost import SPLITS_ROWS, RideAlong
-from ..engines.reductions import AlongSums, along_sums, inner64, sum_dtype
+from ..engines.reductions import BLOCK, AlongSums, along_sums, cache_block, diff_dot64, inner64, sum_dtype
 from ..inputs.partition import Partition, PartitionFn, resolve_partition
 from ..inputs.terms import CreditTerms
 from ..primitives import audit_passes, detached_state
@@ -196,12 +196,12 @@ def _adam_fill(st: _ParamStep, s: int, e: int, d: Optional[torch.Tensor], c: Opt
 
 # Elements of one block of the map (256 KB in float32): a block's operands (the parameter, its gradient,
 # the optimizer's state, the probe's gradient, D, the carried term, v and a product) stay in a core's cache.
-_MAP_BLOCK = 1 << 16
+_MAP_BLOCK = BLOCK
 
 
 def _map_block(n: int, device: torch.device) -> int:
-    """Elements per block of an elementwise pass over ``n``: all of them in one block on a GPU (no launch per block)."""
-    return max(1, min(n, _MAP_BLOCK) if device.type == "cpu" else n)
+    """Elements per block of the map's pass over ``n`` (:func:`cache_block` elsewhere than on a CPU)."""
+    return max(1, min(n, _MAP_BLOCK if device.type == "cpu" else cache_block(device)))
 
 
 def _map_blocks(n: int, device: torch.device):
@@ -321,27 +321,27 @@ class UpdateMap:
             v = torch.empty(n, dtype=dtype, device=gp.device)
             if st is not None and made is None:
                 st.check_fresh()
-            d_whole = None if made is None else made[0][i].reshape(-1)
-            c_whole = None if made is None else made[1][i]
-            c_whole = None if c_whole is None else c_whole.reshape(-1)
-            scalar = st is None or st.scalar_coeff or (d_whole is not None and d_whole.numel() == 1)
+            scalar = st is None or st.scalar_coeff  # D is one number (0 where the step leaves it alone)
+            carries = st is not None and st.has_carried
+            if made is not None:  # formed whole already: read it as it is
+                d_whole, c_whole = made[0][i].reshape(-1), made[1][i]
+                c_whole = None if c_whole is None else c_whole.reshape(-1)
+            else:  # one block at a time, into buffers reused over the blocks
+                block = _map_block(n, gp.device)
+                d_buf = None if scalar else gp.new_empty(block, dtype=st.keep)
+                c_buf = gp.new_empty(block, dtype=st.keep) if carries else None
             d_one = None
             if scalar:
-                d_one = (
-                    torch.zeros((), dtype=dtype)
-                    if st is None
-                    else (d_whole.reshape(()) if d_whole is not None else st.coeff_scalar())
-                ).to(dtype)
-            carries = st is not None and (c_whole is not None if made is not None else st.has_carried)
-            block = _map_block(n, gp.device)
-            d_buf = None if scalar or made is not None else gp.new_empty(block, dtype=st.keep)
-            c_buf = None if not carries or made is not None else gp.new_empty(block, dtype=st.keep)
+                d_one = torch.zeros((), dtype=dtype) if st is None else st.coeff_scalar().to(dtype)
             for s, e in _map_blocks(n, gp.device):
-                k = e - s
-                db = None if scalar else (d_whole[s:e] if d_whole is not None else d_buf[:k])
-                cb = None if not carries else (c_whole[s:e] if c_whole is not None else c_buf[:k])
-                if made is None and st is not None:
-                    st.fill(s, e, db, cb)
+                if made is not None:
+                    db = None if scalar else d_whole[s:e]
+                    cb = None if c_whole is None else c_whole[s:e]
+                else:
+                    db = None if scalar else d_buf[: e - s]
+                    cb = None if c_buf is None else c_buf[: e - s]
+                    if st is not None:
+                        st.fill(s, e, db, cb)
                 gpb, vb = gp[s:e], v[s:e]
                 if scalar:
                     torch.mul(gpb.to(dtype), d_one, out=vb)
@@ -1004,26 +1004,15 @@ def with_actual(
 def update_dot(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], probe_grad: Sequence[torch.Tensor]
 ) -> float:
-    """``⟨θ_after − θ_before, g_probe⟩`` over parameter lists, a block at a time: no parameter-sized difference
-    is formed. Each difference is taken in the wider of the parameter's dtype and float32 (exact for two nearby
-    values of the parameter's dtype), the products in that dtype, every block summed in float64."""
+    """``⟨θ_after − θ_before, g_probe⟩`` over parameter lists, a block at a time (:func:`diff_dot64`): no
+    parameter-sized difference is formed; each difference is exact for two nearby values of the parameter's
+    dtype, the products in that dtype (at least float32), every block summed in float64."""
     if not len(before) == len(after) == len(probe_grad):
         raise ValueError(
             f"`before`, `after` and `probe_grad` must hold one entry per parameter, got {len(before)}, {len(after)} "
             f"and {len(probe_grad)}."
         )
-    sums: list[torch.Tensor] = []
-    for b, a, gp in zip(before, after, probe_grad):
-        b, a, gp = b.detach().reshape(-1), a.detach().reshape(-1), gp.detach().reshape(-1)
-        dt = sum_dtype(torch.promote_types(torch.promote_types(a.dtype, torch.float32), gp.dtype))
-        n = a.numel()
-        if n == 0:
-            continue
-        buf = torch.empty(_map_block(n, a.device), dtype=dt, device=a.device)
-        for s, e in _map_blocks(n, a.device):
-            d = torch.sub(a[s:e].to(dt), b[s:e].to(dt), out=buf[: e - s])
-            sums.append(torch.dot(d, gp[s:e].to(dt)) if dt == torch.float64 else d.mul_(gp[s:e].to(dt)).sum())
-    return float(torch.stack([x.double().cpu() for x in sums]).sum()) if sums else 0.0
+    return _sum64(diff_dot64(a.detach(), b.detach(), gp.detach()) for b, a, gp in zip(before, after, probe_grad))
 
 
 def combine_ranks(reports: Sequence[ProbeCreditReport]) -> ProbeCreditReport:
