@@ -57,9 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lens_callbacks.credit import CreditTerms  # noqa: E402
 from lens_callbacks.credit.engines.ghost import RideAlong  # noqa: E402
 from lens_callbacks.credit.readings.probe import (  # noqa: E402
+    copy_into,
     optimizer_update_map,
     probe_credit,
     probe_value_and_grad,
+    scratch_like,
     update_dot,
     with_actual,
 )
@@ -169,6 +171,7 @@ def run(
         return clock("parts_dots", real, *a, **k)
 
     ahead: dict[str, object] = {}  # --every-step: the probe's pass after the previous read step
+    kept: dict[str, list] = {}  # --every-step: the last reading's buffer (v, then θ_before), kept as the callback does
 
     def reading_before(ride=None):
         update = clock("update_map", optimizer_update_map, opt, params)
@@ -182,6 +185,7 @@ def run(
             ride.report = lambda *a, **k: clock("parts_dots", own, *a, **k)  # the reduction, by its own name
         try:
             t0 = time.perf_counter()
+            scratch = scratch_like(params, torch.float32, kept.pop("scratch", None))
             rep = probe_credit(
                 m,
                 batch,
@@ -192,11 +196,12 @@ def run(
                 split_by=("by_advantage_sign",),
                 engine=engine,
                 ride=ride,
+                onto_out=scratch,
             )
             parts["readings"].append(time.perf_counter() - t0 - parts["parts_dots"][-1])
         finally:
             probe_mod.disintegrate = real
-        return rep, gp, clock("theta_copy", lambda: [p.detach().clone() for p in params])
+        return rep, gp, clock("theta_copy", copy_into, scratch, params)
 
     def reading_after(rep, gp, before):
         if every_step:  # the forward after the step is the next reading's probe pass
@@ -205,7 +210,10 @@ def run(
             parts["probe_forward_after"].append(0.0)
         else:
             after, _ = clock("probe_forward_after", probe_value_and_grad, m, m.probe_loss, probe, grad=False)
-        return clock("applied_dot", lambda: with_actual(rep, after, applied=update_dot(before, params, gp)))
+        out = clock("applied_dot", lambda: with_actual(rep, after, applied=update_dot(before, params, gp)))
+        if every_step:
+            kept["scratch"] = before
+        return out
 
     def read_step():
         """One training step read by probe credit, its reading included; the reading's share of the time is
@@ -269,7 +277,10 @@ def run(
 
         n_timed = {k: len(v) for k, v in parts.items()}
         size = 4 * sum(p.numel() for p in params)
-        mem = (peak_alloc_bytes(step) / size, peak_alloc_bytes(read_step) / size)
+        # --every-step: what the previous reading left for this one (its g_probe and buffer) is allocated before
+        # the profiled call and counted here
+        held = sum(t.numel() * t.element_size() for t in [*kept.get("scratch", ()), *ahead.get("grad", ())])
+        mem = (peak_alloc_bytes(step) / size, (peak_alloc_bytes(read_step) + held) / size)
         for k, n in n_timed.items():  # the profiled run's timings are not the measured ones
             del parts[k][n:]
         del extra[repeats:], riding[repeats:]

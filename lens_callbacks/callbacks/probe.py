@@ -34,7 +34,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lens_callbacks.credit.engine import resolve_dtype
+from lens_callbacks.credit.engine import native_dtype, resolve_dtype
 from lens_callbacks.credit.engines import check_engine
 from lens_callbacks.credit.engines.ghost import RideAlong
 from lens_callbacks.credit.inputs.partition import resolve_partition
@@ -44,9 +44,11 @@ from lens_callbacks.credit.readings.probe import (
     DEFAULT_SPLITS,
     ProbeCreditReport,
     combine_ranks,
+    copy_into,
     optimizer_update_map,
     probe_credit,
     probe_value_and_grad,
+    scratch_like,
     update_dot,
     with_actual,
 )
@@ -96,6 +98,11 @@ class ProbeCreditCallback(Callback):
             both: checked by their version counters, and the probe batch by value; anything else changed and the
             reading evaluates the probe itself). Costs ``g_probe`` (one parameter size per probe, float32) held
             through the next step's forward and backward; False keeps that memory free.
+        keep_scratch: one parameter-sized buffer (the audit's dtype) holds each probe's ``D ⊙ g_probe`` in turn
+            and then ``θ_before``; True (default) keeps it from one reading to the next when the next step is read
+            too (``every_n_steps=1``), so a reading writes into memory already mapped instead of a tensor made
+            fresh (whose page faults a CPU pays on every write). It is held through the next step's forward and
+            backward; False frees it after each reading.
         top_k: parts listed as helped and hurt in the table.
         log_table_every_n_steps: at least this many steps between two text tables (0: only the last); the last
             reading's table is always written at the end of fit, as ``CreditAuditCallback`` does.
@@ -127,6 +134,7 @@ class ProbeCreditCallback(Callback):
         engine: str = "auto",
         capture: str = "separate",
         reuse_probe_pass: bool = True,
+        keep_scratch: bool = True,
         top_k: int = 3,
         log_table_every_n_steps: int = 10,
         seed: int = 0,
@@ -158,8 +166,9 @@ class ProbeCreditCallback(Callback):
         check_capture(capture)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}.")
-        if not isinstance(reuse_probe_pass, bool):
-            raise ValueError(f"`reuse_probe_pass` must be a bool, got {reuse_probe_pass!r}.")
+        for name, flag in (("reuse_probe_pass", reuse_probe_pass), ("keep_scratch", keep_scratch)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"`{name}` must be a bool, got {flag!r}.")
         self.every_n_steps = every_n_steps
         self.partition = partition
         self.split_by = splits
@@ -169,6 +178,7 @@ class ProbeCreditCallback(Callback):
         self.engine = engine
         self.capture = capture
         self.reuse_probe_pass = reuse_probe_pass
+        self.keep_scratch = keep_scratch
         self.top_k = top_k
         self.log_table_every_n_steps = log_table_every_n_steps
         self.seed = seed
@@ -184,14 +194,13 @@ class ProbeCreditCallback(Callback):
         self.n_ride_along = 0  # readings whose parts were read from the training step's own captures
         self.n_probe_reused = 0  # readings whose probe pass was the forward after the previous step
         self._ahead: dict[str, _Ahead] = {}  # probe -> its pass after the previous read step, for the next reading
+        self._scratch: Optional[list[torch.Tensor]] = None  # the previous reading's buffer, for the next reading
         self._batch: Any = None
         self._ride: Optional[RideAlong] = None
         self._ride_blocked: Optional[str] = None  # why this fit's steps are not captured (set at setup / first step)
         self._compiled: Optional[list[str]] = None
         self._ride_warned = False
-        self._pending: Optional[
-            tuple[int, list[torch.Tensor], dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]]
-        ] = None
+        self._pending: Optional[_Pending] = None
         self._refusals_logged: set[str] = set()
         self._last_table_step: Optional[int] = None
         self._unwritten: dict[str, tuple[str, int]] = {}  # probe -> (table, step) of a reading not yet tabled
@@ -229,6 +238,7 @@ class ProbeCreditCallback(Callback):
         self._global = trainer.world_size > 1
         self._batch = None  # a resumed or repeated fit never reads a batch of an earlier one
         self._ahead.clear()
+        self._scratch = None
         self._ride_blocked = None
         if self.capture == "training_step" and self._global:
             self._ride_blocked = "several processes: `.grad` is the rank average, not this rank's terms' gradient"
@@ -329,15 +339,18 @@ class ProbeCreditCallback(Callback):
         if isinstance(update, Refusal):
             self._refuse(trainer, update, step, sorted(probes) or self._known_names(pl_module))
             return
-        before = [p.detach().clone() for p in params]  # one parameter-sized buffer: Δθ is read after the step
+        # One parameter-sized buffer: each probe's v = D ⊙ g_probe in turn (no reading holds it past its own),
+        # then θ_before, copied after the readings (nothing between changes θ), for Δθ after the step.
+        held, self._scratch = self._scratch, None
+        scratch = scratch_like(params, resolve_dtype(self.dtype) or native_dtype(pl_module), held)
         pending: dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]] = {}
         for name in sorted(probes):
-            got = self._read_one(trainer, pl_module, update, name, probes[name], step)
+            got = self._read_one(trainer, pl_module, update, name, probes[name], step, scratch)
             if isinstance(got, Refusal):
                 self._refuse(trainer, got, step, [name])
             else:
                 pending[name] = (*got, probes[name])  # the very batch is evaluated again after the step
-        self._pending = (step, before, pending) if pending else None
+        self._pending = _Pending(step, copy_into(scratch, params), pending, scratch) if pending else None
 
     def _known_names(self, pl_module: Any) -> list[str]:
         """The probes' names for a refused step: the module's, else those read before, else ``probe``."""
@@ -404,7 +417,16 @@ class ProbeCreditCallback(Callback):
             for m, was in flags:
                 m.training = was
 
-    def _read_one(self, trainer: Trainer, pl_module: LightningModule, update: Any, name: str, batch: Any, step: int):
+    def _read_one(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        update: Any,
+        name: str,
+        batch: Any,
+        step: int,
+        scratch: Sequence[torch.Tensor],
+    ):
         """Before the step: ``g_probe``, ``L_probe(θ_before)`` and the contributions (collectives on every rank)."""
         from ._distributed import precision_context
 
@@ -442,6 +464,7 @@ class ProbeCreditCallback(Callback):
                         scale=1.0 / trainer.world_size if self._global else 1.0,
                         step=step,
                         ride=self._ride,
+                        onto_out=scratch,
                     )
             except Exception as err:
                 failure = f"probe {name!r}: {type(err).__name__}: {err}"
@@ -508,13 +531,15 @@ class ProbeCreditCallback(Callback):
         self._stop_ride()  # a step that ended without its optimizer step (skipped) is never read
         if pending is None:
             return
-        step, before, reports = pending
+        step, before, reports, scratch = pending
         params = [p for p in pl_module.parameters() if p.requires_grad]
         values: dict[str, float] = {}
         n = self.log_table_every_n_steps
         table = bool(n) and (self._last_table_step is None or step - self._last_table_step >= n)
-        # the next step is read too: this forward after the step is its probe pass (g_probe taken with it)
-        ahead = self.reuse_probe_pass and (step + 1) % self.every_n_steps == 0
+        # the next step is read too: this forward after the step is its probe pass (g_probe taken with it), and
+        # the buffer that held v and θ_before is the next reading's
+        next_read = (step + 1) % self.every_n_steps == 0
+        ahead = self.reuse_probe_pass and next_read
         for name, (report, gp, probe_batch) in reports.items():
             try:
                 after = self._after(pl_module, name, probe_batch, ahead)
@@ -543,6 +568,8 @@ class ProbeCreditCallback(Callback):
                 self._unwritten.pop(name, None)
             else:
                 self._unwritten[name] = (report.render(self.top_k), step)
+        if self.keep_scratch and next_read:
+            self._scratch = scratch
         if table and values:
             self._last_table_step = step
         self.last_values = values
@@ -599,6 +626,7 @@ class ProbeCreditCallback(Callback):
             log_text(trainer, f"{self.prefix}{name}/table", text, step)
         self._unwritten.clear()
         self._ahead.clear()
+        self._scratch = None
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         values: dict[str, float] = {}
@@ -655,6 +683,15 @@ def _same_batch(a: Any, b: Any) -> bool:
     if isinstance(a, (str, bytes, int, float, bool, type(None))):
         return bool(a == b)
     return False
+
+
+class _Pending(NamedTuple):
+    """A read step's readings, completed after the optimizer step (``on_train_batch_end``)."""
+
+    step: int
+    before: list[torch.Tensor]  # θ_before (in `scratch` where its dtype is the parameter's)
+    reports: dict[str, tuple[ProbeCreditReport, list[torch.Tensor], Any]]  # probe -> (report, g_probe, batch)
+    scratch: list[torch.Tensor]  # the buffer v was written into, kept for the next reading
 
 
 class _Ahead(NamedTuple):

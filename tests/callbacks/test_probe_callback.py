@@ -449,3 +449,48 @@ def test_the_probe_pass_is_not_reused_where_anything_changed(callbacks, module_c
     assert cb.n_probe_reused == 0 and cb.n_readings == 8 // every_n_steps and cb.n_refusals == 0
     assert all(len(s.checked) == 8 for s in spy)
     assert cb._ahead == {}  # nothing held past the end of fit
+
+
+class _Scratch(pl.Callback):
+    """The buffer the probe callback holds at each step's start: its storages, or None."""
+
+    def __init__(self, probe_cb):
+        self.probe_cb, self.seen = probe_cb, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        held = self.probe_cb._scratch
+        self.seen.append(None if held is None else [b.data_ptr() for b in held])
+
+
+@pytest.mark.parametrize(
+    "capture, module_kw, every_n_steps",
+    [
+        ("training_step", F64, 1),
+        ("separate", {}, 1),  # float32 parameters read in float64: θ_before in clones, v in the buffer
+        ("separate", F64, 2),
+    ],
+    ids=["every-step-riding", "audit-dtype-not-the-parameters", "every-other-step"],
+)
+def test_the_scratch_buffer_is_kept_for_the_next_reading_and_changes_no_number(capture, module_kw, every_n_steps):
+    kw = {**module_kw, "optimizer": "adam", "lr": 1e-2}
+    cb = ProbeCreditCallback(dtype="float64", capture=capture, every_n_steps=every_n_steps)
+    # every reading of a float64 module against plain autograd (a float32 one steps in float32: its D too)
+    spy = [_Spy(cb)] if every_n_steps == 1 and module_kw else []
+    held, every = _Scratch(cb), _Every(cb)
+    _fit([cb, held, every, *spy], steps=4, module_kw=kw)
+    off = ProbeCreditCallback(dtype="float64", capture=capture, every_n_steps=every_n_steps, keep_scratch=False)
+    held_off, every_off = _Scratch(off), _Every(off)
+    _fit([off, held_off, every_off], steps=4, module_kw=kw)
+    assert cb.n_readings == off.n_readings == 8 // every_n_steps and cb.n_refusals == off.n_refusals == 0
+    assert all(len(s.checked) == 8 for s in spy)
+    assert all(math.isfinite(r.actual) and r.update_match < 1e-5 for r in every.reports)
+    if every_n_steps == 1:  # the same storages from the second step on
+        assert held.seen[0] is None and all(s is not None for s in held.seen[1:])
+        assert held.seen[1] == held.seen[2] == held.seen[3]
+    else:
+        assert held.seen == [None] * 4  # nothing held through a step that is not read
+    assert held_off.seen == [None] * 4 and cb._scratch is None and off._scratch is None  # nothing past fit
+    for x, y in zip(every.reports, every_off.reports):  # bit for bit
+        assert x.contribution == y.contribution and x.actual == y.actual and x.applied == y.applied
+    with pytest.raises(ValueError, match="`keep_scratch` must be a bool, got 'yes'"):
+        ProbeCreditCallback(keep_scratch="yes")

@@ -21,9 +21,11 @@ from lens_callbacks.credit import CreditTerms, Partition
 from lens_callbacks.credit.readings.probe import (
     ProbeCreditReport,
     combine_ranks,
+    copy_into,
     optimizer_update_map,
     probe_credit,
     probe_value_and_grad,
+    scratch_like,
     with_actual,
 )
 from lens_callbacks.refusal import Refusal
@@ -282,6 +284,89 @@ def test_the_probe_read_along_the_map_equals_the_map_formed_whole(kind, param_dt
         assert torch.equal(a, b)
     for key in want:
         assert getattr(again, key) == pytest.approx(getattr(got, key), rel=1e-12, abs=1e-15), key
+
+
+def test_v_is_written_into_the_buffers_given_which_then_hold_theta_before(monkeypatch):
+    monkeypatch.setattr(probe_mod, "_MAP_BLOCK", 7)  # several blocks per parameter, the last one short
+    m = Bigram().float()
+    params = list(m.parameters())
+    opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    for s in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s + p.numel()))
+        opt.step()
+    gp = [torch.randn(p.shape, generator=torch.Generator().manual_seed(9 + p.numel())) for p in params]
+    update = optimizer_update_map(opt, params)
+    fresh = update.along(gp, [p.grad for p in params], torch.float32)
+    bufs = scratch_like(params, torch.float32)
+    assert [b.shape for b in bufs] == [p.shape for p in params] and all(b.dtype == torch.float32 for b in bufs)
+    got = update.along(gp, [p.grad for p in params], torch.float32, out=bufs)
+    for v, b, f in zip(got.onto, bufs, fresh.onto):
+        assert v.data_ptr() == b.data_ptr() and torch.equal(v, f)  # the same storage, the same bits
+    assert got._replace(onto=[]) == fresh._replace(onto=[])  # every sum bit for bit
+    # reuse: fitting buffers are kept, the others made again
+    assert all(a is b for a, b in zip(scratch_like(params, torch.float32, bufs), bufs))
+    other = scratch_like(params, torch.float64, bufs)
+    assert all(a is not b and a.dtype == torch.float64 for a, b in zip(other, bufs))
+    short = scratch_like(params, torch.float32, bufs[:2])
+    assert short[0] is bufs[0] and short[2] is not bufs[2]
+    # θ_before into the same buffers (a clone where the dtype differs)
+    before = copy_into(bufs, params)
+    assert all(x is b and torch.equal(x, p) for x, b, p in zip(before, bufs, params))
+    doubles = copy_into(other, params)
+    assert all(x is not b and x.dtype == p.dtype and torch.equal(x, p) for x, b, p in zip(doubles, other, params))
+    with pytest.raises(ValueError, match="`buffers` must hold one buffer per parameter"):
+        copy_into(bufs[:1], params)
+    bad = {
+        "dtype": [b.double() if i == 1 else b for i, b in enumerate(bufs)],
+        "shape": [b.reshape(-1) if i == 1 else b for i, b in enumerate(bufs)],
+        "contiguity": [b.t() if i == 1 else b for i, b in enumerate(bufs)],
+    }
+    for what, out in bad.items():
+        with pytest.raises(ValueError, match=r"`out\[1\]` must be a contiguous torch.float32 tensor"):
+            update.along(gp, [p.grad for p in params], torch.float32, out=out)
+    with pytest.raises(ValueError, match="`out` must hold one buffer per parameter"):
+        update.along(gp, [p.grad for p in params], torch.float32, out=bufs[:-1])
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_riding_reads_the_checks_sums_from_the_map_pass_where_grad_is_in_the_audit_dtype(given, monkeypatch):
+    import lens_callbacks.credit.engines.ghost as ghost_mod
+
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    opt = torch.optim.Adam(m.parameters(), lr=0.02)
+    for s in range(2):
+        _set_grad(m, _batch(40 + s))
+        opt.step()
+    calls = []
+    real = ghost_mod.along_sums
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ghost_mod, "along_sums", spy)
+    ride = _ridden_step(m, batch)
+    try:
+        # `applied_grad` given: the applied gradient is not known to be `.grad`, so the ride takes its own sums
+        extra = {"applied_grad": [p.grad for p in m.parameters()]} if given else {}
+        rep, gp = _reading(m, batch, opt, px, ride=ride, **extra)
+    finally:
+        ride.clear()
+    assert rep.engine == "ghost+training_step" and rep.ride_fallback is None
+    assert len(calls) == (1 if given else 0)
+    # every reading against the separate pass and an independent per-part loop
+    _set_grad(m, batch)
+    sep, _ = _reading(m, batch, opt, px)
+    for key in ("from_grad", "carried", "alignment", "grad_norm", "probe_grad_norm"):
+        assert getattr(rep, key) == pytest.approx(getattr(sep, key), rel=1e-12), key
+    update = optimizer_update_map(opt, list(m.parameters()))
+    terms = m.credit_terms(batch).terms
+    for k in range(B):
+        g_k = _grads(m, terms[k].sum())
+        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
+        assert rep.contribution[k] == pytest.approx(want, rel=1e-9, abs=1e-16)
+    assert rep.parts_gap < 1e-12
 
 
 def test_a_map_used_after_the_step_raises_instead_of_reading_the_new_state():

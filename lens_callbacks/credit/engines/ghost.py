@@ -1219,7 +1219,7 @@ def reduce_pieces(
     route: str = "auto",
     positions: Optional[PositionDots] = None,
     onto: Optional[Sequence[torch.Tensor]] = None,
-    along: bool = False,
+    along: Union[bool, AlongSums] = False,
 ):
     """Dots with ``g_full`` (or ``onto``), the Gram and ``Σ_S g_S`` from the captured pieces (and the fallback's parts).
 
@@ -1303,11 +1303,13 @@ class _Reducer:
         route,
         onto=None,
         positions: Optional[PositionDots] = None,
-        along: bool = False,
+        along: Union[bool, AlongSums] = False,
     ) -> None:
         self.positions = positions
-        # `along`: the parts' dots alone, held against g_full along `onto` in `finish` (no Σ_S g_S is formed)
-        self.along = along
+        # `along`: the parts' dots alone, held against g_full along `onto` in `finish` (no Σ_S g_S is formed);
+        # its sums given (AlongSums, taken by the caller from g_full and onto) or taken there
+        self.along = along is not False
+        self.along_given = along if isinstance(along, AlongSums) else None
         if along and (onto is None or keep_sum or readings != "projected"):
             raise ValueError(
                 "`along` must come with `onto`, readings='projected' and keep_sum=False, got "
@@ -1477,7 +1479,7 @@ class _Reducer:
             )
         keep = self.keep_sum
         total_list = [t if t is not None else torch.zeros_like(g) for t, g in zip(totals, g_full)] if keep else []
-        along = along_sums(g_full, self.onto) if self.along and self.onto is not None else None
+        along = (self.along_given or along_sums(g_full, self.onto)) if self.along and self.onto is not None else None
         diff_sq = float(acc.diff_sq)
         if along is not None:
             # ‖r‖² of the residual r = Σ_S g_S − g_full projected on v: (Σ_S <g_S, v> − <g_full, v>)² / ‖v‖², a
@@ -1783,7 +1785,7 @@ class RideAlong:
         keep_grads: bool = False,
         route: str = "auto",
         project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
-        along: bool = False,
+        along: Union[bool, AlongSums] = False,
     ) -> Union[CreditReport, str]:
         """The step's credit from the captured pieces and ``.grad``, or the reason it cannot be read.
 
@@ -1797,6 +1799,8 @@ class RideAlong:
         one product of the size of its forward — and ``conservation_error`` is the residual's component along
         ``v`` over ``‖g_full‖`` (a lower bound of the full one; what the readings along ``v`` depend on), and the
         sums it took (``‖.grad‖²``, ``<.grad, v>``, ``‖v‖²``) are left in :attr:`last_along` for the caller.
+        ``along`` may be those sums, taken by the caller from ``.grad`` and ``v`` (the probe's map pass does):
+        the check reads them instead of a pass over ``.grad`` and ``v`` of its own.
         """
         self.stop()
         self.last_along = None
@@ -1822,7 +1826,7 @@ class RideAlong:
             return lay
         part, names, leaves, by_leaf = lay["part"], lay["names"], lay["leaves"], lay["by_leaf"]
         onto = dots_onto(leaves, project_onto)
-        g_full, sq_each, full_sq = _grads_now(leaves, keep_grads, sums=plan is not None or not along)
+        g_full, sq_each, full_sq = _grads_now(leaves, keep_grads, sums=plan is not None or along is False)
         if plan is not None and plan["error"] is not None:
             return f"the reduction inside the training backward failed: {plan['error']}"
         if plan is not None:
