@@ -106,6 +106,17 @@ def _set_grad(m, batch):
     m.credit_terms(batch).terms.sum().backward()
 
 
+def _assert_per_rollout(rep, m, batch, opt, gp, rel):
+    """Each rollout's contribution against its own backward: ``−Σ D ⊙ g_k ⊙ g_probe``, and the parts' gap."""
+    update = optimizer_update_map(opt, list(m.parameters()))
+    terms = m.credit_terms(batch).terms
+    for k in range(B):
+        g_k = _grads(m, terms[k].sum())
+        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
+        assert rep.contribution[k] == pytest.approx(want, rel=rel, abs=1e-16)
+    assert rep.parts_gap < rel
+
+
 def _reading(m, batch, opt, probe_x, partition="by_rollout", engine="auto", **kw):
     params = [p for p in m.parameters() if p.requires_grad]
     update = optimizer_update_map(opt, params)
@@ -360,13 +371,7 @@ def test_riding_reads_the_checks_sums_from_the_map_pass_where_grad_is_in_the_aud
     sep, _ = _reading(m, batch, opt, px)
     for key in ("from_grad", "carried", "alignment", "grad_norm", "probe_grad_norm"):
         assert getattr(rep, key) == pytest.approx(getattr(sep, key), rel=1e-12), key
-    update = optimizer_update_map(opt, list(m.parameters()))
-    terms = m.credit_terms(batch).terms
-    for k in range(B):
-        g_k = _grads(m, terms[k].sum())
-        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
-        assert rep.contribution[k] == pytest.approx(want, rel=1e-9, abs=1e-16)
-    assert rep.parts_gap < 1e-12
+    _assert_per_rollout(rep, m, batch, opt, gp, rel=1e-12)
 
 
 def test_a_map_used_after_the_step_raises_instead_of_reading_the_new_state():
@@ -413,13 +418,7 @@ def test_parts_split_an_adam_step_exactly():
         opt.step()
     _set_grad(m, batch)
     rep, gp = _reading(m, batch, opt, px)
-    update = optimizer_update_map(opt, list(m.parameters()))
-    terms = m.credit_terms(batch).terms
-    for k in range(B):
-        g_k = _grads(m, terms[k].sum())
-        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
-        assert rep.contribution[k] == pytest.approx(want, rel=1e-10, abs=1e-16)
-    assert rep.parts_gap < 1e-10
+    _assert_per_rollout(rep, m, batch, opt, gp, rel=1e-10)
 
 
 def _ridden_step(m, batch, partition_fn=None):
