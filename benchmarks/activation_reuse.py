@@ -68,7 +68,7 @@ class KeepLinearOutputs(TorchFunctionMode):
 
 
 def replaying_linear(kept: list[Optional[torch.Tensor]]):
-    """The ``linear`` rule with the primal product taken from ``kept`` (``None`` there: computed as usual)."""
+    """The ``linear`` rule with the primal product taken from ``kept`` (``None`` there, or a bias: computed as usual)."""
     order = iter(kept)
 
     def rule(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Any:
