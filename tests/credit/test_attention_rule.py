@@ -2,8 +2,9 @@
 
 Reference: attention written out as ``softmax(s·QKᵀ + M) V`` with torch's own forward-mode derivatives of
 ``matmul`` and ``softmax`` (float64). The rule must agree to 1e-12 over causal, boolean and additive masks,
-grouped KV heads, and blocks of queries that do and do not divide the length; no ``[B, H, L, S]`` buffer may
-exist at ``L ≥ 4 × chunk``.
+grouped KV heads, and blocks of queries and tiles of keys that do and do not divide the lengths (the online
+softmax rescaling across tiles); no ``[B, H, L, S]`` buffer may exist at ``L ≥ 4 × chunk``, and no buffer of
+scores past one tile.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lens_callbacks.credit.engines.attention import ForwardAttention, attention_jvp
+from lens_callbacks.credit.engines.attention import DEFAULT_KEY_CHUNK, ForwardAttention, attention_jvp
 from lens_callbacks.credit.engines.jvp import ForwardADUnsupportedError
 
 TOL = 1e-12
@@ -51,9 +52,9 @@ def reference_jvp(prim, tan, **kw):
         return o.clone(), t.clone()
 
 
-def rule_jvp(prim, tan, chunk, **kw):
+def rule_jvp(prim, tan, chunk, key_chunk=DEFAULT_KEY_CHUNK, **kw):
     """Through the mode, as the forward-mode engine calls it: F.scaled_dot_product_attention on dual tensors."""
-    with fwAD.dual_level(), ForwardAttention(chunk=chunk) as mode:
+    with fwAD.dual_level(), ForwardAttention(chunk=chunk, key_chunk=key_chunk) as mode:
         duals = [fwAD.make_dual(p, t) for p, t in zip(prim, tan)]
         out = F.scaled_dot_product_attention(*duals, **kw)
         o, t = fwAD.unpack_dual(out)
@@ -87,21 +88,23 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("chunk", [1, 3, 4, 11, 64])  # 3 and 4 do not divide 11, 11 is one block
-def test_the_rule_equals_eager_forward_ad(case, chunk):
+@pytest.mark.parametrize("key_chunk", [1, 3, 256])  # one key a tile, tiles that do not divide 11, one tile
+def test_the_rule_equals_eager_forward_ad(case, chunk, key_chunk):
     prim, tan = inputs()
     kw = CASES[case]
     ref_kw = {("mask" if k == "attn_mask" else k): v for k, v in kw.items()}
     o_ref, t_ref = reference_jvp(prim, tan, **ref_kw)
-    o, t = rule_jvp(prim, tan, chunk, **kw)
+    o, t = rule_jvp(prim, tan, chunk, key_chunk, **kw)
     assert float((o - o_ref).abs().max()) <= TOL
     assert float((t - t_ref).abs().max()) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [2, 5, 16])
-def test_grouped_kv_heads_and_keys_longer_than_queries(chunk):
+@pytest.mark.parametrize("key_chunk", [4, 256])
+def test_grouped_kv_heads_and_keys_longer_than_queries(chunk, key_chunk):
     prim, tan = inputs(Hq=6, Hkv=2, L=7, S=13)
     o_ref, t_ref = reference_jvp(prim, tan, enable_gqa=True, is_causal=True)
-    o, t = rule_jvp(prim, tan, chunk, enable_gqa=True, is_causal=True)
+    o, t = rule_jvp(prim, tan, chunk, key_chunk, enable_gqa=True, is_causal=True)
     assert float((t - t_ref).abs().max()) <= TOL and float((o - o_ref).abs().max()) <= TOL
     # torch's own sdpa agrees on the values (the rule's primal is math attention too)
     q, k, v = prim
@@ -115,7 +118,8 @@ def _window(L, S, width):
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16])
-def test_masks_that_leave_out_whole_key_ranges_and_per_head_masks_under_grouped_heads(chunk):
+@pytest.mark.parametrize("key_chunk", [2, 5, 256])
+def test_masks_that_leave_out_whole_key_ranges_and_per_head_masks_under_grouped_heads(chunk, key_chunk):
     # per-head boolean mask [B, Hq, L, S] with grouped KV heads; a 2-D window; an additive per-head mask
     prim, tan = inputs(Hq=6, Hkv=2, L=13, S=13)
     g = torch.Generator().manual_seed(5)
@@ -124,12 +128,13 @@ def test_masks_that_leave_out_whole_key_ranges_and_per_head_masks_under_grouped_
     additive = torch.randn(2, 6, 13, 13, generator=g, dtype=torch.float64).masked_fill(~per_head, float("-inf"))
     for mask in (per_head, _window(13, 13, 4), additive):
         o_ref, t_ref = reference_jvp(prim, tan, mask=mask, enable_gqa=True)
-        o, t = rule_jvp(prim, tan, chunk, attn_mask=mask, enable_gqa=True)
+        o, t = rule_jvp(prim, tan, chunk, key_chunk, attn_mask=mask, enable_gqa=True)
         assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
 
 
 @pytest.mark.parametrize("chunk", [2, 5])
-def test_an_additive_mask_with_its_own_tangent(chunk):
+@pytest.mark.parametrize("key_chunk", [4, 256])
+def test_an_additive_mask_with_its_own_tangent(chunk, key_chunk):
     prim, tan = inputs(L=9, S=9)
     g = torch.Generator().manual_seed(6)
     mask, dmask = (torch.randn(2, 4, 9, 9, generator=g, dtype=torch.float64) for _ in range(2))
@@ -137,14 +142,16 @@ def test_an_additive_mask_with_its_own_tangent(chunk):
         duals = [fwAD.make_dual(p, t) for p, t in zip(prim, tan)]
         ref = fwAD.unpack_dual(eager(*duals, mask=fwAD.make_dual(mask, dmask)))
         o_ref, t_ref = ref.primal.clone(), ref.tangent.clone()
-    o, t = attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], mask, dmask, chunk=chunk)
+    o, t = attention_jvp(
+        prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], mask, dmask, chunk=chunk, key_chunk=key_chunk
+    )
     assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
     # the mask's tangent alone
     zeros = [torch.zeros_like(x) for x in prim]
     with fwAD.dual_level():
         duals = [fwAD.make_dual(p, z) for p, z in zip(prim, zeros)]
         t_ref = fwAD.unpack_dual(eager(*duals, mask=fwAD.make_dual(mask, dmask))).tangent.clone()
-    _, t = attention_jvp(prim[0], None, prim[1], None, prim[2], None, mask, dmask, chunk=chunk)
+    _, t = attention_jvp(prim[0], None, prim[1], None, prim[2], None, mask, dmask, chunk=chunk, key_chunk=key_chunk)
     assert float((t - t_ref).abs().max()) <= TOL
 
 
@@ -162,14 +169,17 @@ class _MatmulWork(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_causal_block_reads_no_key_after_its_last_query():
+@pytest.mark.parametrize("key_chunk", [5, 16, 256])
+def test_a_causal_block_reads_no_key_after_its_last_query(key_chunk):
     # the causal rule skips the keys after each block's last query: about half the products of the full scores
     prim, tan = inputs(B=1, Hq=2, Hkv=2, L=64, S=64, E=8, Ev=8)
     work = {}
     for causal in (False, True):
         w = _MatmulWork()
         with w:
-            attention_jvp(prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], is_causal=causal, chunk=8)
+            attention_jvp(
+                prim[0], tan[0], prim[1], tan[1], prim[2], tan[2], is_causal=causal, chunk=8, key_chunk=key_chunk
+            )
         work[causal] = w.macs
     full = 1 * 2 * 64 * 64 * 8 * 6  # s·QKᵀ, s·Q̇Kᵀ, s·QK̇ᵀ, PV, PV̇, (P∘Ṡ)V over every key
     assert work[False] == full
@@ -201,7 +211,8 @@ def test_a_row_with_nothing_to_attend_to_reads_zeros_as_torch_does():
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16])
-def test_rows_with_nothing_to_attend_to_under_every_kind_of_mask_read_zeros(chunk):
+@pytest.mark.parametrize("key_chunk", [2, 256])  # 2: a row empty in its first tiles, live in a later one
+def test_rows_with_nothing_to_attend_to_under_every_kind_of_mask_read_zeros(chunk, key_chunk):
     # dead rows from a per-head boolean mask under grouped KV heads, from -inf in an additive mask, and
     # from a boolean mask and the causal mask together (neither alone leaves the row empty); the live
     # rows against eager forward AD, the dead rows zero in value and tangent; a 2-D mask too
@@ -222,34 +233,52 @@ def test_rows_with_nothing_to_attend_to_under_every_kind_of_mask_read_zeros(chun
         assert 0 < int(dead.sum()) < dead.numel()
         o_ref, t_ref = reference_jvp(prim, tan, mask=mask, is_causal=causal, enable_gqa=True)
         o, t = attention_jvp(
-            *(x for pair in zip(prim, tan) for x in pair), mask, is_causal=causal, enable_gqa=True, chunk=chunk
+            *(x for pair in zip(prim, tan) for x in pair),
+            mask,
+            is_causal=causal,
+            enable_gqa=True,
+            chunk=chunk,
+            key_chunk=key_chunk,
         )
         live = ~dead
         assert float((o[live] - o_ref[live]).abs().max()) <= TOL and float((t[live] - t_ref[live]).abs().max()) <= TOL
         assert torch.equal(o[dead], torch.zeros_like(o[dead])) and torch.equal(t[dead], torch.zeros_like(t[dead]))
 
 
-def test_a_nan_in_the_inputs_stays_nan():
-    # zeros are given for rows the mask leaves empty, never for rows that are NaN for another reason
+@pytest.mark.parametrize("key_chunk", [2, 256])
+def test_a_nan_in_the_inputs_stays_nan(key_chunk):
+    # zeros are given for rows the mask leaves empty, never for rows that are NaN for another reason: a NaN
+    # query, and a NaN key that only the last tile of keys holds
     prim, tan = inputs(L=6, S=6)
-    q = prim[0].clone()
+    q, k = prim[0].clone(), prim[1].clone()
     q[0, 1, 2, 0] = float("nan")
+    k[1, 0, 5, 0] = float("nan")
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
     mask[:, :, 4] = False
-    o, t = attention_jvp(q, tan[0], prim[1], tan[1], prim[2], tan[2], mask, chunk=2)
+    o, t = attention_jvp(q, tan[0], k, tan[1], prim[2], tan[2], mask, chunk=2, key_chunk=key_chunk)
     assert bool(o[0, 1, 2].isnan().all()) and bool(t[0, 1, 2].isnan().all())
+    live = torch.tensor([0, 1, 2, 3, 5])
+    assert bool(o[1, 0, live].isnan().all()) and bool(t[1, 0, live].isnan().all())
+    assert not bool(o[1, 1].isnan().any())  # another head of that row: untouched
     assert torch.equal(o[:, :, 4], torch.zeros_like(o[:, :, 4]))
 
 
 class _Largest(TorchDispatchMode):
-    def __init__(self):
+    """The largest buffer made inside (elements); with ``min_last``, only of batched buffers (3-D and up, as the
+    scores are) at least that wide in their last dimension."""
+
+    def __init__(self, min_last=0):
         super().__init__()
+        self.largest, self.min_last = 0, min_last
+
+    def __enter__(self):
         self.largest = 0
+        return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for x in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) and (not self.min_last or (x.dim() >= 3 and x.shape[-1] >= self.min_last)):
                 self.largest = max(self.largest, x.numel())
         return out
 
@@ -274,6 +303,46 @@ def test_the_block_size_follows_the_element_budget():
     with watch:
         attention_jvp(*[x for pair in zip(prim, tan) for x in pair], is_causal=True, block_elements=2 * 40 * 8)
     assert watch.largest <= 2 * 40 * 8  # 8 queries per block
+
+
+def test_no_score_buffer_past_one_tile_of_keys():
+    # the keys are read a tile at a time: the scores never hold more than [B·H, chunk, key_chunk]
+    B, H, L, E, chunk, key_chunk = 1, 2, 64, 8, 16, 8
+    prim, tan = inputs(B=B, Hq=H, Hkv=H, L=L, S=L, E=E, Ev=E)
+    o_ref, t_ref = reference_jvp(prim, tan, is_causal=True)
+    watch = _Largest()
+    with watch:
+        o, t = attention_jvp(*[x for p in zip(prim, tan) for x in p], is_causal=True, chunk=chunk, key_chunk=key_chunk)
+    assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
+    tile = B * H * chunk * key_chunk
+    assert watch.largest == B * H * L * E  # the outputs are the largest buffers: no tile reaches them
+    assert tile < B * H * L * E
+    scores = _Largest(min_last=key_chunk + 1)  # buffers wider than a tile in their last dimension
+    with scores:
+        attention_jvp(*[x for p in zip(prim, tan) for x in p], is_causal=True, chunk=chunk, key_chunk=key_chunk)
+    assert scores.largest == 0
+    with scores:  # the watch sees wider scores where there are (the test can fail)
+        attention_jvp(*[x for p in zip(prim, tan) for x in p], is_causal=True, chunk=chunk, key_chunk=4 * key_chunk)
+    assert scores.largest > 0
+
+
+def test_large_scores_stay_finite_across_tiles():
+    # scores of several hundred, growing along the keys: each tile's maximum exceeds the last one's by far more
+    # than exp can span, so the running sums must be rescaled, never overflow
+    prim, tan = inputs(L=12, S=12)
+    q, k, v = prim
+    k = k + torch.linspace(0, 40, 12, dtype=torch.float64)[:, None]  # later keys score higher
+    q = q * 20
+    o_ref, t_ref = reference_jvp((q, k, v), tan, is_causal=True)
+    o, t = attention_jvp(q, tan[0], k, tan[1], v, tan[2], is_causal=True, chunk=5, key_chunk=3)
+    assert bool(o.isfinite().all()) and bool(t.isfinite().all())
+    assert float((o - o_ref).abs().max()) <= TOL
+    assert float((t - t_ref).abs().max()) <= 1e-12 * float(t_ref.abs().max())
+
+
+def test_a_bad_key_chunk_is_refused():
+    with pytest.raises(ValueError, match="`key_chunk` must be a positive int, got 0"):
+        ForwardAttention(key_chunk=0)
 
 
 def test_attention_dropout_is_refused_by_name():

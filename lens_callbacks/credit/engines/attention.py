@@ -10,12 +10,16 @@ queries at a time:
     S = s·QKᵀ + M,  P = softmax(S),  O = P V
     Ṡ = s·(Q̇Kᵀ + QK̇ᵀ) (+ Ṁ),  Ṗ = P ∘ (Ṡ − rowsum(P ∘ Ṡ)),  Ȯ = Ṗ V + P V̇
 
-Every line is row-wise in the queries, so a block of ``chunk`` queries needs only its own ``[chunk, S]``
-slice of the scores: the peak is ``O(B·H·chunk·S)``, never ``[B, H, L, S]``. ``is_causal`` (top-left
-aligned, as torch's), boolean masks (True = attend), additive float masks, ``scale`` and grouped KV heads
-(``enable_gqa``: the query heads of one KV head are read against it together, K and V never repeated) are
-covered; a row with nothing to attend to gives zeros, as torch's math kernel does. Calls without tangents
-go to torch unchanged. Attention dropout is refused by name
+Every line is row-wise in the queries, and over the keys it is sums, so the rule reads a block of
+``chunk`` queries against one tile of ``key_chunk`` keys at a time, with flash attention's online softmax
+(the running row maximum rescales what the earlier tiles summed; see :class:`_Online`): the peak is one
+tile, ``O(B·H·chunk·key_chunk)`` (at most 16 MiB by default), never ``[B, H, L, S]`` and not even a block's
+``[chunk, S]`` row of scores, and each tile is read and written while it is in cache. ``is_causal``
+(top-left aligned, as torch's), boolean masks (True = attend), additive float masks with or without their
+own tangent, ``scale`` and grouped KV heads (``enable_gqa``: the query heads of one KV head are read against
+it together, K and V never repeated) are covered; a row with nothing to attend to gives zeros, as torch's
+math kernel does, while a NaN from the inputs stays NaN. Calls without tangents go to torch unchanged.
+Attention dropout is refused by name
 (:class:`~lens_callbacks.credit.engines.jvp.ForwardADUnsupportedError`): its mask cannot be replayed.
 
 Cost per call: a block reads only the keys ``[lo, hi)`` some query of it attends to (under ``is_causal``
@@ -23,12 +27,10 @@ none after its last query, so about half the keys over the blocks; a boolean or 
 leading and trailing keys too). Over those keys, ``3·B·H·L·S'·E`` multiply-adds for the scores and their
 tangent (``QKᵀ``, then ``Q̇Kᵀ + QK̇ᵀ`` accumulated into one buffer) and ``3·B·H·L·S'·Ev`` for the outputs
 (``PV``, ``PV̇`` and ``(P ∘ Ṡ)V``, with ``ṖV = (P ∘ Ṡ)V − rowsum(P ∘ Ṡ) O``): 3 times the primal
-attention's. Besides the products that write and read them, each block takes three passes over its
-scores (torch's softmax in place, each row read and written once while in cache; ``P ∘ Ṡ``; its sum),
-with the scale folded into the queries. The products take most of a call (84 % at ``S`` = 8192
-on one CPU thread, where their blocks of queries are thinner than a fused kernel's tiles). A query the
-mask leaves nothing to attend to is found from the mask, never from the scores, so a NaN from the inputs
-stays NaN.
+attention's, about what a fused forward and backward take (7 products, the scores recomputed). Besides the
+products, each tile takes a few passes in cache (its maximum, ``exp``, ``P ∘ Ṡ`` and two row sums), with
+the scale folded into the queries; ``benchmarks/attention_rule_cost.py`` clocks a call against torch's
+fused kernel.
 
 Pure torch; never imports lightning.
 """
@@ -43,10 +45,20 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ForwardAttention", "attention_jvp", "DEFAULT_BLOCK_ELEMENTS", "AttentionDropoutError"]
+__all__ = [
+    "ForwardAttention",
+    "attention_jvp",
+    "DEFAULT_BLOCK_ELEMENTS",
+    "DEFAULT_CHUNK",
+    "DEFAULT_KEY_CHUNK",
+    "AttentionDropoutError",
+]
 
-#: Elements of one block of scores (``B·H·chunk·S``) the rule may hold: 4 Mi (16 MiB in float32).
+#: Elements of one tile of scores (``B·H·chunk·key_chunk``) the rule may hold: 4 Mi (16 MiB in float32).
 DEFAULT_BLOCK_ELEMENTS = 1 << 22
+#: Keys per tile, and queries per block at most: one head's tile of 128 × 512 float32 scores (256 KiB) stays
+#: in a core's cache while its products and passes read and write it.
+DEFAULT_KEY_CHUNK, DEFAULT_CHUNK = 512, 128
 
 
 class AttentionDropoutError(RuntimeError):
@@ -73,11 +85,14 @@ def attention_jvp(
     enable_gqa: bool = False,
     block_elements: int = DEFAULT_BLOCK_ELEMENTS,
     chunk: Optional[int] = None,
+    key_chunk: int = DEFAULT_KEY_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(O, Ȯ)`` of ``scaled_dot_product_attention`` at ``(q, k, v)`` along ``(dq, dk, dv)`` (None: zero).
 
     Shapes as torch's: ``q [..., Hq, L, E]``, ``k [..., Hkv, S, E]``, ``v [..., Hkv, S, Ev]``; ``mask`` broadcast to
-    ``[..., Hq, L, S]``. ``chunk`` (queries per block) defaults to what ``block_elements`` allows.
+    ``[..., Hq, L, S]``. Keys are read ``key_chunk`` at a time; ``chunk`` (queries per block) defaults to
+    ``DEFAULT_CHUNK``, or fewer where ``block_elements`` allows less for a tile of ``[B·H, chunk, key_chunk]``
+    scores.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -97,8 +112,9 @@ def attention_jvp(
     s = float(scale) if scale is not None else 1.0 / math.sqrt(E)
     lead = tuple(q.shape[:-3])
     n = math.prod(lead) * Hkv
+    kc = max(1, min(S, key_chunk))
     if chunk is None:
-        chunk = max(1, min(L, block_elements // max(1, n * r * S)))
+        chunk = max(1, min(L, DEFAULT_CHUNK, block_elements // max(1, n * r * kc)))
     if mask is not None and mask.dtype == torch.bool:
         dmask = None  # a boolean mask has no tangent
 
@@ -110,7 +126,9 @@ def attention_jvp(
 
     q3, dq3 = grouped(q, E), (grouped(dq, E) if dq is not None else None)
     k3, dk3, v3, dv3 = flat(k, E), flat(dk, E), flat(v, Ev), flat(dv, Ev)
-    outs, tans = [], []
+    if dm_full := (dmask is not None):
+        dmask = dmask.expand(*dmask.shape[:-2], L, S) if dmask.shape[-2] == 1 else dmask
+    out, tan = q.new_empty(n, r, L, Ev), q.new_empty(n, r, L, Ev)  # written a block at a time
     for a in range(0, L, chunk):
         b = min(L, a + chunk)
         c = b - a
@@ -122,77 +140,105 @@ def attention_jvp(
         live = None
         if m is not None and m.dtype == torch.bool:
             live = m[..., :hi].reshape(-1, hi).any(0)  # [hi]
-        elif m is not None and dmask is None:
+        elif m is not None and not dm_full:
             live = (m[..., :hi] > float("-inf")).reshape(-1, hi).any(0)  # [hi]
         if live is not None:
             idx = live.nonzero()
             lo, hi = (int(idx[0]), int(idx[-1]) + 1) if idx.numel() else (0, 0)
         if hi <= lo:  # no query of the block attends to anything: zeros, as torch's math kernel gives
-            outs.append(q.new_zeros(*lead, Hq, c, Ev))
-            tans.append(q.new_zeros(*lead, Hq, c, Ev))
+            out[:, :, a:b] = 0
+            tan[:, :, a:b] = 0
             continue
-        w = hi - lo
-        view = (*lead, Hkv, r, c, w)  # the scores as [..., Hkv, r, c, S'], for masks that broadcast over heads
         qc = (q3[:, :, a:b] * s).reshape(n, r * c, E)  # [n, r·c, E], the scale folded in
-        scores = torch.bmm(qc, k3[:, lo:hi].transpose(1, 2))  # [n, r·c, S']
-        dscores = None  # s·(Q̇Kᵀ + QK̇ᵀ), accumulated in place
-        if dq3 is not None:
-            dscores = torch.bmm((dq3[:, :, a:b] * s).reshape(n, r * c, E), k3[:, lo:hi].transpose(1, 2))
-        if dk3 is not None:
-            dkT = dk3[:, lo:hi].transpose(1, 2)
-            dscores = torch.bmm(qc, dkT) if dscores is None else dscores.baddbmm_(qc, dkT)
-        if m is not None:
-            mb = _grouped(m[..., lo:hi], Hkv, r)
-            if mb.dtype == torch.bool:
-                scores.view(view).masked_fill_(~mb, float("-inf"))
-            else:
-                scores.view(view).add_(mb)
-                if dmask is not None:
-                    dm = dmask.expand(*dmask.shape[:-2], L, S) if dmask.shape[-2] == 1 else dmask
-                    dmb = _grouped(dm[..., a:b, lo:hi], Hkv, r)
-                    if dscores is None:
-                        dscores = dmb.expand(view).reshape(n, r * c, w).clone()
-                    else:
-                        dscores.view(view).add_(dmb)
-        if is_causal and hi > a + 1:
-            # only the block's own diagonal square holds keys after a query (key j > query i, i in [a, b))
-            j0 = max(a + 1, lo)
-            scores.view(n, r, c, w)[..., j0 - lo :].masked_fill_(_after(a, c, j0, hi - j0, q.device), float("-inf"))
-        # P, normalised in place of the scores by torch's softmax (each row read and written once, in cache)
-        e = torch.ops.aten._softmax.out(scores, -1, False, out=scores)
-        if m is not None:  # a query with no key left to attend to: zeros, as torch's math kernel gives
-            dead = _dead_rows(m[..., lo:hi], Hkv, r, a, lo, is_causal)
-            if dead is not None:
-                e.view(view)[dead.expand(view[:-1])] = 0
-        out = torch.bmm(e, v3[:, lo:hi])  # P V  [n, r·c, Ev]
-        tan = torch.bmm(e, dv3[:, lo:hi]) if dv3 is not None else None  # P V̇
+        dqc = (dq3[:, :, a:b] * s).reshape(n, r * c, E) if dq3 is not None else None
+        acc = _Online(n, r * c, Ev, q)
+        for j0 in range(lo, hi, kc):
+            j1 = min(hi, j0 + kc)
+            w = j1 - j0
+            view = (*lead, Hkv, r, c, w)  # the scores as [..., Hkv, r, c, w], for masks that broadcast over heads
+            kT = k3[:, j0:j1].transpose(1, 2)
+            scores = torch.bmm(qc, kT)  # [n, r·c, w]
+            dscores = None  # s·(Q̇Kᵀ + QK̇ᵀ) (+ Ṁ), accumulated in place
+            if dqc is not None:
+                dscores = torch.bmm(dqc, kT)
+            if dk3 is not None:
+                dkT = dk3[:, j0:j1].transpose(1, 2)
+                dscores = torch.bmm(qc, dkT) if dscores is None else dscores.baddbmm_(qc, dkT)
+            if m is not None:
+                mb = _grouped(m[..., j0:j1], Hkv, r)
+                if mb.dtype == torch.bool:
+                    scores.view(view).masked_fill_(~mb, float("-inf"))
+                else:
+                    scores.view(view).add_(mb)
+                    if dm_full:
+                        dmb = _grouped(dmask[..., a:b, j0:j1], Hkv, r)
+                        if dscores is None:
+                            dscores = dmb.expand(view).reshape(n, r * c, w).clone()
+                        else:
+                            dscores.view(view).add_(dmb)
+            if is_causal and j1 > a + 1:
+                # only the block's own diagonal holds keys after a query (key j > query i, i in [a, b))
+                jj = max(a + 1, j0)
+                if jj < j1:
+                    scores.view(n, r, c, w)[..., jj - j0 :].masked_fill_(
+                        _after(a, c, jj, j1 - jj, q.device), float("-inf")
+                    )
+            acc.add(scores, dscores, v3[:, j0:j1], dv3[:, j0:j1] if dv3 is not None else None, dm_full)
+        o, t = acc.result()
+        out[:, :, a:b] = o.view(n, r, c, Ev)
+        tan[:, :, a:b] = t.view(n, r, c, Ev)
+    return out.reshape(*lead, Hq, L, Ev), tan.reshape(*lead, Hq, L, Ev)
+
+
+class _Online:
+    """One block of queries' value and tangent, accumulated over tiles of keys (flash attention's online softmax).
+
+    With the running row maximum ``μ``, over the tiles so far: ``ℓ = Σ eˢ⁻ᵘ``, ``o = Σ eˢ⁻ᵘ V``,
+    ``t = Σ eˢ⁻ᵘ (V̇ + Ṡ V)`` and ``ρ = Σ eˢ⁻ᵘ Ṡ``, each rescaled by ``e^(μ_old − μ_new)`` when the maximum
+    grows; then ``O = o / ℓ`` and ``Ȯ = t / ℓ − (ρ / ℓ) O``. A row with no key to attend to has ``ℓ = 0``
+    exactly and reads zeros, as torch's math kernel gives; a NaN from the inputs makes ``ℓ`` NaN and stays NaN.
+    """
+
+    def __init__(self, n: int, rows: int, ev: int, like: torch.Tensor) -> None:
+        self.m = like.new_full((n, rows, 1), float("-inf"))
+        self.l, self.rho = like.new_zeros(n, rows, 1), like.new_zeros(n, rows, 1)
+        self.o, self.t = like.new_zeros(n, rows, ev), like.new_zeros(n, rows, ev)
+
+    def add(
+        self,
+        scores: torch.Tensor,
+        dscores: Optional[torch.Tensor],
+        v: torch.Tensor,
+        dv: Optional[torch.Tensor],
+        guard: bool,
+    ) -> None:
+        """Take one tile ``[n, rows, w]`` of masked scores (overwritten) and their tangent, with its keys' ``v``, ``dv``."""
+        top = torch.maximum(self.m, scores.amax(-1, keepdim=True))
+        shift = top.masked_fill(top == float("-inf"), 0.0)  # a row with nothing yet: exp(-inf) = 0, never NaN
+        alpha = (self.m - shift).exp_()
+        self.m = top
+        e = scores.sub_(shift).exp_()  # the tile's unnormalised P, in place of its scores
+        self.l.mul_(alpha).add_(e.sum(-1, keepdim=True))
+        self.o.mul_(alpha).baddbmm_(e, v)  # Σ P V
+        self.t.mul_(alpha)
+        if dv is not None:
+            self.t.baddbmm_(e, dv)  # Σ P V̇
         if dscores is not None:
-            if dmask is not None:
-                dscores = torch.where(e > 0, dscores, torch.zeros_like(dscores))  # masked entries: P = 0, Ṗ = 0
+            if guard:  # a tangent on a masked entry (P = 0) moves nothing, even when it is not finite
+                dscores = torch.where(e > 0, dscores, torch.zeros_like(dscores))
             pd = dscores.mul_(e)  # P ∘ Ṡ
-            rr = pd.sum(dim=-1, keepdim=True)  # rowsum(P ∘ Ṡ)
-            t = torch.bmm(pd, v3[:, lo:hi]).sub_(rr * out)  # Ṗ V = (P ∘ Ṡ) V − rowsum(P ∘ Ṡ) O
-            tan = t if tan is None else tan.add_(t)
-        outs.append(out.reshape(*lead, Hq, c, Ev))
-        tans.append(tan.reshape(*lead, Hq, c, Ev) if tan is not None else torch.zeros_like(outs[-1]))
-    return torch.cat(outs, dim=-2), torch.cat(tans, dim=-2)
+            self.rho.mul_(alpha).add_(pd.sum(-1, keepdim=True))
+            self.t.baddbmm_(pd, v)  # Σ (P ∘ Ṡ) V
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.l.reciprocal().masked_fill_(self.l == 0, 0.0)
+        out = self.o.mul_(inv)
+        return out, self.t.mul_(inv).sub_(self.rho.mul_(inv) * out)
 
 
 def _after(a: int, c: int, lo: int, w: int, device: torch.device) -> torch.Tensor:
     """``[c, w]``: whether key ``lo + j`` comes after query ``a + i`` (what the causal mask leaves out)."""
     return torch.arange(lo, lo + w, device=device)[None, :] > torch.arange(a, a + c, device=device)[:, None]
-
-
-def _dead_rows(m: torch.Tensor, n_kv: int, r: int, a: int, lo: int, is_causal: bool) -> Optional[torch.Tensor]:
-    """The queries of a block ``[a, a + c)`` with no key of ``m`` (``[..., c, S']``, keys from ``lo``) left to
-    attend to, as a boolean ``[..., Hkv or 1, r or 1, c]`` laid out as the grouped scores; None when there are none.
-
-    Read off the mask itself (never the scores): a row of scores that is NaN for another reason stays NaN."""
-    live = m if m.dtype == torch.bool else m > float("-inf")
-    if is_causal:
-        live = live & ~_after(a, m.shape[-2], lo, m.shape[-1], m.device)
-    dead = ~live.any(-1)
-    return _grouped(dead.unsqueeze(-1), n_kv, r).squeeze(-1) if bool(dead.any()) else None
 
 
 def _grouped(m: torch.Tensor, n_kv: int, r: int) -> torch.Tensor:
@@ -211,17 +257,25 @@ class ForwardAttention(TorchFunctionMode):
     Two doors, one rule: the mode sees direct calls of torch's function, and ``F.scaled_dot_product_attention``
     points at the rule while the mode is entered, so that calls from inside composite functions (whose
     inner calls a mode does not see, e.g. ``F.multi_head_attention_forward`` under ``nn.MultiheadAttention``)
-    take it too. ``chunk`` fixes the queries per block (default: as many as ``block_elements`` allows).
+    take it too. ``chunk`` fixes the queries per block (default: as many as ``block_elements`` allows),
+    ``key_chunk`` the keys per tile.
     ``calls`` counts the calls the rule computed.
     """
 
-    def __init__(self, block_elements: int = DEFAULT_BLOCK_ELEMENTS, chunk: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        block_elements: int = DEFAULT_BLOCK_ELEMENTS,
+        chunk: Optional[int] = None,
+        key_chunk: int = DEFAULT_KEY_CHUNK,
+    ) -> None:
         super().__init__()
         if not isinstance(block_elements, int) or block_elements < 1:
             raise ValueError(f"`block_elements` must be a positive int, got {block_elements!r}.")
         if chunk is not None and (not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"`chunk` must be a positive int or None, got {chunk!r}.")
-        self.block_elements, self.chunk, self.calls = block_elements, chunk, 0
+        if not isinstance(key_chunk, int) or key_chunk < 1:
+            raise ValueError(f"`key_chunk` must be a positive int, got {key_chunk!r}.")
+        self.block_elements, self.chunk, self.key_chunk, self.calls = block_elements, chunk, key_chunk, 0
         self._before: Any = None
 
     def __enter__(self) -> "ForwardAttention":
@@ -271,5 +325,6 @@ class ForwardAttention(TorchFunctionMode):
             enable_gqa=bool(call.get("enable_gqa", False)),
             block_elements=self.block_elements,
             chunk=self.chunk,
+            key_chunk=self.key_chunk,
         )
         return fwAD.make_dual(out, tan)
