@@ -314,9 +314,7 @@ def test_no_score_buffer_past_one_tile_of_keys():
     with watch:
         o, t = attention_jvp(*[x for p in zip(prim, tan) for x in p], is_causal=True, chunk=chunk, key_chunk=key_chunk)
     assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
-    tile = B * H * chunk * key_chunk
     assert watch.largest == B * H * L * E  # the outputs are the largest buffers: no tile reaches them
-    assert tile < B * H * L * E
     scores = _Largest(min_last=key_chunk + 1)  # buffers wider than a tile in their last dimension
     with scores:
         attention_jvp(*[x for p in zip(prim, tan) for x in p], is_causal=True, chunk=chunk, key_chunk=key_chunk)
@@ -327,8 +325,8 @@ def test_no_score_buffer_past_one_tile_of_keys():
 
 
 def test_large_scores_stay_finite_across_tiles():
-    # scores of several hundred, growing along the keys: each tile's maximum exceeds the last one's by far more
-    # than exp can span, so the running sums must be rescaled, never overflow
+    # scores near two thousand, growing along the keys: a row spans far more than exp can, and each tile's
+    # maximum exceeds the last one's, so the running sums must be rescaled as they go, never overflow
     prim, tan = inputs(L=12, S=12)
     q, k, v = prim
     k = k + torch.linspace(0, 40, 12, dtype=torch.float64)[:, None]  # later keys score higher
@@ -337,7 +335,7 @@ def test_large_scores_stay_finite_across_tiles():
     o, t = attention_jvp(q, tan[0], k, tan[1], v, tan[2], is_causal=True, chunk=5, key_chunk=3)
     assert bool(o.isfinite().all()) and bool(t.isfinite().all())
     assert float((o - o_ref).abs().max()) <= TOL
-    assert float((t - t_ref).abs().max()) <= 1e-12 * float(t_ref.abs().max())
+    assert float((t - t_ref).abs().max()) <= TOL
 
 
 def test_a_bad_key_chunk_is_refused():

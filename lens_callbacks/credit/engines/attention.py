@@ -126,8 +126,9 @@ def attention_jvp(
 
     q3, dq3 = grouped(q, E), (grouped(dq, E) if dq is not None else None)
     k3, dk3, v3, dv3 = flat(k, E), flat(dk, E), flat(v, Ev), flat(dv, Ev)
-    if dm_full := (dmask is not None):
-        dmask = dmask.expand(*dmask.shape[:-2], L, S) if dmask.shape[-2] == 1 else dmask
+    mask_tangent = dmask is not None
+    if mask_tangent and dmask.shape[-2] == 1:
+        dmask = dmask.expand(*dmask.shape[:-2], L, S)
     out, tan = q.new_empty(n, r, L, Ev), q.new_empty(n, r, L, Ev)  # written a block at a time
     for a in range(0, L, chunk):
         b = min(L, a + chunk)
@@ -140,7 +141,7 @@ def attention_jvp(
         live = None
         if m is not None and m.dtype == torch.bool:
             live = m[..., :hi].reshape(-1, hi).any(0)  # [hi]
-        elif m is not None and not dm_full:
+        elif m is not None and not mask_tangent:
             live = (m[..., :hi] > float("-inf")).reshape(-1, hi).any(0)  # [hi]
         if live is not None:
             idx = live.nonzero()
@@ -170,7 +171,7 @@ def attention_jvp(
                     scores.view(view).masked_fill_(~mb, float("-inf"))
                 else:
                     scores.view(view).add_(mb)
-                    if dm_full:
+                    if mask_tangent:
                         dmb = _grouped(dmask[..., a:b, j0:j1], Hkv, r)
                         if dscores is None:
                             dscores = dmb.expand(view).reshape(n, r * c, w).clone()
@@ -183,7 +184,7 @@ def attention_jvp(
                     scores.view(n, r, c, w)[..., jj - j0 :].masked_fill_(
                         _after(a, c, jj, j1 - jj, q.device), float("-inf")
                     )
-            acc.add(scores, dscores, v3[:, j0:j1], dv3[:, j0:j1] if dv3 is not None else None, dm_full)
+            acc.add(scores, dscores, v3[:, j0:j1], dv3[:, j0:j1] if dv3 is not None else None, mask_tangent)
         o, t = acc.result()
         out[:, :, a:b] = o.view(n, r, c, Ev)
         tan[:, :, a:b] = t.view(n, r, c, Ev)
@@ -257,8 +258,8 @@ class ForwardAttention(TorchFunctionMode):
     Two doors, one rule: the mode sees direct calls of torch's function, and ``F.scaled_dot_product_attention``
     points at the rule while the mode is entered, so that calls from inside composite functions (whose
     inner calls a mode does not see, e.g. ``F.multi_head_attention_forward`` under ``nn.MultiheadAttention``)
-    take it too. ``chunk`` fixes the queries per block (default: as many as ``block_elements`` allows),
-    ``key_chunk`` the keys per tile.
+    take it too. ``chunk`` fixes the queries per block (default: ``DEFAULT_CHUNK``, or fewer where
+    ``block_elements`` allows less), ``key_chunk`` the keys per tile.
     ``calls`` counts the calls the rule computed.
     """
 
