@@ -112,6 +112,29 @@ MODES = [
         capture="training_step",
         expect_engine="ghost+training_step",
     ),
+    # the forward-mode engine (per-turn credit) in the same modes, riding along and separate
+    *(
+        Mode(name, partition="by_segment", readings="projected", **kw)
+        for name, kw in (
+            ("by_segment_jvp_ride", dict(capture="training_step", expect_engine="jvp+grad")),
+            ("accumulate2_by_segment_jvp_ride", dict(accumulate=2, capture="training_step", expect_engine="jvp+grad")),
+            ("checkpoint_reentrant_by_segment_jvp", dict(checkpointing="reentrant", expect_engine="jvp")),
+            (
+                "checkpoint_non_reentrant_by_segment_jvp_ride",
+                dict(checkpointing="non_reentrant", capture="training_step", expect_engine="jvp+grad"),
+            ),
+            ("bf16_mixed_by_segment_jvp", dict(precision="bf16-mixed", tol=3e-2, expect_engine="jvp")),
+            (
+                "bf16_mixed_by_segment_jvp_ride",
+                dict(precision="bf16-mixed", tol=3e-2, capture="training_step", expect_engine="jvp+grad"),
+            ),
+            (
+                "qwen2_lora_by_segment_jvp_ride",
+                dict(arch="qwen2_lora", capture="training_step", expect_engine="jvp+grad"),
+            ),
+            ("packed_rows_jvp_ride", dict(packed=True, capture="training_step", expect_engine="jvp+grad")),
+        )
+    ),
 ]
 COMPILED = [
     Mode(

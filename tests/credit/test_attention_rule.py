@@ -9,6 +9,7 @@ scores past one tile.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -336,6 +337,24 @@ def test_large_scores_stay_finite_across_tiles():
     assert bool(o.isfinite().all()) and bool(t.isfinite().all())
     assert float((o - o_ref).abs().max()) <= TOL
     assert float((t - t_ref).abs().max()) <= TOL
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_half_precision_and_autocast_as_torch_attention_runs_them(autocast):
+    # bfloat16 inputs (given so, or cast by autocast from float32, as torch's attention is): the value and the
+    # tangent in bfloat16, against float64 forward AD at the bfloat16-rounded inputs, within one rounding
+    prim, tan = inputs(L=9, S=9)
+    given = [x.float() if autocast else x.bfloat16() for x in (*prim, *tan)]
+    rounded = [x.bfloat16().double() for x in given]
+    o_ref, t_ref = reference_jvp(rounded[:3], rounded[3:], is_causal=True)
+    with contextlib.ExitStack() as stack:
+        if autocast:
+            stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+        o, t = rule_jvp(given[:3], given[3:], 4, 4, is_causal=True)
+        torch_dtype = F.scaled_dot_product_attention(*given[:3], is_causal=True).dtype
+    assert o.dtype == t.dtype == torch_dtype == torch.bfloat16
+    assert float((o.double() - o_ref).abs().max()) <= 2**-8 * float(o_ref.abs().max())
+    assert float((t.double() - t_ref).abs().max()) <= 2**-8 * float(t_ref.abs().max())
 
 
 def test_a_bad_key_chunk_is_refused():

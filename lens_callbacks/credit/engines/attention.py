@@ -18,7 +18,9 @@ tile, ``O(B·H·chunk·key_chunk)`` (at most 16 MiB by default), never ``[B, H, 
 (top-left aligned, as torch's), boolean masks (True = attend), additive float masks with or without their
 own tangent, ``scale`` and grouped KV heads (``enable_gqa``: the query heads of one KV head are read against
 it together, K and V never repeated) are covered; a row with nothing to attend to gives zeros, as torch's
-math kernel does, while a NaN from the inputs stays NaN. Calls without tangents go to torch unchanged.
+math kernel does, while a NaN from the inputs stays NaN. Half-precision inputs are summed in float32 and
+the outputs given in their dtype; under autocast the inputs are first cast to autocast's dtype, as torch's
+attention is. Calls without tangents go to torch unchanged.
 Attention dropout is refused by name
 (:class:`~lens_callbacks.credit.engines.jvp.ForwardADUnsupportedError`): its mask cannot be replayed.
 
@@ -37,6 +39,7 @@ Pure torch; never imports lightning.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -102,6 +105,20 @@ def attention_jvp(
         >>> bool(torch.allclose(out, ref, atol=1e-12))
         True
     """
+    work = torch.promote_types(q.dtype, torch.float32)  # half precision: float32 sums, as the fused kernels keep
+    given = (q, dq, k, dk, v, dv, mask, dmask)
+    if any(x is not None and x.is_floating_point() and x.dtype != work for x in given):
+        up = [x.to(work) if x is not None and x.is_floating_point() else x for x in given]
+        out, tan = attention_jvp(
+            *up,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            block_elements=block_elements,
+            chunk=chunk,
+            key_chunk=key_chunk,
+        )
+        return out.to(q.dtype), tan.to(q.dtype)
     Hq, Hkv = q.shape[-3], k.shape[-3]
     if Hq != Hkv and (not enable_gqa or Hq % Hkv):
         raise ValueError(
@@ -312,20 +329,20 @@ class ForwardAttention(TorchFunctionMode):
                 "or audit with the reference engine."
             )
         self.calls += 1
-        out, tan = attention_jvp(
-            qp,
-            dq,
-            kp,
-            dk,
-            vp,
-            dv,
-            mp,
-            dm,
-            is_causal=bool(call.get("is_causal", False)),
-            scale=call.get("scale"),
-            enable_gqa=bool(call.get("enable_gqa", False)),
-            block_elements=self.block_elements,
-            chunk=self.chunk,
-            key_chunk=self.key_chunk,
-        )
+        given = (qp, dq, kp, dk, vp, dv, mp, dm)
+        device = qp.device.type
+        autocast = torch.is_autocast_enabled(device)
+        if autocast:  # as torch's attention runs under autocast: its floating inputs cast to autocast's dtype
+            low = torch.get_autocast_dtype(device)
+            given = tuple(x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in given)
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+            out, tan = attention_jvp(
+                *given,
+                is_causal=bool(call.get("is_causal", False)),
+                scale=call.get("scale"),
+                enable_gqa=bool(call.get("enable_gqa", False)),
+                block_elements=self.block_elements,
+                chunk=self.chunk,
+                key_chunk=self.key_chunk,
+            )
         return fwAD.make_dual(out, tan)
