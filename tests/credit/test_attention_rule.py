@@ -357,6 +357,16 @@ def test_half_precision_and_autocast_as_torch_attention_runs_them(autocast):
     assert float((t.double() - t_ref).abs().max()) <= 2**-8 * float(t_ref.abs().max())
 
 
+def test_float64_under_autocast_stays_float64_as_torch_attention_does():
+    prim, tan = inputs(L=7, S=7)
+    o_ref, t_ref = reference_jvp(prim, tan, is_causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, t = rule_jvp(prim, tan, 3, 2, is_causal=True)
+        torch_dtype = F.scaled_dot_product_attention(*prim, is_causal=True).dtype
+    assert o.dtype == t.dtype == torch_dtype == torch.float64
+    assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
+
+
 def test_a_bad_key_chunk_is_refused():
     with pytest.raises(ValueError, match="`key_chunk` must be a positive int, got 0"):
         ForwardAttention(key_chunk=0)

@@ -266,6 +266,11 @@ def _grouped(m: torch.Tensor, n_kv: int, r: int) -> torch.Tensor:
     return m.unsqueeze(-3)
 
 
+def _cast_by_autocast(x: torch.Tensor) -> bool:
+    """Whether autocast casts ``x`` for an op of its lower-precision list: floating point, float64 excepted."""
+    return x.is_floating_point() and x.dtype != torch.float64
+
+
 _SDPA = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever F's attribute points at
 
 
@@ -332,9 +337,9 @@ class ForwardAttention(TorchFunctionMode):
         given = (qp, dq, kp, dk, vp, dv, mp, dm)
         device = qp.device.type
         autocast = torch.is_autocast_enabled(device)
-        if autocast:  # as torch's attention runs under autocast: its floating inputs cast to autocast's dtype
+        if autocast:  # as autocast casts torch's attention: floating inputs but float64 to autocast's dtype
             low = torch.get_autocast_dtype(device)
-            given = tuple(x.to(low) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in given)
+            given = tuple(x.to(low) if isinstance(x, torch.Tensor) and _cast_by_autocast(x) else x for x in given)
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             out, tan = attention_jvp(
                 *given,
