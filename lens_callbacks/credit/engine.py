@@ -21,6 +21,7 @@ from torch import nn
 
 from .engines import available_engines, check_engine, choose_engine, get_engine
 from .engines.ghost import NotRowSeparable, RowInteraction, SpansInteract
+from .engines.reductions import AlongSums
 from .inputs.partition import Partition, PartitionFn, apply_partition, resolve_partition
 from .inputs.terms import CreditTerms
 from .primitives import (  # noqa: F401  (re-exported: `from lens_callbacks.credit.engine import X` keeps working)
@@ -67,7 +68,7 @@ def disintegrate(
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
     verify_part: Union[bool, str] = False,
     position_split: bool = False,
-    along: bool = False,
+    along: Union[bool, AlongSums] = False,
 ) -> CreditReport:
     r"""Split the step's gradient into exact parts and read how each part bears on the step.
 
@@ -141,7 +142,10 @@ def disintegrate(
             ``v`` alone, ``conservation_error = |Σ_S <g_S, v> − <g_full, v>| / (‖v‖ ‖g_full‖)`` (a lower bound
             of the full check, and all that readings along ``v`` depend on; the forward-mode engine's check is
             always this one). The one-pass engine then forms no ``Σ_S g_S``: each weight's parts cost one
-            product. The reference engine checks the full sum either way.
+            product. The reference engine checks the full sum either way. With ``full_grad`` it may be the sums
+            themselves (``AlongSums``: ``‖g_full‖²``, ``<g_full, v>``, ``‖v‖²``, taken by the caller from
+            ``full_grad`` and ``project_onto``, as the probe reading's pass over the optimizer's map does), which
+            the one-pass and forward-mode engines read instead of a pass over both vectors of their own.
 
     Returns:
         A :class:`CreditReport`.
@@ -174,6 +178,11 @@ def disintegrate(
             "`along=True` must come with `project_onto`, readings='projected' and no kept gradients, got "
             f"project_onto={'given' if project_onto is not None else None}, readings={readings!r}, "
             f"keep_grads={keep_grads!r}, keep_parts={keep_parts!r}; pass along=False for the full check."
+        )
+    if isinstance(along, AlongSums) and full_grad is None:
+        raise ValueError(
+            "`along` given as sums (AlongSums) must come with `full_grad`, the g_full they were taken from; pass "
+            "along=True to have the engine take them from its own g_full."
         )
     if full_grad is not None and engine not in ("auto", "ghost", "jvp"):
         raise ValueError(
@@ -359,6 +368,7 @@ def _dispatch(
             forward_context=forward_context,
             project_onto=project_onto,
             full_grad=full_grad,
+            along=along if isinstance(along, AlongSums) else None,
         )
     return None
 

@@ -374,6 +374,62 @@ def test_riding_reads_the_checks_sums_from_the_map_pass_where_grad_is_in_the_aud
     _assert_per_rollout(rep, m, batch, opt, gp, rel=1e-12)
 
 
+def _halves(terms: CreditTerms) -> Partition:
+    """Each row's trained positions in two parts, before and after the middle: parts inside rows."""
+    t = torch.arange(terms.terms.shape[1])
+    ids = 2 * torch.arange(terms.terms.shape[0])[:, None] + (t >= T // 2)  # [B, T]
+    return Partition(torch.where(terms.trained, ids, -1), tuple(f"p{i}" for i in range(2 * B)))
+
+
+@pytest.mark.parametrize("partition", ["by_rollout", "halves"])
+@pytest.mark.parametrize("audit", ["float64", "float32"])
+def test_the_separate_pass_reads_the_checks_sums_from_the_map_pass(partition, audit, monkeypatch):
+    import lens_callbacks.credit.engines.ghost as ghost_mod
+    import lens_callbacks.credit.engines.jvp as jvp_mod
+
+    m, batch, px = Bigram(), _batch(), _probe_batch()
+    opt = torch.optim.Adam(m.parameters(), lr=0.02)
+    for s in range(2):
+        _set_grad(m, _batch(50 + s))
+        opt.step()
+    _set_grad(m, batch)
+    calls = []
+    for mod in (ghost_mod, jvp_mod):
+        real = mod.along_sums
+        monkeypatch.setattr(mod, "along_sums", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    part = _halves if partition == "halves" else partition
+    update = optimizer_update_map(opt, list(m.parameters()))
+    before, gp = probe_value_and_grad(m, m.probe_loss, px, dtype="float64")
+    rep = probe_credit(m, batch, part, update, gp, loss_before=before, dtype=audit)
+    assert rep.engine == ("ghost+grad" if partition == "by_rollout" else "jvp+grad")
+    # `.grad` (float64) in the audit's dtype: the engine reads the map pass's sums; else it takes its own
+    assert len(calls) == (0 if audit == "float64" else 1)
+    # each part against its own backward, dotted with D ⊙ g_probe
+    terms = m.credit_terms(batch)
+    ids = _halves(terms).ids if partition == "halves" else torch.where(terms.trained, torch.arange(B)[:, None], -1)
+    assert rep.n_parts == int(ids.max()) + 1
+    for k in range(rep.n_parts):
+        g_k = _grads(m, terms.terms[ids == k].sum())
+        want = -math.fsum(float((d * g * p).sum()) for d, g, p in zip(update.coeff, g_k, gp))
+        rel = 1e-10 if audit == "float64" else 1e-5
+        assert rep.contribution[k] == pytest.approx(want, rel=rel, abs=1e-12 * max(map(abs, rep.contribution)))
+    assert rep.parts_gap < (1e-10 if audit == "float64" else 1e-5)
+    assert rep.ok
+
+
+def test_sums_handed_to_an_engine_need_the_gradient_they_were_taken_from():
+    from lens_callbacks.credit import disintegrate
+    from lens_callbacks.credit.engines.reductions import AlongSums
+
+    m, batch = Bigram(), _batch()
+    v = [torch.ones_like(p) for p in m.parameters()]
+    for part in ("by_rollout", _halves):
+        with pytest.raises(ValueError, match="must come with `full_grad`"):
+            disintegrate(
+                m, batch, part, project_onto=v, readings="projected", dtype="float64", along=AlongSums(1.0, 1.0, 1.0)
+            )
+
+
 def test_a_map_used_after_the_step_raises_instead_of_reading_the_new_state():
     m = Bigram()
     params = list(m.parameters())

@@ -839,7 +839,7 @@ def disintegrate_ghost(
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
     position_split: bool = False,
-    along: bool = False,
+    along: Union[bool, AlongSums] = False,
 ) -> CreditReport:
     r"""Exact per-part credit for a row-separable partition from one forward and one backward pass.
 
@@ -878,7 +878,8 @@ def disintegrate_ghost(
             (``report.position_split``, :class:`PositionDots`): every position by its segment, trained or not;
             about one more product the size of each layer's forward.
         along: the parts' sum held against ``g_full`` along ``project_onto`` alone, as in
-            :func:`~lens_callbacks.credit.disintegrate` (no ``Σ_S g_S`` is formed).
+            :func:`~lens_callbacks.credit.disintegrate` (no ``Σ_S g_S`` is formed); with ``full_grad``, the
+            sums themselves (``AlongSums`` taken by the caller from ``full_grad`` and ``project_onto``).
 
     Returns:
         A :class:`CreditReport` with ``engine="ghost"``.
@@ -891,6 +892,11 @@ def disintegrate_ghost(
         raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
     if route not in ROUTES:
         raise ValueError(f"`route` must be one of {list(ROUTES)!r}, got {route!r}; 'auto' picks per layer by cost.")
+    if isinstance(along, AlongSums) and full_grad is None:
+        raise ValueError(
+            "`along` given as sums (AlongSums) must come with `full_grad`, the g_full they were taken from; pass "
+            "along=True to have the pass take them from its own g_full."
+        )
     mixing = row_interacting_modules(module)
     if mixing:
         raise RowInteraction(
@@ -1021,7 +1027,8 @@ class PassOptions:
     route: str = "auto"
     onto: Optional[Sequence[torch.Tensor]] = None
     full_grad: Optional[Sequence[torch.Tensor]] = None
-    along: bool = False  # the parts' sum held against g_full along `onto` alone (no Σ_S g_S formed)
+    along: Union[bool, AlongSums] = False  # the parts' sum held against g_full along `onto` alone (no Σ_S g_S
+    # formed); its sums given by the caller or taken in the pass
 
 
 def build_report(

@@ -54,7 +54,7 @@ from ..primitives import (
 from ..report import CreditReport
 from .attention import AttentionDropoutError
 from .forward_rules import DeferredWrite, ForwardRules
-from .reductions import along_sums
+from .reductions import AlongSums, along_sums
 
 __all__ = ["disintegrate_jvp", "terms_jvp", "part_sums", "ForwardADUnsupportedError", "READINGS"]
 
@@ -222,6 +222,7 @@ def disintegrate_jvp(
     forward_context: Optional[Callable[[], Any]] = None,
     project_onto: Optional[Sequence[Optional[torch.Tensor]]] = None,
     full_grad: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    along: Optional[AlongSums] = None,
 ) -> CreditReport:
     r"""Every part's projected share from one forward-mode pass along ``g_full``.
 
@@ -266,6 +267,10 @@ def disintegrate_jvp(
             alone (``engine="jvp+grad"``). The scalar check then holds the terms' tangents along ``.grad``
             against ``‖.grad‖²``, which also catches terms that are not the trained loss; ``grad_match``
             is not read. With ``readings="all"`` the per-part backward passes still need a forward.
+        along: with ``project_onto`` and ``full_grad``: ``‖g_full‖²``, ``<g_full, v>`` and ``‖v‖²`` taken by the
+            caller from those very vectors (:func:`~lens_callbacks.credit.engines.reductions.along_sums`, or a
+            pass over the optimizer's map that read them already); the check reads them instead of a pass of
+            its own over both.
 
     Returns:
         A :class:`~lens_callbacks.credit.CreditReport`.
@@ -289,6 +294,12 @@ def disintegrate_jvp(
     """
     if readings not in READINGS:
         raise ValueError(f"`readings` must be one of {list(READINGS)}, got {readings!r}.")
+    if along is not None and (project_onto is None or full_grad is None):
+        raise ValueError(
+            "`along` (sums taken from g_full and v) must come with `project_onto` and `full_grad`, the vectors they "
+            f"were taken from; got project_onto={'given' if project_onto is not None else None}, "
+            f"full_grad={'given' if full_grad is not None else None}."
+        )
     spec = resolve_partition(partition)
     if reference_grads is not None and not isinstance(reference_grads, (str, Mapping, list, tuple)):
         raise ValueError(
@@ -360,7 +371,7 @@ def disintegrate_jvp(
         full_sq = sq_norm(g_full, exact=False)
         den = expected = full_sq
     else:  # ‖g_full‖², <g_full, v> (what Σ_S <g_S, v> must be), ‖v‖² (the shares' denominator)
-        full_sq, expected, den = along_sums(g_full, onto)
+        full_sq, expected, den = along if along is not None else along_sums(g_full, onto)
     full_norm = math.sqrt(full_sq)
     gap = abs(math.fsum(dots) - expected)
     norm = den if onto is None else math.sqrt(den) * full_norm

@@ -948,7 +948,8 @@ def probe_credit(
     # Riding, the check along v holds the parts against `.grad`: where `.grad` is the applied gradient in the
     # audit's dtype, the map's pass takes its sums (‖g‖², <v, g>, ‖v‖²) while g and v are in cache, and the
     # ride reads them instead of a pass of its own; otherwise the ride takes them from `.grad` itself.
-    hand_over = ride is not None and applied_grad is None and all(g is None or g.dtype == target for g in applied)
+    same_dtype = all(g is None or g.dtype == target for g in applied)
+    hand_over = ride is not None and applied_grad is None and same_dtype
     # v = D ⊙ g_probe in the audit's dtype and every parameter-wide sum of the reading, in one pass over the
     # optimizer's map (D kept in the parameter's own precision, as the optimizer steps; neither D nor the
     # carried term formed whole)
@@ -1000,7 +1001,9 @@ def probe_credit(
             engine=engine,
             readings="projected",
             full_grad=given,
-            along=True,  # the readings are dots with v: the parts' sum is checked along v, never formed
+            # the readings are dots with v: the parts' sum is checked along v, never formed; with `.grad` as g_full
+            # in the audit's dtype, the map's pass took that check's sums already
+            along=mapped if mapped is not None and given is not None and same_dtype else True,
         )
     terms, part = recorder.take()
     # ‖v‖², <v, g> and ‖g‖² the riding reading took already (its g_full is `.grad`, the applied gradient)
