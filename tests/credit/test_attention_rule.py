@@ -18,7 +18,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lens_callbacks.credit.engines.attention import DEFAULT_KEY_CHUNK, ForwardAttention, attention_jvp
+from lens_callbacks.credit.engines.attention import DEFAULT_KEY_CHUNK, DEFAULT_ROWS, ForwardAttention, attention_jvp
 from lens_callbacks.credit.engines.jvp import ForwardADUnsupportedError
 
 TOL = 1e-12
@@ -304,6 +304,24 @@ def test_the_block_size_follows_the_element_budget():
     with watch:
         attention_jvp(*[x for pair in zip(prim, tan) for x in pair], is_causal=True, block_elements=2 * 40 * 8)
     assert watch.largest <= 2 * 40 * 8  # 8 queries per block
+
+
+def test_grouped_heads_take_fewer_queries_a_block_by_default():
+    # 7 query heads a KV head, as Qwen2's: a default block holds DEFAULT_ROWS // 7 queries, so the grouped
+    # product's rows (block × 7) stay near DEFAULT_ROWS, and the value is exact over blocks that do not divide L
+    B, Hq, Hkv, L, E = 1, 14, 2, 80, 8
+    c = DEFAULT_ROWS // 7
+    assert L % c and c < L
+    prim, tan = inputs(B=B, Hq=Hq, Hkv=Hkv, L=L, S=L, E=E, Ev=E)
+    o_ref, t_ref = reference_jvp(prim, tan, enable_gqa=True)
+    watch = _Largest()
+    with watch:
+        o, t = attention_jvp(*[x for p in zip(prim, tan) for x in p], enable_gqa=True)
+    assert float((o - o_ref).abs().max()) <= TOL and float((t - t_ref).abs().max()) <= TOL
+    assert watch.largest == B * Hq * c * L  # one block's scores: [B·Hkv, 7·c, L]
+    with watch:  # the watch sees a block of every query where there is one (the test can fail)
+        attention_jvp(*[x for p in zip(prim, tan) for x in p], enable_gqa=True, chunk=L)
+    assert watch.largest == B * Hq * L * L
 
 
 def test_no_score_buffer_past_one_tile_of_keys():
