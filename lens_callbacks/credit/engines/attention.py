@@ -138,7 +138,7 @@ def attention_jvp(
     n = math.prod(lead) * Hkv
     kc = max(1, min(S, key_chunk))
     if chunk is None:
-        chunk = max(1, min(L, DEFAULT_CHUNK, max(1, DEFAULT_ROWS // r), block_elements // max(1, n * r * kc)))
+        chunk = max(1, min(L, DEFAULT_CHUNK, DEFAULT_ROWS // r, block_elements // max(1, n * r * kc)))
     if mask is not None and mask.dtype == torch.bool:
         dmask = None  # a boolean mask has no tangent
 
