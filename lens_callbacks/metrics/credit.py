@@ -9,7 +9,8 @@ sums over readings (and over ranks, ``dist_reduce_fx="sum"``), so ``compute`` gi
     \text{undefined\_fraction} = \frac{n_\text{undefined}}{n_\text{readings}}.
 
 A reading whose shares are undefined (``g_full`` zero or not finite, or a refused audit) counts in
-``n_undefined`` and adds nothing to the sums, so one NaN step does not poison the epoch's mean.
+``n_undefined`` and adds nothing to the sums, so one NaN step does not poison the epoch's mean. The
+cancellation is averaged over the readings that read it (a projected-only reading has none).
 Per-part shares are kept for the first ``max_parts`` parts (part ``i`` of every reading is averaged
 with part ``i`` of the others: stable when the partition's part names are stable, e.g. ``by_rollout``
 with a fixed batch size); ``share_sum`` always runs over all parts.
@@ -31,6 +32,7 @@ _SUM_STATES = (
     "n_undefined",
     "cancellation_sum",
     "cancelled_fraction_sum",
+    "n_cancellation",
     "conservation_error_sum",
     "full_grad_norm_sum",
     "share_sum_sum",
@@ -54,7 +56,9 @@ def _credit_update(
     """State increments of one reading (every value additive except ``conservation_error_max``)."""
     ps = torch.as_tensor(projected_share, dtype=dtype, device=device).reshape(-1)  # [m]
     ns = torch.as_tensor(norm_share, dtype=dtype, device=device).reshape(-1)  # [m]
-    ok = bool(defined) and math.isfinite(cancellation) and bool(torch.isfinite(ps).all())
+    # a reading is defined by its projected shares; the cancellation is read only with the parts' norms (NaN for
+    # projected-only readings, e.g. the forward-mode engine's) and is averaged over the readings that have it
+    ok = bool(defined) and bool(torch.isfinite(ps).all())
     z = torch.zeros((), dtype=dtype, device=device)
     k = min(max_parts, int(ps.numel()))
     share = torch.zeros(max_parts, dtype=dtype, device=device)  # [max_parts]
@@ -69,8 +73,10 @@ def _credit_update(
         share[:k] = ps[:k]
         nshare[:k] = ns[:k]
         seen[:k] = 1
-        out["cancellation_sum"] = z + cancellation
-        out["cancelled_fraction_sum"] = z + (1.0 - 1.0 / cancellation)
+        if math.isfinite(cancellation):
+            out["cancellation_sum"] = z + cancellation
+            out["cancelled_fraction_sum"] = z + (1.0 - 1.0 / cancellation)
+            out["n_cancellation"] = z + 1
         out["conservation_error_sum"] = z + conservation_error
         out["conservation_error_max"] = z + conservation_error
         out["full_grad_norm_sum"] = z + full_grad_norm
@@ -95,8 +101,8 @@ def _credit_compute(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     seen = state["parts_seen"]  # [max_parts]
     return {
-        "cancellation": mean(state["cancellation_sum"], nd),
-        "cancelled_fraction": mean(state["cancelled_fraction_sum"], nd),
+        "cancellation": mean(state["cancellation_sum"], state["n_cancellation"]),
+        "cancelled_fraction": mean(state["cancelled_fraction_sum"], state["n_cancellation"]),
         "conservation_error": mean(state["conservation_error_sum"], nd),
         "conservation_error_max": torch.where(nd > 0, state["conservation_error_max"], nan),
         "full_grad_norm": mean(state["full_grad_norm_sum"], nd),

@@ -79,6 +79,25 @@ def test_undefined_reading_adds_nothing_to_the_sums():
     assert math.isnan(float(out["cancellation"])) and float(out["undefined_fraction"]) == 1.0
 
 
+def test_a_projected_only_reading_is_defined_and_its_cancellation_left_out():
+    # the forward-mode engine reads projected shares only: cancellation and norm shares are NaN by design
+    nan = float("nan")
+    m = CreditMetric(max_parts=2)
+    m.update([0.7, 0.3], [nan, nan], nan, 2e-8, full_grad_norm=3.0)
+    m.update([0.25, 0.75], [0.4, 0.6], 1.5, 4e-8, full_grad_norm=5.0)
+    out = m.compute()
+    assert float(out["undefined_fraction"]) == 0.0
+    assert float(out["share_sum"]) == pytest.approx(1.0, abs=1e-15)
+    assert out["projected_share"].tolist() == pytest.approx([np.mean([0.7, 0.25]), np.mean([0.3, 0.75])], abs=1e-15)
+    assert float(out["conservation_error"]) == pytest.approx(3e-8, rel=1e-12)
+    assert float(out["conservation_error_max"]) == 4e-8
+    assert float(out["full_grad_norm"]) == 4.0
+    # the cancellation over the one reading that read it
+    assert float(out["cancellation"]) == 1.5 and float(out["cancelled_fraction"]) == pytest.approx(1 - 1 / 1.5)
+    one = credit_readings([0.7, 0.3], [nan, nan], cancellation=nan, conservation_error=2e-8)
+    assert float(one["share_sum"]) == pytest.approx(1.0) and math.isnan(float(one["cancellation"]))
+
+
 def test_update_report_and_reset():
     from lens_callbacks.credit.report import CreditReport
 
