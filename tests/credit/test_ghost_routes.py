@@ -15,7 +15,7 @@ from torch import nn
 
 from lens_callbacks.credit import CreditTerms, by_rollout, disintegrate
 from lens_callbacks.credit.engines.ghost import RideAlong, disintegrate_ghost
-from lens_callbacks.credit.engines.ghost_routes import choose_route, route_costs
+from lens_callbacks.credit.engines.ghost_routes import choose_route, fine_products, route_costs
 from tests.credit.test_ghost_engine import LayerPolicy, assert_same_readings, layer_batch, random_row_partition
 
 TOL = 1e-12
@@ -577,3 +577,31 @@ def test_along_without_a_vector_is_refused_by_name():
     module, batch = TwiceLinear(), layer_batch(V=11)
     with pytest.raises(ValueError, match="`along=True` must come with `project_onto`"):
         disintegrate(module, batch, "by_rollout", dtype="float64", readings="projected", along=True)
+
+
+@pytest.mark.parametrize("m,n", [(3, 100), (8, 256), (8, 1025), (5, 70001), (64, 8192)])
+def test_fine_products_match_numpy_in_float64(m, n):
+    """The blocked float32 products, summed in float64, against numpy's float64 products of the same float32
+    values: every dot within float32's unit roundoff (2⁻²⁴) of its summed magnitudes, however much its terms
+    cancel (a head's rows against ``p − e_y``; a product over the whole row drifts past it), with or
+    without the Gram or the norms, over column counts under, at and past a block, with a tail."""
+    np = pytest.importorskip("numpy")
+    g = torch.Generator().manual_seed(m * n)
+    P = torch.randn(m, n, generator=g)
+    w = torch.randn(n, generator=g)
+    P64, w64 = P.numpy().astype(np.float64), w.numpy().astype(np.float64)
+    scale = np.abs(P64) @ np.abs(w64)  # [m] what rounding is measured against
+    gram = P64 @ P64.T
+    for want_gram, diag in ((False, False), (True, False), (False, True)):
+        dots, G = fine_products(P, w, want_gram, diag)
+        assert dots.dtype == torch.float64 and tuple(dots.shape) == (m,)
+        assert np.max(np.abs(dots.numpy() - P64 @ w64) / scale) < 2.0**-24
+        if not want_gram and not diag:
+            assert G is None
+            continue
+        ref = np.diag(gram) if diag else gram
+        assert G.dtype == torch.float64
+        assert np.max(np.abs(G.numpy() - ref)) / np.max(np.abs(ref)) < 1e-6
+    # a non-contiguous block reads the same
+    Pt = P.T.contiguous().T
+    assert torch.equal(fine_products(Pt, w, False, False)[0], fine_products(P, w, False, False)[0])

@@ -751,7 +751,7 @@ class _Accum:
 
     def _reduce(self, P: torch.Tensor, tg: torch.Tensor, gf: torch.Tensor) -> torch.Tensor:
         """Every part's dot, norm (or Gram row) and the parts' sum of one ``[m, n]`` block; returns the sum."""
-        # The dots, where the parts nearly cancel against g_full (a head's p − e_y), by float32 products over 2^10
+        # The dots, where the parts nearly cancel against g_full (a head's p − e_y), by float32 products over 2^8
         # columns at a time summed in float64 (fine_products); the Gram, whose diagonal sums squares (nothing
         # cancels there), by one float32 product: the norms keep float32's ~1e-7 either way.
         d, _ = fine_products(P, tg, False, False)
