@@ -605,3 +605,13 @@ def test_fine_products_match_numpy_in_float64(m, n):
     # a non-contiguous block reads the same
     Pt = P.T.contiguous().T
     assert torch.equal(fine_products(Pt, w, False, False)[0], fine_products(P, w, False, False)[0])
+
+
+def test_fine_products_of_no_columns_are_zeros():
+    """A block with no columns (a part-less parameter slice) gives zero dots and a zero Gram, in float64."""
+    P, w = torch.zeros(4, 0), torch.zeros(0)
+    for want_gram, diag in ((False, False), (True, False), (False, True)):
+        dots, G = fine_products(P, w, want_gram, diag)
+        assert dots.dtype == torch.float64 and torch.equal(dots, torch.zeros(4, dtype=torch.float64))
+        if want_gram or diag:
+            assert torch.equal(G, torch.zeros((4, 4) if want_gram else (4,), dtype=torch.float64))

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from lens_callbacks.credit.engines.reductions import BLOCK, cache_block, diff_sq64, dot64, inner64, inners64, sq64
+from lens_callbacks.credit.engines.reductions import (
+    BLOCK,
+    cache_block,
+    diff_sq64,
+    dot64,
+    gram64,
+    inner64,
+    inners64,
+    sq64,
+)
 
 
 def _heavy(n: int, seed: int) -> torch.Tensor:
@@ -70,3 +79,17 @@ def test_diff_sq64_against_numpy(scratch):
 def test_blocks_are_cache_sized_on_a_cpu_only():
     assert cache_block(torch.device("cpu")) == BLOCK  # in a core's cache while every operation runs on it
     assert cache_block(torch.device("cuda")) == 16 * BLOCK  # a GPU pays a launch per block and operation
+
+
+@pytest.mark.parametrize("n", [5 * BLOCK // 4, 16 * BLOCK, 16 * BLOCK + 9])
+def test_gram64_against_numpy(n):
+    """``P Qᵀ`` of float32 blocks under and past the small-block size, with and without a short last block, against
+    numpy's float64 products of the same values: each block's float32 product sums ``BLOCK`` columns, so the
+    bound is ``√BLOCK`` unit roundoffs of the summed magnitudes (the float64 sum over blocks adds nothing)."""
+    P, Q = _heavy(3 * n, 11).view(3, n), _heavy(5 * n, 12).view(5, n)
+    P[:, -(n % BLOCK or BLOCK) :] *= 1e4  # the last block (or the short tail) weighs: a product left out shows
+    P64, Q64 = P.numpy().astype(np.float64), Q.numpy().astype(np.float64)
+    got = gram64(P, Q)
+    assert got.dtype == torch.float64 and tuple(got.shape) == (3, 5)
+    scale = np.abs(P64) @ np.abs(Q64).T
+    assert np.max(np.abs(got.numpy() - P64 @ Q64.T) / scale) < BLOCK**0.5 * 2.0**-24

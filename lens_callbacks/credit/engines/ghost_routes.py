@@ -403,8 +403,12 @@ def _fine_dots(P: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     w = w.contiguous()
     body = P[:, : nb * _DOT_COLS].view(m, nb, _DOT_COLS).permute(1, 2, 0)  # [nb, cols, m]
     wb = w[: nb * _DOT_COLS].view(nb, 1, _DOT_COLS)  # [nb, 1, cols]
-    tail = (P[:, nb * _DOT_COLS :] @ w[nb * _DOT_COLS :]).double()  # [m]
-    return torch.bmm(wb, body)[:, 0, :].double().sum(0) + tail if nb else tail
+    # the tail's product (also an empty one, where N = 0) only where there are columns outside the blocks
+    tail = (P[:, nb * _DOT_COLS :] @ w[nb * _DOT_COLS :]).double() if N % _DOT_COLS or not nb else None  # [m]
+    if not nb:
+        return tail
+    dots = torch.bmm(wb, body)[:, 0, :].double().sum(0)  # [m]
+    return dots if tail is None else dots + tail
 
 
 def fine_products(
@@ -429,8 +433,9 @@ def fine_products(
     body, tail = _col_blocks(P)  # [nb, m, cols], [m, tail]
     if diag:  # each row's norm per column block (a reduction: no temporary of the block's size)
         sq = torch.linalg.vector_norm(body, dim=2).double().pow(2).sum(0)  # [m]
-        return dots, sq + tail.double().pow(2).sum(1)
-    return dots, torch.bmm(body, body.transpose(1, 2)).double().sum(0) + (tail @ tail.T).double()  # [m], [m, m]
+        return dots, sq if tail.shape[1] == 0 else sq + tail.double().pow(2).sum(1)
+    G = torch.bmm(body, body.transpose(1, 2)).double().sum(0)  # [m, m]
+    return dots, G if tail.shape[1] == 0 else G + (tail @ tail.T).double()
 
 
 def _sorted_tokens(

@@ -182,10 +182,10 @@ def gram64(P: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     if P.dtype == torch.float64 or P.numel() + Q.numel() <= SMALL:
         return P.double() @ Q.double().T
     (Pb, Pt), (Qb, Qt) = _split(P), _split(Q)  # [c, nb, BLOCK], [c, tail]
-    out = (Pt @ Qt.T).double()  # [c, c']
-    if Pb.shape[1]:
-        out += torch.bmm(Pb.transpose(0, 1), Qb.transpose(0, 1).transpose(1, 2)).double().sum(0)
-    return out
+    if not Pb.shape[1]:
+        return (Pt @ Qt.T).double()  # [c, c']
+    out = torch.bmm(Pb.transpose(0, 1), Qb.transpose(0, 1).transpose(1, 2)).double().sum(0)  # [c, c']
+    return out if Pt.shape[1] == 0 else out + (Pt @ Qt.T).double()
 
 
 def row_sq64(P: torch.Tensor) -> torch.Tensor:
