@@ -399,16 +399,13 @@ def _fine_dots(P: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``[2⁸, m]``: the layout a batched product reads at the rate of a matrix-vector product; a block's rows
     as the left side took up to 3 times as long at m = 8)."""
     m, N = P.shape
-    nb = N // _DOT_COLS
+    nb, end = N // _DOT_COLS, N - N % _DOT_COLS
     w = w.contiguous()
-    body = P[:, : nb * _DOT_COLS].view(m, nb, _DOT_COLS).permute(1, 2, 0)  # [nb, cols, m]
-    wb = w[: nb * _DOT_COLS].view(nb, 1, _DOT_COLS)  # [nb, 1, cols]
-    # the tail's product (also an empty one, where N = 0) only where there are columns outside the blocks
-    tail = (P[:, nb * _DOT_COLS :] @ w[nb * _DOT_COLS :]).double() if N % _DOT_COLS or not nb else None  # [m]
-    if not nb:
-        return tail
-    dots = torch.bmm(wb, body)[:, 0, :].double().sum(0)  # [m]
-    return dots if tail is None else dots + tail
+    if not nb:  # under one block (no columns: zeros)
+        return (P @ w).double()
+    body = P[:, :end].view(m, nb, _DOT_COLS).permute(1, 2, 0)  # [nb, cols, m]
+    dots = torch.bmm(w[:end].view(nb, 1, _DOT_COLS), body)[:, 0, :].double().sum(0)  # [m]
+    return dots if end == N else dots + (P[:, end:] @ w[end:]).double()
 
 
 def fine_products(
